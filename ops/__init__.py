@@ -1,0 +1,1 @@
+"""Operations: the CLI, the local infrastructure, Kafka admin and clients, the Redis control plane, logging."""

@@ -1,0 +1,39 @@
+"""structlog set-up: JSON lines for services, readable output on a terminal."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+_configured: str | None = None
+
+
+def configure_logging(mode: Literal["auto", "json", "console"] = "auto", level: str = "INFO") -> None:
+    """Configure structlog once per process. ``auto`` picks console on a TTY, JSON otherwise."""
+    global _configured
+    if mode == "auto":
+        mode = "console" if sys.stderr.isatty() else "json"
+    if _configured == mode:
+        return
+    renderer = structlog.dev.ConsoleRenderer() if mode == "console" else structlog.processors.JSONRenderer()
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = mode
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)

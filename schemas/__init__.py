@@ -1,0 +1,1 @@
+"""Wire contract of rlstream: Avro schemas, typed models, the codec, topics and configuration."""

@@ -1,0 +1,322 @@
+"""The one configuration model of rlstream.
+
+Sources, lowest to highest precedence: defaults < YAML file < environment
+(``RLSTREAM_<SECTION>__<KEY>``, plus the shortcuts ``RLSTREAM_KAFKA_BOOTSTRAP`` and
+``RLSTREAM_REDIS_URL``) < ``-o dotted.key value`` overrides.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "RLSTREAM_"
+#: Shortcut environment variables that point everything at external services.
+ENV_SHORTCUTS = {"RLSTREAM_KAFKA_BOOTSTRAP": ("kafka", "bootstrap_servers"), "RLSTREAM_REDIS_URL": ("redis", "url")}
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message lists every problem and where it is."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --- NAT `finetuning:` semantics -------------------------------------------------------
+class CurriculumConfig(Section):
+    """NAT's curriculum learning (reference/nat_harness.md), same names and defaults."""
+
+    enabled: bool = False
+    initial_percentile: float = Field(0.3, gt=0.0, le=1.0)
+    increment_percentile: float = Field(0.2, gt=0.0, le=1.0)
+    expansion_interval: int = Field(5, ge=1)
+    min_reward_diff: float = Field(0.1, ge=0.0)
+    sort_ascending: bool = False
+    random_subsample: float | None = Field(None, gt=0.0, le=1.0)
+
+
+class RewardFunctionConfig(Section):
+    name: str = "reward"
+    function: str | None = Field(None, description="module:function computing the reward")
+
+
+class FinetuningConfig(Section):
+    enabled: bool = True
+    num_generations: int = Field(2, ge=1)
+    target_functions: list[str] = Field(default_factory=lambda: ["<workflow>"])
+    target_model: str | None = None
+    reward_function: RewardFunctionConfig = Field(default_factory=RewardFunctionConfig)
+    num_epochs: int = Field(1, ge=1)
+    output_dir: Path = Path(".tmp/finetuning/output")
+    curriculum_learning: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    trajectory_builder: str = "rlstream_kafka"
+    trainer_adapter: str = "rlstream_kafka"
+    trainer: str = "rlstream_grpo"
+    validation_interval: int = Field(5, ge=1)
+
+
+# --- infrastructure ----------------------------------------------------------------
+class KafkaConfig(Section):
+    bootstrap_servers: str = Field("", description="host:port[,host:port]; empty = embedded noida-db")
+    client_id: str = "rlstream"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    schema_registry_url: str | None = None
+    max_message_bytes: int = Field(1_000_000, ge=1024)
+    request_timeout_ms: int = Field(30_000, ge=1000)
+    session_timeout_ms: int = Field(10_000, ge=6000)
+
+    @model_validator(mode="after")
+    def _sasl_needs_mechanism(self) -> "KafkaConfig":
+        if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
+            raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism")
+        return self
+
+
+class RedisConfig(Section):
+    url: str = Field("", description="redis://host:port/db; empty = embedded redis-server")
+    retry_max_s: float = Field(30.0, gt=0)
+
+
+class TopicsConfig(Section):
+    prefix: str = Field("rlstream.", pattern=r"^[A-Za-z0-9._-]*$")
+    partitions: int = Field(8, ge=1, le=1024)
+    replication_factor: int = Field(1, ge=1)
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+    policy_versions_retention_ms: int = Field(-1, ge=-1, description="-1 = keep forever (lineage)")
+
+
+class StreamsConfig(Section):
+    app_id: str = "rlstream-streams"
+    group_timeout_s: float = Field(300.0, gt=0)
+    min_group_size: int = Field(2, ge=1)
+    min_allowed_group_size: int = Field(1, ge=1)
+    max_allowed_group_size: int = Field(256, ge=1)
+    max_policy_lag: int = Field(4, ge=0)
+    min_reward_diff: float = Field(0.1, ge=0.0)
+    curriculum_window: int = Field(64, ge=1)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    processing_guarantee: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    store: Literal["memory", "rocksdb"] = "memory"
+    data_dir: Path = Path("runs/streams")
+    metrics_interval_s: float = Field(5.0, gt=0)
+    prometheus_port: int | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "StreamsConfig":
+        if self.min_allowed_group_size > self.max_allowed_group_size:
+            raise ValueError("min_allowed_group_size must be <= max_allowed_group_size")
+        return self
+
+
+class LoraConfig(Section):
+    enabled: bool = True
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class LearnerConfig(Section):
+    model: str = Field("", description="path of a transformers model directory")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int = Field(1000, ge=1)
+    groups_per_step: int = Field(4, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    scale_rewards: Literal["none", "group", "batch"] = "group"
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    loss_constant: int = Field(1024, ge=1, description="normaliser of the Dr. GRPO constant aggregation")
+    epsilon_low: float = Field(0.2, ge=0)
+    epsilon_high: float = Field(0.28, ge=0)
+    importance_cap: float = Field(2.0, ge=1.0)
+    beta: float = Field(0.0, ge=0)
+    checkpoint_every: int = Field(10, ge=1)
+    publish_every: int = Field(1, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    output_dir: Path = Path("runs/learner")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    lease_ttl_s: float = Field(30.0, gt=0)
+    prometheus_port: int | None = None
+
+
+class RolloutConfig(Section):
+    dataset: Path | None = None
+    workflow: str | None = Field(None, description="module:function, async (example, client) -> messages")
+    reward_function: str | None = Field(None, description="module:function -> float")
+    group_size: int = Field(4, ge=1)
+    concurrency: int = Field(8, ge=1)
+    max_policy_lag: int = Field(2, ge=0)
+    mode: Literal["epoch", "continuous"] = "continuous"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "policy"
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(64, ge=1)
+    max_in_flight: int = Field(256, ge=1)
+
+
+class InferenceConfig(Section):
+    backend: Literal["vllm"] = "vllm"
+    url: str = "http://127.0.0.1:8000"
+    worker_id: str = "worker-0"
+    keep_adapters: int = Field(2, ge=1)
+    heartbeat_ttl_s: float = Field(30.0, gt=0)
+    vllm_venv: Path = Path(".venv-vllm")
+    load_retries: int = Field(3, ge=0)
+
+
+class RlstreamConfig(BaseSettings):
+    """The whole system's configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
+    )
+
+    run_id: str = "run-0"
+    policy: str = "policy"
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    topics: TopicsConfig = Field(default_factory=TopicsConfig)
+    finetuning: FinetuningConfig = Field(default_factory=FinetuningConfig)
+    streams: StreamsConfig = Field(default_factory=StreamsConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # load_config passes the YAML (lowest) and the overrides (highest) itself;
+        # environment sits between them.
+        return (_OverridesSource(settings_cls), _ShortcutEnvSource(settings_cls), env_settings, init_settings)
+
+
+class _ShortcutEnvSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for var, (section, key) in ENV_SHORTCUTS.items():
+            if os.environ.get(var):
+                out.setdefault(section, {})[key] = os.environ[var]
+        return out
+
+
+_PENDING_OVERRIDES: list[dict[str, Any]] = [{}]
+
+
+class _OverridesSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return _PENDING_OVERRIDES[-1]
+
+
+def parse_override_value(raw: str) -> Any:
+    """``-o key value``: the value is read as a YAML scalar or flow collection (``3``, ``true``, ``[a, b]``)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def overrides_to_dict(overrides: list[tuple[str, str]]) -> dict[str, Any]:
+    """Turn ``[("learner.lora.r", "16")]`` into ``{"learner": {"lora": {"r": 16}}}``."""
+    tree: dict[str, Any] = {}
+    for key, raw in overrides:
+        parts = [p for p in key.split(".") if p]
+        if not parts:
+            raise ConfigError(f"override key {key!r} is empty")
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key!r} conflicts with an earlier override of {part!r}")
+            node = child
+        node[parts[-1]] = parse_override_value(raw)
+    return tree
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        loc = f"{path}:{where.line + 1}:{where.column + 1}" if where else str(path)
+        raise ConfigError(f"{loc}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Path | str | None = None, overrides: list[tuple[str, str]] | None = None) -> RlstreamConfig:
+    """Load the effective configuration; raises :class:`ConfigError` listing every problem."""
+    file_data = read_yaml(Path(path)) if path else {}
+    override_tree = overrides_to_dict(overrides or [])
+    _PENDING_OVERRIDES.append(override_tree)
+    try:
+        return RlstreamConfig(**file_data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, path, override_tree)) from None
+    finally:
+        _PENDING_OVERRIDES.pop()
+
+
+def format_validation_error(exc: ValidationError, path: Path | str | None, overrides: dict[str, Any]) -> str:
+    """One readable message: every problem, its dotted key, its value and where that value came from."""
+    lines = [f"invalid configuration ({len(exc.errors())} problem{'s' if len(exc.errors()) != 1 else ''}):"]
+    for err in exc.errors():
+        dotted = ".".join(str(p) for p in err["loc"])
+        origin = _origin_of(err["loc"], path, overrides)
+        value = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        lines.append(f"  - {dotted}: {err['msg']}{value} [{origin}]")
+    return "\n".join(lines)
+
+
+def _origin_of(loc: tuple[Any, ...], path: Path | str | None, overrides: dict[str, Any]) -> str:
+    keys = [str(p) for p in loc]
+    node: Any = overrides
+    for k in keys:
+        if not isinstance(node, dict) or k not in node:
+            break
+        node = node[k]
+    else:
+        return "from -o " + ".".join(keys)
+    env_name = ENV_PREFIX + "__".join(k.upper() for k in keys)
+    if env_name in os.environ:
+        return f"from env {env_name}"
+    return f"in {path}" if path else "default"
+
+
+def dump_config(config: RlstreamConfig) -> str:
+    """The effective configuration as YAML (what ``rlstream config show`` prints)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,86 @@
+"""Shared fixtures: one real broker (noida-db) and one real redis-server per test session,
+a unique topic prefix, policy name and consumer group per test.
+
+Tiers come from the directory: tests/unit -> ``unit``, tests/integration -> ``integration``,
+tests/e2e -> ``slow`` (real vLLM).
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ops.infra import LocalStack
+from ops.log import configure_logging
+from schemas.config import RlstreamConfig, load_config
+from schemas.topics import TopicNames
+
+TIER_BY_DIR = {"unit": "unit", "integration": "integration", "e2e": "slow"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for directory, marker in TIER_BY_DIR.items():
+            if directory in parts:
+                item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _logging() -> None:
+    configure_logging("console", level="WARNING")
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """The session's broker and Redis (external ones when RLSTREAM_KAFKA_BOOTSTRAP / _REDIS_URL are set)."""
+    stack = LocalStack.start(tmp_path_factory.mktemp("infra"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def unique() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def rl_config(local_stack: LocalStack, unique: str, tmp_path: Path) -> RlstreamConfig:
+    """A config pointing at the session's services, with names no other test uses."""
+    return load_config(
+        None,
+        [
+            ("kafka.bootstrap_servers", local_stack.bootstrap),
+            ("kafka.session_timeout_ms", "6000"),
+            ("redis.url", local_stack.redis_url),
+            ("topics.prefix", f"t{unique}."),
+            ("topics.partitions", "4"),
+            ("run_id", f"run-{unique}"),
+            ("policy", f"policy-{unique}"),
+            ("streams.app_id", f"streams-{unique}"),
+            ("streams.data_dir", str(tmp_path / "streams")),
+            ("learner.output_dir", str(tmp_path / "learner")),
+        ],
+    )
+
+
+@pytest.fixture
+def topic_names(rl_config: RlstreamConfig) -> TopicNames:
+    return TopicNames.from_config(rl_config.topics)
+
+
+@pytest.fixture
+def consumer_group(unique: str) -> str:
+    return f"group-{unique}"
+
+
+@pytest.fixture
+def created_topics(rl_config: RlstreamConfig) -> TopicNames:
+    """Every rlstream topic created under this test's prefix."""
+    from ops.kafka import create_topics
+
+    asyncio.run(create_topics(rl_config.kafka, rl_config.topics))
+    return TopicNames.from_config(rl_config.topics)
