@@ -1,0 +1,1 @@
+"""The GRPO learner: batching, loss, checkpoints, weight publication (groups -> policy-versions)."""

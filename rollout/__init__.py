@@ -1,0 +1,1 @@
+"""Agent-side SDK (capture + publish), the reference rollout runner, and inference sync (-> trajectories)."""

@@ -1,0 +1,1 @@
+"""The Faust stream app: validation, group assembly, filtering, curriculum (trajectories -> groups)."""
