@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what rlstream needs on a fresh Debian machine: redis-server (apt) and the
+# project's virtualenv (.venv) with the CPU torch pin. Safe to run again: it only does
+# what is missing or out of date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "bootstrap: installing redis-server (apt)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.rlstream-installed"
+want=$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing rlstream and its dev extra into $VENV (CPU torch pinned)"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
