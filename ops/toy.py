@@ -1,0 +1,203 @@
+"""Tiny local model and toy task for tests, demos and `rlstream up` (no downloads).
+
+* :func:`build_tiny_model` trains a byte-level BPE tokenizer with the ``tokenizers`` library and saves a
+  randomly initialised Qwen2ForCausalLM (untied embeddings, head_dim 32: what vLLM's CPU build accepts).
+* The toy task "repeat the letter": the prompt names a target letter; the reward is the fraction of the
+  completion's non-space characters that are that letter (dense partial credit). A random tiny model scores
+  a few percent; a few minutes of GRPO on CPU move it well above that.
+  Dataset: ``ops.toy:toy_dataset``; reward: ``ops.toy:toy_reward``.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ call['function']['name'] }} {{ call['function']['arguments'] }}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: Letters the toy task asks for (a small set keeps the task learnable by a tiny model in minutes).
+TOY_LETTERS = "abcdefgh"
+_PROMPT_FORMS = (
+    "Repeat the letter {l}.",
+    "Write the letter {l} many times.",
+    "Say {l} again and again.",
+    "Only type the letter {l}.",
+)
+PARAMS_FILE = "rlstream_toy.json"
+
+
+def _tokenizer_corpus(seed: int) -> list[str]:
+    """A small synthetic corpus: toy prompts, letter runs, words, numbers and chat markup."""
+    rng = random.Random(seed)
+    words = ("the a of to and in is it you that was for on are with as be at one have this from or had by "
+             "word but what some we can out other were all there when up use your how said an each she which "
+             "do their time if will way about many then them write would like so these her long make thing "
+             "see him two has look more day could go come did number sound no most people my over know water "
+             "than call first who may down side been now find any new work part take get place made live "
+             "where after back little only round man year came show every good me give our under name very "
+             "through just form sentence great think say help low line differ turn cause much mean before "
+             "move right boy old too same tell does set three want air well also play small end put home read "
+             "hand port large spell add even land here must big high such follow act why ask men change went "
+             "light kind off need house picture try us again animal point mother world near build self earth "
+             "letter repeat only type times").split()
+    lines: list[str] = []
+    for _ in range(3000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        for form in _PROMPT_FORMS:
+            lines.append(form.format(l=letter))
+        for n in (1, 2, 3, 4, 6, 8):
+            lines.append(" ".join(letter * n for _ in range(rng.randint(1, 5))))
+    for _ in range(300):
+        lines.append(" ".join(str(rng.randint(0, 9999)) for _ in range(rng.randint(1, 6))))
+        lines.append("".join(rng.choice("!?.,;:'\"()[]{}<>-+=*/\\_#@$%&^~`|") for _ in range(rng.randint(1, 8))))
+    return lines
+
+
+def _build_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=2048,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(
+    out_dir: Path | str,
+    seed: int = 0,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+) -> Path:
+    """Build (or reuse) a tiny random Qwen2 causal LM with a ChatML byte-level BPE tokenizer in ``out_dir``.
+
+    Idempotent: if ``out_dir`` already holds a model built with the same parameters it is returned as is.
+    The model is saved in float32 safetensors with untied embeddings (vLLM reloads need untied weights).
+    """
+    out = Path(out_dir)
+    params = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                  num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                  max_position_embeddings=max_position_embeddings, version=1)
+    marker = out / PARAMS_FILE
+    if marker.exists() and (out / "model.safetensors").exists():
+        try:
+            if json.loads(marker.read_text()) == params:
+                return out
+        except (OSError, ValueError):
+            pass
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = _build_tokenizer(tmp, vocab_size, seed)
+        real_vocab = len(tokenizer)
+        config = Qwen2Config(
+            vocab_size=max(vocab_size, real_vocab),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / PARAMS_FILE).write_text(json.dumps(params))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# --- toy task -------------------------------------------------------------------------------------------
+def toy_dataset(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` toy examples: {"id", "prompt", "messages", "target"}; different seeds give held-out sets."""
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        letter = rng.choice(TOY_LETTERS)
+        prompt = rng.choice(_PROMPT_FORMS).format(l=letter)
+        examples.append({
+            "id": f"toy-{seed}-{i}",
+            "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}],
+            "target": letter,
+        })
+    return examples
+
+
+def toy_target(example: dict[str, Any]) -> str:
+    """The target letter of an example (from "target", else parsed from the prompt)."""
+    target = example.get("target")
+    if isinstance(target, str) and len(target) == 1:
+        return target
+    text = example.get("prompt") or next(
+        (m.get("content") or "" for m in example.get("messages", []) if m.get("role") == "user"), "")
+    for form in _PROMPT_FORMS:
+        head, tail = form.split("{l}")
+        if text.startswith(head) and text.endswith(tail) and len(text) == len(head) + len(tail) + 1:
+            return text[len(head)]
+    raise ValueError(f"toy example has no target letter: {example!r}")
+
+
+def toy_reward(example: dict[str, Any], completion_text: str) -> float:
+    """Fraction of the completion's non-whitespace characters equal to the target letter (0 when empty)."""
+    target = toy_target(example)
+    chars = [c for c in completion_text if not c.isspace()]
+    if not chars:
+        return 0.0
+    return sum(1 for c in chars if c == target) / len(chars)
