@@ -1,0 +1,46 @@
+"""Helpers of the operator-workflow tests: publish events and read topics back, on the real broker."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ops.kafka import make_producer
+from ops.topic_reader import open_reader, read_to_end
+from schemas.codec import AvroCodec
+from schemas.config import RlstreamConfig
+from schemas.models import WireModel
+
+CODEC = AvroCodec()
+
+
+async def publish(cfg: RlstreamConfig, topic: str, events: Sequence[WireModel],
+                  key: Callable[[WireModel], str]) -> list[tuple[int, int]]:
+    """Send ``events`` in order and wait for each ack; returns their (partition, offset)."""
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        placed = []
+        for event in events:
+            meta = await producer.send_and_wait(topic, CODEC.encode(event), key=key(event).encode())
+            placed.append((meta.partition, meta.offset))
+        return placed
+    finally:
+        await producer.stop()
+
+
+async def publish_raw(cfg: RlstreamConfig, topic: str, value: bytes, key: bytes) -> tuple[int, int]:
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        meta = await producer.send_and_wait(topic, value, key=key)
+        return meta.partition, meta.offset
+    finally:
+        await producer.stop()
+
+
+async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel]) -> list[tuple[int, int, WireModel]]:
+    """Every record of ``topic`` now on the broker, decoded, as (partition, offset, event)."""
+    consumer = await open_reader(cfg.kafka)
+    try:
+        return [(r.partition, r.offset, CODEC.decode(r.value, model)) async for r in read_to_end(consumer, topic)]
+    finally:
+        await consumer.stop()
