@@ -95,10 +95,12 @@ def _expand(node: Any, files: dict[str, dict[str, Any]], defined: set[str]) -> A
 
 
 def schema_fingerprint(schema: dict[str, Any] | str) -> bytes:
-    """CRC-64-AVRO fingerprint (8 bytes, little-endian) of a schema's parsing canonical form."""
+    """CRC-64-AVRO fingerprint of a schema's parsing canonical form, as the 8 little-endian bytes
+    that follow ``C3 01`` in a single-object payload (the Avro specification's byte order)."""
     parsed = fastavro.parse_schema(json.loads(schema) if isinstance(schema, str) else schema, _write_hint=False)
     canonical = to_parsing_canonical_form(parsed)
-    return int(fingerprint(canonical, "CRC-64-AVRO"), 16).to_bytes(8, "little")
+    # fastavro returns the hex of the little-endian bytes already (e.g. '"int"' -> 8f5c393f1ad57572)
+    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
 
 
 class AvroCodec:
@@ -115,15 +117,38 @@ class AvroCodec:
         self._by_registry_id: dict[int, Any] = {}
         self._registry_ids: dict[str, int] = {}
         self._schemas: dict[str, Any] = {}
+        self._schema_jsons: dict[str, str] = {}
         for name in EVENT_MODELS:
-            self._schemas[name] = self.add_schema(schema_json(name))
+            self.add_schema(schema_json(name), reader=True)
+
+    @classmethod
+    def from_config(cls, kafka: Any) -> "AvroCodec":
+        """A codec for a :class:`schemas.config.KafkaConfig`: its size limit, and the Confluent
+        wire format when ``schema_registry_url`` is set."""
+        registry = HttpSchemaRegistry(kafka.schema_registry_url) if kafka.schema_registry_url else None
+        return cls(registry=registry, max_bytes=kafka.max_message_bytes)
 
     # -- schemas -----------------------------------------------------------------
-    def add_schema(self, schema: dict[str, Any] | str) -> Any:
-        """Make a writer schema known by fingerprint (e.g. an older or newer version)."""
-        raw = json.loads(schema) if isinstance(schema, str) else schema
-        parsed = fastavro.parse_schema(raw, _write_hint=False)
-        self._by_fingerprint[schema_fingerprint(raw)] = parsed
+    def add_schema(self, schema: dict[str, Any] | str, *, reader: bool = False) -> Any:
+        """Make a schema version known by fingerprint, so payloads written with it decode
+        (e.g. an older or newer version of an event).
+
+        With ``reader=True`` it also becomes the schema that ``decode_record(data, name)`` and
+        ``encode_record(record, name)`` use for its full name (this codec then reads and writes
+        that version). Raises :class:`IncompatibleSchemaError` when the schema is not valid Avro.
+        """
+        try:
+            raw = json.loads(schema) if isinstance(schema, str) else schema
+            parsed = fastavro.parse_schema(raw, _write_hint=False)
+            fp = schema_fingerprint(raw)
+        except (ValueError, TypeError, KeyError, AttributeError, fastavro.schema.SchemaParseException) as exc:
+            raise IncompatibleSchemaError(f"not a valid Avro schema: {type(exc).__name__}: {exc}") from exc
+        self._by_fingerprint[fp] = parsed
+        if reader:
+            name = _name_of(parsed)
+            self._schemas[name] = parsed
+            self._schema_jsons[name] = json.dumps(raw)
+            self._registry_ids.pop(name, None)
         return parsed
 
     def parsed_schema(self, full_name: str) -> Any:
@@ -141,7 +166,7 @@ class AvroCodec:
         """Encode a plain dict with a schema given by full name or as a schema dict."""
         if isinstance(schema, str):
             parsed = self.parsed_schema(schema)
-            raw_json = schema_json(schema)
+            raw_json = self._schema_jsons[schema]
         else:
             parsed = self.add_schema(schema)
             raw_json = json.dumps(schema)
@@ -220,7 +245,8 @@ class AvroCodec:
                 return self._by_fingerprint[fp], 10
             except KeyError:
                 raise UnknownSchemaError(
-                    f"writer schema with fingerprint {fp[::-1].hex()} (CRC-64-AVRO) is unknown to this reader; "
+                    f"writer schema with CRC-64-AVRO fingerprint {fp.hex()} (0x{fp[::-1].hex()}) is unknown "
+                    "to this reader; "
                     "add it with AvroCodec.add_schema or upgrade rlstream"
                 ) from None
         if data[:1] == CONFLUENT_MAGIC:
@@ -244,7 +270,12 @@ class AvroCodec:
             schema_str = self.registry.get_schema(schema_id)
         except Exception as exc:
             raise UnknownSchemaError(f"schema id {schema_id} not found in the registry: {exc}") from exc
-        parsed = fastavro.parse_schema(json.loads(schema_str), _write_hint=False)
+        try:
+            parsed = fastavro.parse_schema(json.loads(schema_str), _write_hint=False)
+        except Exception as exc:  # a registry answer that is not an Avro schema
+            raise UnknownSchemaError(
+                f"schema id {schema_id} from the registry is not a usable Avro schema: {type(exc).__name__}: {exc}"
+            ) from exc
         self._by_registry_id[schema_id] = parsed
         return parsed
 
