@@ -29,8 +29,9 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPar
     """The partitions of ``topic``; raises :class:`TopicMissingError` when it does not exist."""
     parts = consumer.partitions_for_topic(topic)
     if not parts:
-        await consumer.topics()  # refreshes metadata of every topic
-        parts = consumer.partitions_for_topic(topic)
+        # the consumer's own metadata only tracks the topics it reads; ask the cluster for all of them
+        cluster = await consumer._client.fetch_all_metadata()
+        parts = cluster.partitions_for_topic(topic)
     if not parts:
         raise TopicMissingError(f"topic {topic!r} does not exist (run `rlstream topics create`)")
     return [TopicPartition(topic, p) for p in sorted(parts)]

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 from ops.kafka import make_producer
 from ops.topic_reader import open_reader, read_to_end
-from schemas.codec import AvroCodec
+from schemas.codec import AvroCodec, CodecError
 from schemas.config import RlstreamConfig
 from schemas.models import WireModel
 
@@ -38,9 +38,15 @@ async def publish_raw(cfg: RlstreamConfig, topic: str, value: bytes, key: bytes)
 
 
 async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel]) -> list[tuple[int, int, WireModel]]:
-    """Every record of ``topic`` now on the broker, decoded, as (partition, offset, event)."""
+    """Every decodable record of ``topic`` now on the broker, as (partition, offset, event)."""
     consumer = await open_reader(cfg.kafka)
+    out = []
     try:
-        return [(r.partition, r.offset, CODEC.decode(r.value, model)) async for r in read_to_end(consumer, topic)]
+        async for record in read_to_end(consumer, topic):
+            try:
+                out.append((record.partition, record.offset, CODEC.decode(record.value, model)))
+            except CodecError:
+                continue
+        return out
     finally:
         await consumer.stop()
