@@ -30,6 +30,8 @@ CHATML_TEMPLATE = (
 )
 #: Letters the toy task asks for (a small set keeps the task learnable by a tiny model in minutes).
 TOY_LETTERS = "abcdefgh"
+#: Credit of a toy letter that is not the target (the target itself earns 1).
+TOY_NEAR_CREDIT = 0.5
 _PROMPT_FORMS = (
     "Repeat the letter {l}.",
     "Write the letter {l} many times.",
@@ -195,9 +197,14 @@ def toy_target(example: dict[str, Any]) -> str:
 
 
 def toy_reward(example: dict[str, Any], completion_text: str) -> float:
-    """Fraction of the completion's non-whitespace characters equal to the target letter (0 when empty)."""
+    """Mean credit of the completion's non-whitespace characters (0 when empty).
+
+    A character earns 1 when it is the target letter, ``TOY_NEAR_CREDIT`` when it is another toy letter
+    (a-h), else 0: dense partial credit that a tiny random model can climb.
+    """
     target = toy_target(example)
     chars = [c for c in completion_text if not c.isspace()]
     if not chars:
         return 0.0
-    return sum(1 for c in chars if c == target) / len(chars)
+    credit = sum(1.0 if c == target else TOY_NEAR_CREDIT if c in TOY_LETTERS else 0.0 for c in chars)
+    return credit / len(chars)
