@@ -102,10 +102,8 @@ def stop_pid(pid: int, timeout_s: float = 30.0) -> None:
 
 
 def noida_binary() -> str:
-    """Path of the noida-db executable (console script, or the binary inside the package)."""
-    found = shutil.which("noida-db") or shutil.which("noida-db", path=str(Path(sys.executable).parent))
-    if found:
-        return found
+    """Path of the noida-db executable: the binary inside the package first (the console script is a
+    Python wrapper that runs it as a child, and stopping the wrapper by PID would orphan the broker)."""
     try:
         import noida_db  # type: ignore[import-not-found]
 
@@ -114,6 +112,9 @@ def noida_binary() -> str:
             return str(candidate)
     except ImportError:
         pass
+    found = shutil.which("noida-db") or shutil.which("noida-db", path=str(Path(sys.executable).parent))
+    if found:
+        return found
     raise InfraError("noida-db is not installed: `pip install noida-db` (it is a dependency of rlstream)")
 
 
