@@ -21,6 +21,7 @@ config_app = typer.Typer(help="Configuration: validate and show the effective co
 app.add_typer(infra_app, name="infra")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
+from ops.cli_ops import register as register_ops; register_ops(app)  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 

@@ -33,7 +33,7 @@ from ops import metric_names
 from ops.deadletter import dead_letter, send_dead_letter
 from ops.kafka import create_topics, make_producer
 from ops.log import get_logger
-from ops.topic_reader import open_reader, partitions_of, read_slice, read_to_end
+from ops.topic_reader import codec_for, open_reader, partitions_of, read_slice, read_to_end
 from schemas.codec import AvroCodec, CodecError
 from schemas.config import RlstreamConfig
 from schemas.models import MetricEvent, RewardEvent, TrajectoryEvent, TrajectorySource
@@ -231,12 +231,6 @@ class ReplayReport:
         return out
 
 
-def make_codec(cfg: RlstreamConfig) -> AvroCodec:
-    """The codec of this deployment (registry framing when one is configured)."""
-    factory = getattr(AvroCodec, "from_config", None)
-    return factory(cfg.kafka) if factory else AvroCodec()
-
-
 async def replay(
     cfg: RlstreamConfig,
     new_run_id: str,
@@ -255,7 +249,7 @@ async def replay(
     target_names = TopicNames(prefix=into_prefix) if into_prefix is not None else names
     if into_prefix is not None and into_prefix != names.prefix:
         await create_topics(cfg.kafka, cfg.topics.model_copy(update={"prefix": into_prefix}))
-    codec = make_codec(cfg)
+    codec = codec_for(cfg.kafka)
     report = ReplayReport(new_run_id=new_run_id, source_topic=names.trajectories,
                           target_topic=target_names.trajectories)
     consumer = await open_reader(cfg.kafka)

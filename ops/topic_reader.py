@@ -11,7 +11,14 @@ from typing import AsyncIterator
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from ops.kafka import make_consumer
+from schemas.codec import AvroCodec
 from schemas.config import KafkaConfig
+
+
+def codec_for(kafka: KafkaConfig) -> AvroCodec:
+    """The codec of this deployment (Confluent framing and registry look-ups when a registry is configured)."""
+    factory = getattr(AvroCodec, "from_config", None)
+    return factory(kafka) if factory else AvroCodec()
 
 
 class TopicMissingError(RuntimeError):

@@ -7,8 +7,9 @@ Sources, lowest to highest precedence: defaults < YAML file < environment
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any, Literal
+import types
+from pathlib import Path, PurePath
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -235,12 +236,61 @@ class _OverridesSource(PydanticBaseSettingsSource):
         return _PENDING_OVERRIDES[-1]
 
 
-def parse_override_value(raw: str) -> Any:
-    """``-o key value``: the value is read as a YAML scalar or flow collection (``3``, ``true``, ``[a, b]``)."""
+_YAML_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def parse_override_value(raw: str, annotation: Any = None) -> Any:
+    """``-o key value``: the value is read as a YAML scalar or flow collection (``3``, ``true``, ``[a, b]``).
+
+    When the key's field takes text (``str``, ``Path``, a ``Literal`` of strings), the value is kept
+    as typed, so ``-o run_id 1:30`` or ``-o policy 007`` stay strings; ``null`` still clears an
+    optional field.
+    """
+    if annotation is not None and _takes_text(annotation):
+        if raw in _YAML_NULLS and _is_optional(annotation):
+            return None
+        return raw
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _is_optional(annotation: Any) -> bool:
+    return type(None) in _union_members(annotation)
+
+
+def _takes_text(annotation: Any) -> bool:
+    """True when every non-None member of the annotation is text-like (so YAML typing would only hurt)."""
+    members = [m for m in _union_members(annotation) if m is not type(None)]
+    if not members:
+        return False
+    for member in members:
+        if get_origin(member) is Literal:
+            if not all(isinstance(v, str) for v in get_args(member)):
+                return False
+        elif not (isinstance(member, type) and issubclass(member, (str, PurePath))):
+            return False
+    return True
+
+
+def field_annotation(dotted: list[str], model: type[BaseModel] | None = None) -> Any:
+    """The annotation of the field a dotted key names in the config model, or None when there is none."""
+    current: Any = model or RlstreamConfig
+    annotation: Any = None
+    for part in dotted:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = next((m for m in _union_members(annotation) if isinstance(m, type) and issubclass(m, BaseModel)),
+                       None)
+    return annotation
 
 
 def overrides_to_dict(overrides: list[tuple[str, str]]) -> dict[str, Any]:
@@ -256,7 +306,9 @@ def overrides_to_dict(overrides: list[tuple[str, str]]) -> dict[str, Any]:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key!r} conflicts with an earlier override of {part!r}")
             node = child
-        node[parts[-1]] = parse_override_value(raw)
+        if isinstance(node.get(parts[-1]), dict):
+            raise ConfigError(f"override {key!r} conflicts with an earlier override inside it")
+        node[parts[-1]] = parse_override_value(raw, field_annotation(parts))
     return tree
 
 

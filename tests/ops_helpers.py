@@ -50,3 +50,15 @@ async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel]) -> l
         return out
     finally:
         await consumer.stop()
+
+
+def ops_app() -> "typer.Typer":
+    """The operator commands on a bare typer app (their tests do not depend on other command groups)."""
+    import typer
+
+    from ops.cli_common import RlstreamGroup
+    from ops.cli_ops import register
+
+    app = typer.Typer(cls=RlstreamGroup)
+    register(app)
+    return app
