@@ -9,12 +9,13 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ops.cli_common import ConfigOption, OverrideOption, console, err_console, load_or_exit, run_async
+from ops.cli_common import (ConfigOption, OverrideOption, RlstreamGroup, console, err_console, load_or_exit,
+                            run_async)
 from ops.log import configure_logging
 from schemas.config import dump_config
 
 app = typer.Typer(help="rlstream: continuous GRPO training of LLM agents from their own traffic, over Kafka.",
-                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+                  cls=RlstreamGroup, no_args_is_help=True, pretty_exceptions_show_locals=False)
 infra_app = typer.Typer(help="The embedded local broker (noida-db) and Redis.", no_args_is_help=True)
 topics_app = typer.Typer(help="Kafka topics of rlstream.", no_args_is_help=True)
 config_app = typer.Typer(help="Configuration: validate and show the effective config.", no_args_is_help=True)
@@ -95,7 +96,7 @@ def infra_status(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
 
 # --- topics ---------------------------------------------------------------------------
 @topics_app.command("create")
-def topics_create(config: Optional[Path] = ConfigOption, override: Optional[list[tuple[str, str]]] = OverrideOption) -> None:
+def topics_create(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
     """Create every rlstream topic (idempotent)."""
     from ops.kafka import create_topics
 
@@ -106,7 +107,7 @@ def topics_create(config: Optional[Path] = ConfigOption, override: Optional[list
 
 
 @topics_app.command("list")
-def topics_list(config: Optional[Path] = ConfigOption, override: Optional[list[tuple[str, str]]] = OverrideOption) -> None:
+def topics_list(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
     """List the topics on the cluster with their partition counts."""
     from ops.kafka import list_topics
 
@@ -119,7 +120,7 @@ def topics_list(config: Optional[Path] = ConfigOption, override: Optional[list[t
 
 # --- config ---------------------------------------------------------------------------
 @config_app.command("validate")
-def config_validate(config: Optional[Path] = ConfigOption, override: Optional[list[tuple[str, str]]] = OverrideOption) -> None:
+def config_validate(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
     """Check a config; print every problem (exit 2) or 'ok'."""
     load_or_exit(config, override)
     console.print("ok")
@@ -128,7 +129,7 @@ def config_validate(config: Optional[Path] = ConfigOption, override: Optional[li
 @config_app.command("show")
 def config_show(
     config: Optional[Path] = ConfigOption,
-    override: Optional[list[tuple[str, str]]] = OverrideOption,
+    override: Optional[list[str]] = OverrideOption,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Print the effective config after YAML, environment and overrides."""
