@@ -112,6 +112,11 @@ class StreamsConfig(Section):
     data_dir: Path = Path("runs/streams")
     metrics_interval_s: float = Field(5.0, gt=0)
     prometheus_port: int | None = None
+    tick_interval_s: float = Field(1.0, gt=0, description="how often open groups are checked for timeout")
+    commit_interval_s: float = Field(1.0, gt=0, description="Faust commit (and transaction) interval")
+    closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
+                                      "so that late duplicates are recognised")
+    standby_replicas: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "StreamsConfig":
@@ -157,28 +162,49 @@ class LearnerConfig(Section):
 
 
 class RolloutConfig(Section):
-    dataset: Path | None = None
-    workflow: str | None = Field(None, description="module:function, async (example, client) -> messages")
-    reward_function: str | None = Field(None, description="module:function -> float")
+    """The reference rollout runner (``rlstream rollout run``) and the capture SDK."""
+
+    dataset: Path | None = Field(None, description="JSON (list) or JSONL file of examples")
+    example_id_field: str = Field("id", description="field holding an example's id (else its line number)")
+    workflow: str | None = Field(None, description="module:function, async (example, client) -> output")
+    reward_function: str | None = Field(None, description="module:function (example, output) -> float; "
+                                        "unset = rewards come later as RewardEvents")
     group_size: int = Field(4, ge=1)
-    concurrency: int = Field(8, ge=1)
-    max_policy_lag: int = Field(2, ge=0)
+    concurrency: int = Field(8, ge=1, description="generations running at once")
+    max_policy_lag: int = Field(2, ge=0, description="pause while more than this many versions ahead of the learner")
+    groups_per_version: int | None = Field(None, ge=1, description="groups the learner needs per new version "
+                                           "(default learner.groups_per_step * learner.publish_every)")
     mode: Literal["epoch", "continuous"] = "continuous"
+    epochs: int = Field(1, ge=1, description="passes over the dataset in epoch mode")
+    prompts_topic: str | None = Field(None, description="continuous mode: read examples (JSON) from this topic")
+    max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = no limit)")
     base_url: str = "http://127.0.0.1:8000/v1"
-    model: str = "policy"
+    api_key: str = "EMPTY"
+    model: str = Field("policy", description="the served base model name; requests for it are routed to the "
+                       "newest loaded version")
+    route_worker_id: str | None = Field(None, description="route by this sync worker's heartbeat only")
+    request_token_data: bool = Field(True, description="ask for token ids and logprobs (vLLM extensions)")
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
-    max_in_flight: int = Field(256, ge=1)
+    max_in_flight: int = Field(256, ge=1, description="publisher: unacknowledged events before send() waits")
+    admission_poll_s: float = Field(1.0, gt=0)
+    producer_id: str = "rollout"
 
 
 class InferenceConfig(Section):
+    """The inference sync worker (``rlstream inference sync``) and the vLLM launcher."""
+
     backend: Literal["vllm"] = "vllm"
     url: str = "http://127.0.0.1:8000"
+    served_model: str = Field("policy", description="the base model name the server was started with")
     worker_id: str = "worker-0"
-    keep_adapters: int = Field(2, ge=1)
+    keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
     heartbeat_ttl_s: float = Field(30.0, gt=0)
     vllm_venv: Path = Path(".venv-vllm")
     load_retries: int = Field(3, ge=0)
+    retry_backoff_s: float = Field(1.0, ge=0)
+    request_timeout_s: float = Field(120.0, gt=0)
+    weights_root: Path | None = Field(None, description="resolve relative PolicyVersion uris against this")
 
 
 class RlstreamConfig(BaseSettings):

@@ -1,0 +1,37 @@
+"""Admission control: keep the rollout from running too far ahead of the learner.
+
+The learner turns ``groups_per_version`` groups into one new version. Groups started now are
+trained roughly ``started // groups_per_version`` versions after the run began; if that is more
+than ``max_policy_lag`` versions beyond what the learner has published since, their data would be
+stale when trained, so the runner waits. It also waits while the served version (the inference
+workers') is more than ``max_policy_lag`` behind the learner's latest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    admit: bool
+    reason: str = ""
+
+
+@dataclass
+class AdmissionPolicy:
+    """The pure rule (no I/O), so it can be reasoned about and tested on its own."""
+
+    max_policy_lag: int
+    groups_per_version: int
+    base_version: int = 0
+
+    def decide(self, groups_started: int, learner_version: int, served_version: int | None = None) -> AdmissionDecision:
+        learner_progress = max(0, learner_version - self.base_version)
+        versions_ahead = groups_started // self.groups_per_version - learner_progress
+        if versions_ahead > self.max_policy_lag:
+            return AdmissionDecision(False, f"{versions_ahead} versions ahead of the learner "
+                                            f"(max_policy_lag {self.max_policy_lag})")
+        if served_version is not None and learner_version - served_version > self.max_policy_lag:
+            return AdmissionDecision(False, f"served version {served_version} is more than {self.max_policy_lag} "
+                                            f"behind the learner's {learner_version}")
+        return AdmissionDecision(True)
