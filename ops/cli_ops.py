@@ -151,7 +151,7 @@ def plot_command(
     cfg = load_or_exit(config, override)
     path, metrics = _run_or_exit(plot_run(cfg, run, out))
     points = sum(len(s.points) for s in metrics.series.values())
-    console.print(f"{path}  ({len(metrics.series)} series, {points} points)")
+    print(f"{path}  ({len(metrics.series)} series, {points} points)")
 
 
 def register(app: typer.Typer) -> None:

@@ -111,6 +111,9 @@ def draw(metrics: RunMetrics, out: Path) -> Path:
             ax.plot(xs, ys, label=f"{name} ({series.source})", **styles[name])
     ax.set_xlabel({"epoch": "epoch", "version": "policy version"}.get(metrics.step_kind or "", "step"))
     ax.set_ylabel("reward")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     curriculum = metrics.of(mn.CURRICULUM_PERCENTILE)
