@@ -1,0 +1,140 @@
+"""Helpers of the streams tests: run the worker as a real process, publish events, read groups/dlq."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from aiokafka import TopicPartition
+
+from ops.infra import stop_pid
+from ops.kafka import make_consumer, make_producer
+from schemas.codec import AvroCodec
+from schemas.config import RlstreamConfig
+from schemas.models import DeadLetter, TrajectoryGroup, WireModel
+
+ROOT = Path(__file__).resolve().parents[1]
+CODEC = AvroCodec()
+
+
+def worker_overrides(cfg: RlstreamConfig, **extra: Any) -> list[str]:
+    """The -o pairs that point a worker process at the test's broker, topics and app id."""
+    base = {
+        "kafka.bootstrap_servers": cfg.kafka.bootstrap_servers,
+        "kafka.session_timeout_ms": cfg.kafka.session_timeout_ms,
+        "redis.url": cfg.redis.url,
+        "topics.prefix": cfg.topics.prefix,
+        "topics.partitions": cfg.topics.partitions,
+        "run_id": cfg.run_id,
+        "policy": cfg.policy,
+        "streams.app_id": cfg.streams.app_id,
+        "streams.data_dir": str(cfg.streams.data_dir),
+        "streams.tick_interval_s": 0.5,
+        "streams.commit_interval_s": 0.5,
+        "streams.metrics_interval_s": 1.0,
+    }
+    base.update(extra)
+    args: list[str] = []
+    for k, v in base.items():
+        args += ["-o", k, str(v)]
+    return args
+
+
+class Worker:
+    """``python -m streams worker`` as a child process (its own session, stopped by PID)."""
+
+    def __init__(self, cfg: RlstreamConfig, worker_id: str, log_dir: Path, **extra: Any) -> None:
+        self.cmd = [sys.executable, "-m", "streams", "worker", "--worker-id", worker_id,
+                    *worker_overrides(cfg, **extra)]
+        self.log_path = log_dir / f"{worker_id}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "Worker":
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no flush, no commit."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_pid(self.proc.pid, timeout_s=20)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+async def publish(cfg: RlstreamConfig, records: Iterable[tuple[str, bytes | None, bytes | None]],
+                  pace_every: int = 0, pace_s: float = 0.0) -> None:
+    """Send (topic, key, value) records in order with an idempotent producer."""
+    producer = make_producer(cfg.kafka, linger_ms=5)
+    await producer.start()
+    try:
+        futures = []
+        for i, (topic, key, value) in enumerate(records):
+            futures.append(await producer.send(topic, value, key=key))
+            if pace_every and (i + 1) % pace_every == 0:
+                await asyncio.sleep(pace_s)
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel], expect: int | None = None,
+                   timeout_s: float = 60.0, quiet_s: float = 3.0) -> list[tuple[Any, WireModel]]:
+    """Read ``topic`` from the beginning with read_committed until ``expect`` records arrived (or, without
+    ``expect``, until nothing new came for ``quiet_s``); returns (record, decoded) pairs."""
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    out: list[tuple[Any, WireModel]] = []
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + timeout_s
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            for records in batch.values():
+                for r in records:
+                    out.append((r, CODEC.decode(r.value, model)))
+                    last_new = time.monotonic()
+            if expect is not None and len(out) >= expect:
+                # linger a little to catch duplicates beyond the expected count
+                if time.monotonic() - last_new > quiet_s:
+                    break
+            elif expect is None and time.monotonic() - last_new > quiet_s and out:
+                break
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def read_groups(cfg: RlstreamConfig, topic: str, **kw: Any) -> list[TrajectoryGroup]:
+    return [g for _, g in await read_all(cfg, topic, TrajectoryGroup, **kw)]  # type: ignore[misc]
+
+
+async def read_dead_letters(cfg: RlstreamConfig, topic: str, **kw: Any) -> list[DeadLetter]:
+    return [d for _, d in await read_all(cfg, topic, DeadLetter, **kw)]  # type: ignore[misc]
