@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from ops.kafka import make_producer
 from ops.metrics import MetricsPublisher, label_name, prometheus_name, start_prometheus, stop_prometheus
