@@ -26,6 +26,7 @@ from ops.cli_ops import register as register_ops; register_ops(app)  # noqa: E40
 from ops.cli_streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
 from ops.cli_rollout import rollout_app; app.add_typer(rollout_app, name="rollout")  # noqa: E402,E702
 from ops.cli_inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702
+from ops.cli_up import register as register_up; register_up(app)  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 
@@ -53,7 +54,7 @@ def infra_up(
             _print_addresses(stack)
             raise typer.Exit(code=1)
     try:
-        stack = LocalStack.start(state_dir, kafka_port, redis_port)
+        stack = LocalStack.start(state_dir, kafka_port, redis_port, detach=True)
     except InfraError as exc:
         err_console.print(f"[red]{exc}[/red]")
         raise typer.Exit(code=1) from None
