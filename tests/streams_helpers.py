@@ -138,3 +138,68 @@ async def read_groups(cfg: RlstreamConfig, topic: str, **kw: Any) -> list[Trajec
 
 async def read_dead_letters(cfg: RlstreamConfig, topic: str, **kw: Any) -> list[DeadLetter]:
     return [d for _, d in await read_all(cfg, topic, DeadLetter, **kw)]  # type: ignore[misc]
+
+
+def interleaved_stream(cfg: RlstreamConfig, n_examples: int, group_size: int, seed: int, *,
+                       late_fraction: float = 0.5, early_fraction: float = 0.1, policy_version: int = 0,
+                       completion_tokens: int = 8, prefix: str = "ex"
+                       ) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[str, float]]]:
+    """Trajectories of ``n_examples`` x ``group_size`` in random interleaving, some rewards inline, some as
+    late RewardEvents (a few even before their trajectory). Returns the records and, per group_id, the
+    expected ``{trajectory_id: reward}``."""
+    import random
+
+    from schemas.topics import TopicNames
+    from tests.factories import make_reward, make_trajectory
+
+    names = TopicNames.from_config(cfg.topics)
+    rng = random.Random(seed)
+    per_example: list[list[tuple[str, bytes, bytes]]] = []
+    expected: dict[str, dict[str, float]] = {}
+    for e in range(n_examples):
+        example = f"{prefix}{e}"
+        key = example.encode()
+        seq: list[tuple[str, bytes, bytes]] = []
+        for g in range(group_size):
+            reward = round((g / max(1, group_size - 1)) * 0.8 + (e % 5) * 0.01, 4)
+            r = rng.random()
+            inline = r >= late_fraction
+            t = make_trajectory(run_id=cfg.run_id, example_id=example, group_size=group_size, generation_index=g,
+                                policy=cfg.policy, policy_version=policy_version, reward=reward if inline else None,
+                                completion_tokens=completion_tokens, seed=rng.randrange(1 << 30))
+            expected.setdefault(t.group_id, {})[t.trajectory_id] = reward
+            traj_rec = (names.trajectories, key, CODEC.encode(t))
+            if inline:
+                seq.append(traj_rec)
+            else:
+                rew_rec = (names.rewards, key, CODEC.encode(make_reward(t, reward)))
+                seq += [rew_rec, traj_rec] if r < early_fraction else [traj_rec, rew_rec]
+        per_example.append(seq)
+    # random interleaving that keeps each example's own order (one producer, one partition per example)
+    out: list[tuple[str, bytes, bytes]] = []
+    cursors = [0] * n_examples
+    live = [i for i in range(n_examples)]
+    while live:
+        i = rng.choice(live)
+        out.append(per_example[i][cursors[i]])
+        cursors[i] += 1
+        if cursors[i] == len(per_example[i]):
+            live.remove(i)
+    return out, expected
+
+
+def assert_groups_match(groups: list[TrajectoryGroup], expected: dict[str, dict[str, float]]) -> None:
+    """Each expected group exactly once, with exactly its members, their rewards and correct stats."""
+    ids = [g.group_id for g in groups]
+    dupes = {i for i in ids if ids.count(i) > 1}
+    assert not dupes, f"{len(dupes)} groups emitted more than once, e.g. {sorted(dupes)[:3]}"
+    missing = set(expected) - set(ids)
+    assert not missing, f"{len(missing)} groups never emitted, e.g. {sorted(missing)[:3]}"
+    assert set(ids) == set(expected)
+    for g in groups:
+        members = {t.trajectory_id: t.reward for t in g.trajectories}
+        assert members == expected[g.group_id], g.group_id
+        rewards = list(expected[g.group_id].values())
+        assert abs(g.reward_mean - sum(rewards) / len(rewards)) < 1e-9
+        assert g.reward_min == min(rewards) and g.reward_max == max(rewards)
+        assert len([o for o in g.source_offsets if o.topic.endswith("trajectories")]) == len(rewards)
