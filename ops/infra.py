@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,10 +119,26 @@ def noida_binary() -> str:
     raise InfraError("noida-db is not installed: `pip install noida-db` (it is a dependency of rlstream)")
 
 
-def _spawn(cmd: list[str], log_file: Path) -> subprocess.Popen[bytes]:
+def _exit_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when the process that started it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawn(cmd: list[str], log_file: Path, detach: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session. Unless ``detach``, it dies with its parent (a killed test run
+    leaves no broker behind); ``rlstream infra up`` detaches so the services outlive the command.
+    Linux ties this to the starting *thread*, so only the main thread attaches; others detach."""
+    detach = detach or threading.current_thread() is not threading.main_thread()
     log_fh = open(log_file, "ab")
     try:
-        return subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True,
+                                preexec_fn=None if detach or not sys.platform.startswith("linux") else _exit_with_parent)
     finally:
         log_fh.close()
 
@@ -139,7 +156,7 @@ def _wait_for(check, what: str, proc: subprocess.Popen[bytes], log_file: Path, t
     raise InfraError(f"{what} did not answer within {timeout_s:.0f} s; log {log_file}")
 
 
-def start_kafka(data_dir: Path, port: int | None = None, timeout_s: float = 30.0) -> ServiceProcess:
+def start_kafka(data_dir: Path, port: int | None = None, timeout_s: float = 30.0, detach: bool = False) -> ServiceProcess:
     """Start noida-db speaking the Kafka protocol on ``127.0.0.1:port``."""
     port = port or free_port()
     if port_open(LOOPBACK, port):
@@ -147,7 +164,7 @@ def start_kafka(data_dir: Path, port: int | None = None, timeout_s: float = 30.0
     data_dir.mkdir(parents=True, exist_ok=True)
     log_file = data_dir / "noida-db.log"
     cmd = [noida_binary(), "start", "--only", "kafka", "--kafka-port", str(port), "--data-dir", str(data_dir / "data")]
-    proc = _spawn(cmd, log_file)
+    proc = _spawn(cmd, log_file, detach)
     _wait_for(lambda: _kafka_answers(port), f"noida-db (port {port})", proc, log_file, timeout_s)
     log.info("kafka broker started", address=f"{LOOPBACK}:{port}", pid=proc.pid, data_dir=str(data_dir))
     return ServiceProcess("kafka", f"{LOOPBACK}:{port}", proc.pid, str(data_dir), str(log_file))
@@ -179,7 +196,7 @@ def redis_binary() -> str:
     return found
 
 
-def start_redis(data_dir: Path, port: int | None = None, timeout_s: float = 20.0) -> ServiceProcess:
+def start_redis(data_dir: Path, port: int | None = None, timeout_s: float = 20.0, detach: bool = False) -> ServiceProcess:
     """Start a throwaway redis-server (no persistence) on ``127.0.0.1:port``."""
     port = port or free_port()
     if port_open(LOOPBACK, port):
@@ -188,7 +205,7 @@ def start_redis(data_dir: Path, port: int | None = None, timeout_s: float = 20.0
     log_file = data_dir / "redis.log"
     cmd = [redis_binary(), "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
            "--daemonize", "no", "--dir", str(data_dir), "--protected-mode", "yes"]
-    proc = _spawn(cmd, log_file)
+    proc = _spawn(cmd, log_file, detach)
     _wait_for(lambda: _redis_answers(port), f"redis-server (port {port})", proc, log_file, timeout_s)
     log.info("redis started", address=f"redis://{LOOPBACK}:{port}/0", pid=proc.pid)
     return ServiceProcess("redis", f"redis://{LOOPBACK}:{port}/0", proc.pid, str(data_dir), str(log_file))
@@ -221,17 +238,18 @@ class LocalStack:
         return self.redis.address
 
     @classmethod
-    def start(cls, root: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None) -> "LocalStack":
+    def start(cls, root: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None,
+              detach: bool = False) -> "LocalStack":
         """Start what the environment does not provide. ``root`` holds data dirs (temp dir by default)."""
         root = Path(root) if root else Path(tempfile.mkdtemp(prefix="rlstream-infra-"))
         root.mkdir(parents=True, exist_ok=True)
         external_kafka = os.environ.get("RLSTREAM_KAFKA_BOOTSTRAP")
         external_redis = os.environ.get("RLSTREAM_REDIS_URL")
         kafka = (ServiceProcess("kafka", external_kafka, external=True) if external_kafka
-                 else start_kafka(root / "kafka", kafka_port))
+                 else start_kafka(root / "kafka", kafka_port, detach=detach))
         try:
             redis = (ServiceProcess("redis", external_redis, external=True) if external_redis
-                     else start_redis(root / "redis", redis_port))
+                     else start_redis(root / "redis", redis_port, detach=detach))
         except Exception:
             kafka.stop()
             raise

@@ -139,3 +139,35 @@ async def test_lease_fencing_stops_a_second_holder(rl_config: RlstreamConfig) ->
         assert await control.lease_holder(policy) is None
     finally:
         await control.close()
+
+
+def test_services_die_with_a_killed_parent(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A test run killed by a timeout must not leave its broker and Redis running."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from ops.infra import pid_alive
+
+    script = ("import sys, time; from ops.infra import LocalStack; s = LocalStack.start(sys.argv[1]); "
+              "print('PIDS', s.kafka.pid, s.redis.pid, flush=True); time.sleep(120)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "stack")], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("PIDS"):  # structlog's default output shares stdout
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, "the child exited before starting its services"
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), "services outlived their killed parent"

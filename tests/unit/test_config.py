@@ -167,3 +167,14 @@ def test_cli_config_as_a_real_process(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert '"r": 12' in proc.stdout
+
+
+def test_logging_still_works_after_a_cli_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI configures logging while the runner has replaced stderr; later logs must not hit that closed stream."""
+    from ops.log import configure_logging, get_logger
+
+    assert CliRunner().invoke(app, ["--log-format", "json", "config", "validate"]).exit_code == 0
+    get_logger("after-cli").warning("still logging", answer=42)
+    err = capsys.readouterr().err
+    assert '"answer": 42' in err and "still logging" in err
+    configure_logging("console", level="WARNING")  # back to the test session's setting
