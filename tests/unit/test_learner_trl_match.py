@@ -1,0 +1,86 @@
+"""Our GRPO loss and gradients equal TRL GRPOTrainer's on the same model and batch (TRL: test-only)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.batch import collate
+from learner.policy import completion_logprobs, load_policy
+from learner.step import GRPOTrainerStep, assign_advantages
+from schemas.config import LearnerConfig, LoraConfig
+from tests.learner_helpers import random_samples, tiny_model
+
+AGGREGATIONS = [("token_mean", "bnpo"), ("sequence_mean", "grpo"), ("constant", "dr_grpo")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("trl"))
+
+
+def _trl_trainer(model, tokenizer, out: Path, loss_type: str, beta: float, max_len: int, scale: str):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(out), loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                      scale_rewards=scale, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=max_len, temperature=1.0, report_to=[], use_cpu=True,
+                      logging_steps=1, save_strategy="no", bf16=False, fp16=False,
+                      use_bias_correction_kl=False)  # our k3 term is the plain estimator
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * 8), processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize("ours,theirs", AGGREGATIONS)
+def test_loss_and_gradients_equal_trl(model_dir: Path, tmp_path: Path, ours: str, theirs: str) -> None:
+    torch.manual_seed(0)
+    beta, cap = 0.05, 1.5
+    samples = random_samples(groups=2, per_group=4, seed=3)
+    max_len = max(len(s.completion_ids) for s in samples)
+    cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), beta=beta, importance_cap=cap,
+                        loss_aggregation=ours, loss_constant=max_len, micro_batch_size=3, scale_rewards="group",
+                        device="cpu")
+    policy = load_policy(cfg)
+    with torch.no_grad():  # move the policy away from its reference so that the KL term has a gradient
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    trl_model = copy.deepcopy(policy.model)
+
+    # ours: three micro-batches (3+3+2 samples) with gradient accumulation
+    step = GRPOTrainerStep(policy, cfg)
+    assign_advantages(samples, cfg.scale_rewards)
+    figures = step.accumulate(samples)
+    our_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+
+    # TRL: one batch, the same tensors; advantages, reference logprobs and IS ratios as TRL builds them
+    batch = collate(samples, policy.pad_id)
+    p_len = batch.input_ids.size(1) - batch.completion_len
+    rewards = torch.tensor([s.reward for s in samples]).view(-1, 4)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+    with torch.no_grad():
+        ref = completion_logprobs(policy.reference, batch)
+        old = completion_logprobs(trl_model, batch)
+    trainer = _trl_trainer(trl_model, policy.tokenizer, tmp_path, theirs, beta, max_len, "group")
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # apply its IS-correction term
+    inputs = {
+        "prompt_ids": batch.input_ids[:, :p_len], "prompt_mask": batch.attention_mask[:, :p_len],
+        "completion_ids": batch.completion_ids, "completion_mask": batch.completion_mask,
+        "advantages": adv, "old_per_token_logps": None, "ref_per_token_logps": ref,
+        "importance_sampling_ratio": torch.clamp(torch.exp(old - batch.behaviour_logprobs), max=cap),
+    }
+    trl_model.train()
+    trl_loss = trainer._compute_loss(trl_model, inputs)
+    trl_loss.backward()
+
+    assert figures["loss"] == pytest.approx(trl_loss.item(), rel=1e-4, abs=1e-6)
+    assert abs(trl_loss.item()) > 1e-3
+    assert figures["kl"] > 0
+    for name, param in trl_model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(our_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert sum(g.abs().sum() for g in our_grads.values()) > 0
