@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -126,7 +126,7 @@ class VllmServer:
     log_file: str
     port: int
     workdir: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
+    external: bool = False  # not started here (e.g. RLSTREAM_TEST_VLLM_URL): never stopped here
 
     @property
     def base_url(self) -> str:
@@ -134,10 +134,17 @@ class VllmServer:
         return f"{self.url}/v1"
 
     def alive(self) -> bool:
+        if self.external:
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
         return pid_alive(self.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server by PID (SIGTERM, then SIGKILL)."""
+        """Stop the server by PID (SIGTERM, then SIGKILL); an external server is left alone."""
+        if self.external or self.pid <= 0:
+            return
         stop_pid(self.pid, timeout_s)
         log.info("vLLM server stopped", pid=self.pid)
 

@@ -321,6 +321,10 @@ def _record(kwargs: dict[str, Any], call_kwargs: dict[str, Any], response: Any) 
         log.warning("chat completion without choices; not recorded", model=kwargs.get("model"))
         return
     prompt_ids, completion_ids, logprobs = token_data(response)
+    if logprobs is not None and constrained(kwargs):
+        # The server masks the logits with the grammar before computing logprobs, so these are not the
+        # policy's own probabilities; the learner treats a turn without logprobs as on-policy instead.
+        logprobs = None
     if completion_ids is not None and logprobs is not None and len(completion_ids) != len(logprobs):
         log.warning("token ids and logprobs differ in length; logprobs dropped", ids=len(completion_ids),
                     logprobs=len(logprobs))
@@ -336,50 +340,68 @@ def _record(kwargs: dict[str, Any], call_kwargs: dict[str, Any], response: Any) 
     ))
 
 
+def constrained(kwargs: dict[str, Any]) -> bool:
+    """True when the request forces its output through a grammar (forced tool choice, JSON output,
+    guided decoding): the server's logprobs are then those of the masked distribution."""
+    choice = kwargs.get("tool_choice")
+    if kwargs.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        return True
+    fmt = kwargs.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        return True
+    extra = kwargs.get("extra_body") or {}
+    return any(key.startswith("guided_") or key == "structured_outputs" for key in extra)
+
+
 def _rejects_extensions(exc: Exception) -> bool:
     status = getattr(exc, "status_code", None)
     text = str(exc).lower()
     return status in (400, 422) and any(word in text for word in ("return_token_ids", "logprobs", "extra"))
 
 
-class _SyncCompletions:
+class _Completions:
+    """``chat.completions`` of a wrapped client; works for sync and async clients alike (an async
+    client's ``create`` returns an awaitable, which is wrapped so that the response is recorded)."""
+
     def __init__(self, inner: Any, owner: "_Options") -> None:
         self._inner, self._owner = inner, owner
 
     def create(self, **kwargs: Any) -> Any:
         call_kwargs, _, wanted = _prepare(kwargs, self._owner.request_token_data)
         try:
-            response = self._inner.create(**call_kwargs)
+            result = self._inner.create(**call_kwargs)
         except Exception as exc:
-            if not (wanted and self._owner.request_token_data and _rejects_extensions(exc)):
+            if not self._should_retry_plain(wanted, exc):
                 raise
-            log.warning("endpoint rejects token-data options; recording without token data", error=str(exc))
-            self._owner.request_token_data = False
             call_kwargs, _, wanted = _prepare(kwargs, False)
-            response = self._inner.create(**call_kwargs)
+            result = self._inner.create(**call_kwargs)
+        if inspect.isawaitable(result):
+            return self._finish_async(result, kwargs, call_kwargs, wanted)
+        if wanted:
+            _record(kwargs, call_kwargs, result)
+        return result
+
+    async def _finish_async(self, pending: Any, kwargs: dict[str, Any], call_kwargs: dict[str, Any], wanted: bool) -> Any:
+        try:
+            response = await pending
+        except Exception as exc:
+            if not self._should_retry_plain(wanted, exc):
+                raise
+            call_kwargs, _, wanted = _prepare(kwargs, False)
+            response = await self._inner.create(**call_kwargs)
         if wanted:
             _record(kwargs, call_kwargs, response)
         return response
+
+    def _should_retry_plain(self, wanted: bool, exc: Exception) -> bool:
+        if not (wanted and self._owner.request_token_data and _rejects_extensions(exc)):
+            return False
+        log.warning("endpoint rejects token-data options; recording without token data", error=str(exc))
+        self._owner.request_token_data = False
+        return True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-class _AsyncCompletions(_SyncCompletions):
-    async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
-        call_kwargs, _, wanted = _prepare(kwargs, self._owner.request_token_data)
-        try:
-            response = await self._inner.create(**call_kwargs)
-        except Exception as exc:
-            if not (wanted and self._owner.request_token_data and _rejects_extensions(exc)):
-                raise
-            log.warning("endpoint rejects token-data options; recording without token data", error=str(exc))
-            self._owner.request_token_data = False
-            call_kwargs, _, wanted = _prepare(kwargs, False)
-            response = await self._inner.create(**call_kwargs)
-        if wanted:
-            _record(kwargs, call_kwargs, response)
-        return response
 
 
 @dataclass
@@ -401,10 +423,7 @@ class InstrumentedClient:
     def __init__(self, client: Any, request_token_data: bool = True) -> None:
         self._client = client
         self._options = _Options(request_token_data)
-        is_async = inspect.iscoroutinefunction(client.chat.completions.create)
-        wrapper = _AsyncCompletions if is_async else _SyncCompletions
-        self.chat = _Chat(client.chat, wrapper(client.chat.completions, self._options))
-        self.is_async = is_async
+        self.chat = _Chat(client.chat, _Completions(client.chat.completions, self._options))
 
     @property
     def wrapped(self) -> Any:
