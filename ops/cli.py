@@ -26,6 +26,7 @@ from ops.cli_ops import register as register_ops; register_ops(app)  # noqa: E40
 from ops.cli_streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
 from ops.cli_rollout import rollout_app; app.add_typer(rollout_app, name="rollout")  # noqa: E402,E702
 from ops.cli_inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702
+from ops.cli_learner import learner_app; app.add_typer(learner_app, name="learner")  # noqa: E402,E702
 from ops.cli_up import register as register_up; register_up(app)  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
