@@ -66,6 +66,7 @@ class Learner:
         self._stop = asyncio.Event()
         self.lease: Lease | None = None
         self.lease_lost = False
+        self.policy: Policy | None = None  # the trained model, once loaded
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -83,7 +84,7 @@ class Learner:
             if self.lease is None:
                 return LearnerState()
             renew_task = asyncio.create_task(self._renew_loop(control))
-            policy = await asyncio.to_thread(load_policy, self.lcfg)
+            policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg)
             trainer = GRPOTrainerStep(policy, self.lcfg)
             state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
                                             trainer.scheduler) or LearnerState()

@@ -1,0 +1,131 @@
+"""Published versions (LoRA and full) reload with transformers/peft to identical logprobs, their sha256 manifest
+verifies, and a second learner cannot publish while the first holds the lease."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from learner.batch import collate
+from learner.checkpoint import CheckpointError, verify_manifest
+from learner.policy import completion_logprobs
+from learner.publish import announce, load_published, manifest_digest, version_dir, write_version
+from learner.service import Learner
+from ops.control import ControlPlane, LeaseLost
+from schemas.codec import AvroCodec
+from schemas.config import RlstreamConfig
+from schemas.models import PolicyVersion, WeightsKind
+from schemas.topics import TopicNames
+from tests.learner_helpers import produce_groups, random_group, random_samples, read_topic, tiny_model
+
+
+def _configure(cfg: RlstreamConfig, model: Path, lora: bool, steps: int) -> RlstreamConfig:
+    return cfg.model_copy(update={"learner": cfg.learner.model_copy(update={
+        "model": str(model), "lora": cfg.learner.lora.model_copy(update={"enabled": lora}),
+        "learning_rate": 5e-3, "groups_per_step": 2, "publish_every": 1, "checkpoint_every": 5,
+        "total_steps": steps, "device": "cpu", "lease_ttl_s": 3.0})})
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                         tmp_path: Path, lora: bool) -> None:
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora, steps=2)
+    asyncio.run(produce_groups(cfg, [random_group(cfg.policy, cfg.run_id, i) for i in range(4)]))
+    learner = Learner(cfg, holder="first")
+    state = asyncio.run(learner.run())
+    assert state.step == 2 and state.version == 2
+    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=2))
+    assert [v.version for v in versions] == [1, 2]
+    latest = versions[-1]
+    assert latest.kind == (WeightsKind.lora if lora else WeightsKind.full)
+    directory = Path(latest.uri)
+    assert directory == version_dir(Path(cfg.learner.output_dir) / "versions", 2).resolve()
+
+    # manifest verifies and matches the announced digests and the Redis pointer
+    manifest = verify_manifest(directory)
+    assert {(f["path"], f["sha256"]) for f in manifest["files"]} == {(f.path, f.sha256) for f in latest.files}
+
+    async def pointer() -> dict:
+        control = ControlPlane(cfg.redis.url)
+        try:
+            return await control.latest(cfg.policy)
+        finally:
+            await control.close()
+
+    ptr = asyncio.run(pointer())
+    assert int(ptr["version"]) == 2 and ptr["sha256"] == manifest_digest(directory) and ptr["uri"] == latest.uri
+    names = {f["path"] for f in manifest["files"]}
+    if lora:
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= names
+    else:
+        assert "model.safetensors" in names
+        assert json.loads((directory / "config.json").read_text())["tie_word_embeddings"] is False
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+
+    # identical logprobs: the learner's final model vs the published version reloaded with transformers/peft
+    batch = collate(random_samples(groups=2, per_group=2, seed=7), learner.policy.pad_id)
+    learner.policy.model.eval()
+    with torch.no_grad():
+        ours = completion_logprobs(learner.policy.model, batch)
+        reloaded = completion_logprobs(load_published(directory).eval(), batch)
+        base = completion_logprobs(load_published(version_dir(directory.parent, 1)).eval(), batch)
+    assert torch.equal(ours * batch.completion_mask, reloaded * batch.completion_mask)
+    assert not torch.allclose(base, reloaded)  # version 2 differs from version 1: training moved the weights
+
+    # tampering is detected
+    victim = directory / sorted(names)[0]
+    victim.write_bytes(victim.read_bytes() + b" ")
+    with pytest.raises(CheckpointError):
+        verify_manifest(directory)
+
+
+def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
+        rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path) -> None:
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora=True, steps=1)
+    asyncio.run(produce_groups(cfg, [random_group(cfg.policy, cfg.run_id, i) for i in range(2)]))
+
+    async def scenario() -> None:
+        control = ControlPlane(cfg.redis.url)
+        first = await control.acquire_lease(cfg.policy, "first", ttl_s=30)
+        assert first is not None
+        second = Learner(cfg, holder="second")
+        task = asyncio.create_task(second.run())
+        await asyncio.sleep(4.0)  # the second learner is waiting for the lease: it trains and publishes nothing
+        assert not task.done()
+        assert await control.latest_version(cfg.policy) == -1
+        assert not (Path(cfg.learner.output_dir) / "versions").exists()
+
+        # a learner whose lease was taken over cannot announce a version (fencing)
+        await control.release_lease(cfg.policy, first)
+        await asyncio.wait_for(task, timeout=120)
+        assert await control.latest_version(cfg.policy) == 1  # the second learner published once it held the lease
+        stale = first  # its token is older than the second learner's
+        from ops.kafka import make_producer
+
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            directory, manifest = write_version(second.policy, tmp_path / "stale", cfg.policy, 5)
+            takeover = await control.acquire_lease(cfg.policy, "third", ttl_s=30)
+            assert takeover is not None
+            with pytest.raises(LeaseLost):
+                await announce(producer=producer, codec=AvroCodec(), control=control, lease=stale,
+                               topic=created_topics.policy_versions, groups_topic=created_topics.groups,
+                               policy_name=cfg.policy, run_id=cfg.run_id, directory=directory, manifest=manifest,
+                               version=5, step=5, kind=WeightsKind.lora, base_model=cfg.learner.model, ranges={},
+                               group_count=0, metrics={}, lease_ttl_s=30)
+            with pytest.raises(LeaseLost):  # even straight to the pointer, the fence refuses it
+                await control.publish_latest(cfg.policy, 5, str(directory), manifest_digest(directory), stale)
+            assert await control.latest_version(cfg.policy) == 1
+        finally:
+            await producer.stop()
+            await control.close()
+        versions = await read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1, timeout_s=3)
+        assert [v.version for v in versions] == [1]
+
+    asyncio.run(scenario())
