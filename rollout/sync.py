@@ -119,7 +119,7 @@ class InferenceSyncWorker:
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
         newest: list[tuple[PolicyVersion, ConsumerRecord]] = []
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+        while await _behind(consumer, ends):
             batches = await consumer.getmany(*tps, timeout_ms=500)
             for records in batches.values():
                 for record in records:
@@ -265,6 +265,14 @@ class InferenceSyncWorker:
                 await self._heartbeat()
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
+
+
+async def _behind(consumer: AIOKafkaConsumer, ends: dict) -> bool:  # type: ignore[type-arg]
+    """True while some partition's position is before the end offset taken at start."""
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return True
+    return False
 
 
 async def _wait_partitions(consumer: AIOKafkaConsumer, topic: str, timeout_s: float = 30.0) -> list[int]:

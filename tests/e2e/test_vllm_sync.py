@@ -14,6 +14,7 @@ from ops.control import ControlPlane
 from ops.kafka import make_consumer, make_producer
 from ops.vllm import VllmServer
 from rollout.capture import Recording, instrument
+from rollout.routing import Route, VersionRouter
 from rollout.sync import InferenceSyncWorker, adapter_name
 from rollout.vllm_backend import VllmBackend
 from schemas.codec import AvroCodec
@@ -82,6 +83,8 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
             info = await wait_until(lambda: loaded(control, cfg.policy, "w-e2e", 1), 90, "version 1 in redis")
             assert info["name"] == adapter_name(cfg.policy, 1)
             assert info["name"] in await backend.models()
+            # the runner's router sends policy requests to the newest loaded version
+            assert await VersionRouter(control, cfg.policy, SERVED_MODEL).current() == Route(info["name"], 1, "w-e2e")
             lora_turn = await served_turn(vllm, info["name"])
             assert_matches(lora_turn, load_reference(base_dir, lora_dir))
             if lora_turn.completion_token_ids == base_turn.completion_token_ids:  # the adapter changes the model
@@ -94,6 +97,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
             await producer.send_and_wait(created_topics.policy_versions, codec.encode(v2), key=cfg.policy.encode())
             info = await wait_until(lambda: loaded(control, cfg.policy, "w-e2e", 2), 120, "version 2 in redis")
             assert info["name"] == SERVED_MODEL
+            assert await VersionRouter(control, cfg.policy, SERVED_MODEL).current() == Route(SERVED_MODEL, 2, "w-e2e")
             full_turn = await served_turn(vllm, SERVED_MODEL)
             assert_matches(full_turn, load_reference(full_dir))
             assert adapter_name(cfg.policy, 1) not in await backend.models()  # stale adapters unloaded
