@@ -166,3 +166,32 @@ def test_admission_control_pauses_until_the_learner_catches_up(
     events = asyncio.run(read_trajectories(cfg, created_topics.trajectories, 3))
     assert len(events) == 3 and all(e.reward is None for e in events)  # rewards come later as RewardEvents
     assert {e.example_id for e in events} == {"q0", "q1"}  # continuous mode cycles the dataset
+
+
+def test_cli_rollout_run_publishes_scored_groups(
+    vllm: VllmServer, rl_config: RlstreamConfig, topic_names: TopicNames, tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from ops.cli import app
+
+    dataset = write_dataset(tmp_path / "data.jsonl", 2)
+    overrides = {"kafka.bootstrap_servers": rl_config.kafka.bootstrap_servers, "redis.url": rl_config.redis.url,
+                 "topics.prefix": rl_config.topics.prefix, "topics.partitions": "2", "run_id": rl_config.run_id,
+                 "policy": rl_config.policy, "rollout.group_size": "2", "rollout.max_tokens": "4",
+                 "rollout.model": SERVED_MODEL}
+    args = ["rollout", "run", "--dataset", str(dataset), "--workflow", "rollout.workflows:single_turn",
+            "--reward", "tests.e2e.test_vllm_runner:text_length_reward", "--mode", "epoch",
+            "--base-url", vllm.base_url]
+    for key, value in overrides.items():
+        args += ["-o", key, value]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "groups 2  generations ok 4  failed 0" in result.output
+    events = asyncio.run(read_trajectories(rl_config, topic_names.trajectories, 4))
+    assert len(events) == 4 and {e.example_id for e in events} == {"q0", "q1"}
+    assert all(e.reward == len(e.messages[-1].content or "") for e in events)
+
+
+def text_length_reward(example: dict[str, Any], output: str) -> float:
+    return float(len(output))
