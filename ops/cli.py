@@ -28,6 +28,7 @@ from ops.cli_rollout import rollout_app; app.add_typer(rollout_app, name="rollou
 from ops.cli_inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702
 from ops.cli_learner import learner_app; app.add_typer(learner_app, name="learner")  # noqa: E402,E702
 from ops.cli_up import register as register_up; register_up(app)  # noqa: E402,E702
+from ops.cli_finetune import register as register_finetune; register_finetune(app)  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 

@@ -55,10 +55,22 @@ class FinetuningConfig(Section):
     num_epochs: int = Field(1, ge=1)
     output_dir: Path = Path(".tmp/finetuning/output")
     curriculum_learning: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    trajectory_builder: str = "rlstream_kafka"
-    trainer_adapter: str = "rlstream_kafka"
-    trainer: str = "rlstream_grpo"
+    trajectory_builder: str = Field("rlstream_kafka", description="a name in trajectory_builders, or a _type")
+    trainer_adapter: str = Field("rlstream_kafka", description="a name in trainer_adapters, or a _type")
+    trainer: str = Field("rlstream_grpo", description="a name in trainers, or a _type")
+    #: NAT-style component sections: name -> {"_type": registered type, ...its options}
+    trajectory_builders: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    trainer_adapters: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    trainers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    plugins: list[str] = Field(default_factory=list, description="modules imported before components are built "
+                               "(they register custom components by _type)")
+    validation_dataset: Path | None = Field(None, description="held-out examples (JSON/JSONL); never trained on")
     validation_interval: int = Field(5, ge=1)
+    validation_config_file: Path | None = Field(None, description="YAML merged over this config for validation "
+                                                "passes (e.g. another rollout.temperature or workflow)")
+    group_timeout_s: float = Field(20.0, gt=0, description="finetune's streams worker emits a group with failed "
+                                   "generations after this long (with the members it has)")
+    load_timeout_s: float = Field(300.0, gt=0, description="wait this long for vLLM to load a new version")
 
 
 # --- infrastructure ----------------------------------------------------------------
