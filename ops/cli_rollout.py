@@ -65,7 +65,8 @@ async def _run(cfg):  # type: ignore[no-untyped-def]
     await create_topics(cfg.kafka, cfg.topics)
     topics = TopicNames.from_config(cfg.topics)
     publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards,
-                                                max_in_flight=rcfg.max_in_flight)
+                                                max_in_flight=rcfg.max_in_flight,
+                                                delivery_timeout_s=rcfg.delivery_timeout_s)
     await publisher.start()
     metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="rollout", run_id=cfg.run_id)
     control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)

@@ -129,6 +129,10 @@ class StreamsConfig(Section):
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
     standby_replicas: int = Field(0, ge=0)
+    static_membership: bool = Field(True, description="join the consumer group with group.instance.id = "
+                                    "app_id-worker_id, so a restarted worker takes its old place")
+    rebalance_timeout_s: float = Field(20.0, gt=0, description="how long a rebalance waits for members to rejoin "
+                                       "(a killed member holds the group this long)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "StreamsConfig":
@@ -199,6 +203,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
     max_in_flight: int = Field(256, ge=1, description="publisher: unacknowledged events before send() waits")
+    delivery_timeout_s: float = Field(120.0, gt=0, description="publisher: report an event as not acknowledged "
+                                      "after this long")
     admission_poll_s: float = Field(1.0, gt=0)
     producer_id: str = "rollout"
 

@@ -64,6 +64,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
     bad_dir = tmp_path / "v3-bad"
     shutil.copytree(lora_dir, bad_dir)
     bad = policy_version(cfg.policy, 3, WeightsKind.lora, bad_dir, base_dir)
+    too_big_dir = make_lora_version(base_dir, tmp_path / "v4-rank16", rank=16)
     (bad_dir / "adapter_model.safetensors").write_bytes(b"tampered" + (bad_dir / "adapter_model.safetensors").read_bytes())
 
     async def scenario() -> None:
@@ -113,6 +114,14 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
             letter = await _first_dead_letter(cfg, created_topics)
             assert letter.error_type == "ManifestError" and codec.decode(letter.value, PolicyVersion).version == 3
             assert_matches(await served_turn(vllm, SERVED_MODEL), load_reference(full_dir))
+
+            # v4: a valid manifest the server cannot load (rank above --max-lora-rank): retried, reported
+            v4 = policy_version(cfg.policy, 4, WeightsKind.lora, too_big_dir, base_dir)
+            await producer.send_and_wait(created_topics.policy_versions, codec.encode(v4), key=cfg.policy.encode())
+            info = await wait_until(lambda: _error_for(control, cfg.policy, "w-e2e", 4), 60, "the failed load")
+            assert int(info["version"]) == 2 and "version 4 failed" in info["last_error"]
+            assert worker.failures == 2 and worker.state.version == 2
+            assert adapter_name(cfg.policy, 4) not in await backend.models()
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -128,6 +137,11 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
 async def _has_error(control: ControlPlane, policy: str, worker_id: str) -> dict[str, str] | None:
     info = (await control.workers(policy)).get(worker_id)
     return info if info and info.get("last_error") else None
+
+
+async def _error_for(control: ControlPlane, policy: str, worker_id: str, version: int) -> dict[str, str] | None:
+    info = (await control.workers(policy)).get(worker_id)
+    return info if info and info.get("last_error_version") == str(version) else None
 
 
 async def _first_dead_letter(cfg: RlstreamConfig, topics: TopicNames) -> DeadLetter:

@@ -90,14 +90,14 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 # --- new weight versions (what the learner would publish) ---------------------------------------------------
-def make_lora_version(base_dir: Path, out_dir: Path, seed: int = 1) -> Path:
+def make_lora_version(base_dir: Path, out_dir: Path, seed: int = 1, rank: int = 8) -> Path:
     """A PEFT LoRA adapter with random (non-zero) weights on the attention projections."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = load_reference(base_dir)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                         init_lora_weights=False, lora_dropout=0.0)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
