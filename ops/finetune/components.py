@@ -142,7 +142,7 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
 
         assert self.context.control is not None
         return RolloutRunner(cfg, workflow, self._client, publisher, self.context.control, reward,  # type: ignore[arg-type]
-                             self.context.metrics)
+                             self.context.rollout_metrics)
 
     async def start_run(self, run_id: str, meta: dict[str, Any] | None = None) -> None:
         epoch = int((meta or {}).get("epoch", len(self._runs)))

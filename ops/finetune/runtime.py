@@ -251,6 +251,7 @@ class FinetuneContext:
     control: ControlPlane | None = None
     producer: AIOKafkaProducer | None = None
     metrics: MetricsPublisher | None = None
+    rollout_metrics: MetricsPublisher | None = None
     collector: GroupCollector | None = None
     lease: Lease | None = None
     supervisor: Supervisor | None = None
@@ -281,6 +282,8 @@ class FinetuneContext:
         await self.producer.start()
         self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics, source=SERVICE,
                                         run_id=cfg.run_id, prometheus_port=cfg.learner.prometheus_port)
+        self.rollout_metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics, source="rollout",
+                                                run_id=cfg.run_id)
         self.lease = await self.control.acquire_lease(cfg.policy, self.learner_holder, cfg.learner.lease_ttl_s)
         if self.lease is None:
             holder = await self.control.lease_holder(cfg.policy)
