@@ -107,6 +107,22 @@ class FinetuneOutputs:
         return write_reward_plot(self.output_dir / REWARD_PLOT, self.epochs, self.validations, title)
 
 
+def plot_series(epochs: Sequence[dict[str, Any]], validations: Sequence[dict[str, Any]]) -> dict[str, tuple[list[Any], list[float]]]:
+    """The lines of reward_plot.png, by label: (epochs, values). The percentile goes on the second axis."""
+    kept = [r for r in epochs if r["filtered_groups"]]
+    series = {
+        "training mean reward": ([r["epoch"] for r in epochs], [r["avg_reward"] for r in epochs]),
+        "filtered mean reward (trained on)": ([r["epoch"] for r in kept], [r["filtered_avg_reward"] for r in kept]),
+        "validation mean reward": ([r["epoch"] for r in validations], [r["avg_reward"] for r in validations]),
+        PERCENTILE_LABEL: ([r["epoch"] for r in epochs], [r["curriculum_percentile"] for r in epochs]),
+    }
+    return {label: xy for label, xy in series.items() if xy[0]}
+
+
+PERCENTILE_LABEL = "curriculum percentile"
+_STYLES = {"training mean reward": "o-", "filtered mean reward (trained on)": "s--", "validation mean reward": "^-"}
+
+
 def write_reward_plot(path: Path, epochs: Sequence[dict[str, Any]], validations: Sequence[dict[str, Any]],
                       title: str = "") -> Path:
     """Training mean reward, filtered mean reward and validation reward per epoch; curriculum percentile on a
@@ -117,26 +133,20 @@ def write_reward_plot(path: Path, epochs: Sequence[dict[str, Any]], validations:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    xs = [r["epoch"] for r in epochs]
-    if epochs:
-        ax.plot(xs, [r["avg_reward"] for r in epochs], "o-", label="training mean reward")
-        kept = [r for r in epochs if r["filtered_groups"]]
-        ax.plot([r["epoch"] for r in kept], [r["filtered_avg_reward"] for r in kept], "s--",
-                label="filtered mean reward (trained on)")
-    if validations:
-        ax.plot([r["epoch"] for r in validations], [r["avg_reward"] for r in validations], "^-",
-                label="validation mean reward")
+    second = ax.twinx()
+    for label, (xs, ys) in plot_series(epochs, validations).items():
+        if label == PERCENTILE_LABEL:
+            second.plot(xs, ys, ":", color="grey", label=label)
+        else:
+            ax.plot(xs, ys, _STYLES[label], label=label)
     ax.set_xlabel("epoch")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    second = ax.twinx()
-    if epochs:
-        second.plot(xs, [r["curriculum_percentile"] for r in epochs], ":", color="grey", label="curriculum percentile")
-    second.set_ylabel("curriculum percentile")
+    second.set_ylabel(PERCENTILE_LABEL)
     second.set_ylim(0, 1.05)
-    lines = ax.get_legend_handles_labels()
-    more = second.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize="small")
+    lines, labels = ax.get_legend_handles_labels()
+    more_lines, more_labels = second.get_legend_handles_labels()
+    ax.legend(lines + more_lines, labels + more_labels, loc="lower right", fontsize="small")
     ax.set_title(title or "rlstream finetune")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
