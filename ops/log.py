@@ -37,6 +37,8 @@ def configure_logging(mode: Literal["auto", "json", "console"] = "auto", level: 
         return
     renderer = structlog.dev.ConsoleRenderer() if mode == "console" else structlog.processors.JSONRenderer()
     logging.basicConfig(level=level, stream=CURRENT_STDERR, format="%(message)s")
+    # the OpenAI client logs every HTTP request at INFO through httpx: noise in a service log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
