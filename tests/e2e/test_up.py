@@ -77,7 +77,8 @@ def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path
         latest = asyncio.run(control.latest_version("toy"))
     finally:
         asyncio.run(control.close())
-    assert latest == versions[-1].version
+    # the pointer moves right after each announcement; a stop may fall between the two
+    assert versions[-1].version - 1 <= latest <= versions[-1].version
     loaded = {int(v) for v in summary["loaded"].values()}
     assert loaded and max(loaded) >= MIN_VERSIONS
     scored = [h["version"] for h in summary["heldout"]]
