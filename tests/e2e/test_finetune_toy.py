@@ -30,6 +30,20 @@ from streams.curriculum import keep_count, percentile_schedule
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
 
 vllm = vllm_fixture()
+FLAKY_EXAMPLE = "toy-0-0"
+_failed: set[str] = set()
+
+
+async def flaky_single_turn(example: dict[str, Any], client: Any) -> str:
+    """The reference workflow, except that the first generation of FLAKY_EXAMPLE fails (once per process)."""
+    from rollout.workflows import single_turn
+
+    if example["id"] == FLAKY_EXAMPLE and FLAKY_EXAMPLE not in _failed:
+        _failed.add(FLAKY_EXAMPLE)
+        raise ConnectionError("simulated failed generation")
+    return await single_turn(example, client)
+
+
 EPOCHS = 3
 EXAMPLES = 4
 GENERATIONS = 4
@@ -53,8 +67,8 @@ def file_config(rl_config: RlstreamConfig, model_dir: Path, output_dir: Path) ->
     data["learner"].update({"model": str(model_dir), "device": "cpu", "learning_rate": 1e-3, "groups_per_step": 2,
                             "lora": {"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0,
                                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}})
-    data["rollout"].update({"workflow": "rollout.workflows:single_turn", "reward_function": "ops.toy:toy_reward",
-                            "model": SERVED_MODEL, "max_tokens": 8, "temperature": 1.0, "concurrency": 8})
+    data["rollout"].update({"workflow": "tests.e2e.test_finetune_toy:flaky_single_turn",
+                            "reward_function": "ops.toy:toy_reward", "model": SERVED_MODEL, "max_tokens": 8, "temperature": 1.0, "concurrency": 8})
     data["inference"].update({"served_model": SERVED_MODEL})
     return data
 
@@ -101,13 +115,15 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
     for r in lines:
         assert set(r) == set(EPOCH_KEYS) | {"curriculum_state"}
         assert r["run_id"] == rl_config.run_id
-        assert r["num_groups"] == EXAMPLES and r["num_trajectories"] == EXAMPLES * GENERATIONS
+        # the failed generation (epoch 0) did not fail the epoch: its group came with the 3 members it had
+        failed = 1 if r["epoch"] == 0 else 0
+        assert r["num_groups"] == EXAMPLES and r["num_trajectories"] == EXAMPLES * GENERATIONS - failed
         assert r["min_reward"] <= r["avg_reward"] <= r["max_reward"]
     assert [r["curriculum_percentile"] for r in lines] == expected_schedule
     # kept = the first max(1, ceil(n * percentile)) groups by mean reward, highest first
     assert [r["filtered_groups"] for r in lines] == [keep_count(EXAMPLES, p) for p in expected_schedule] == [2, 3, 4]
     for r in lines:
-        assert r["filtered_trajectories"] == r["filtered_groups"] * GENERATIONS
+        assert r["filtered_groups"] * GENERATIONS - r["filtered_trajectories"] in ((0, 1) if r["epoch"] == 0 else (0,))
         assert r["filtered_avg_reward"] >= r["avg_reward"] - 1e-9
         assert r["curriculum_state"]["current_percentile"] == r["curriculum_percentile"]
         assert r["curriculum_state"]["last_expansion_epoch"] == r["epoch"]
@@ -143,6 +159,8 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
               if g.run_id == rl_config.run_id]
     trained_ids = {g.group_id for g in groups if all(t.source == TrajectorySource.rollout for t in g.trajectories)}
     assert len(trained_ids) == EPOCHS * EXAMPLES
+    flaky = next(g for g in groups if g.group_id == f"{rl_config.run_id}:{FLAKY_EXAMPLE}:0")
+    assert flaky.completion.value == "timeout" and len(flaky.trajectories) == GENERATIONS - 1
     trajectories = [t for t in asyncio.run(read_topic(rl_config, topics.trajectories, TrajectoryEvent))
                     if t.run_id == rl_config.run_id]
     validation = [t for t in trajectories if t.source == TrajectorySource.validation]
