@@ -141,8 +141,8 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
         from rollout.runner import RolloutRunner
 
         assert self.context.control is not None
-        return RolloutRunner(cfg, workflow, self._client, publisher, self.context.control, reward,  # type: ignore[arg-type]
-                             self.context.rollout_metrics)
+        return RolloutRunner(cfg, workflow, self._client, publisher,  # type: ignore[arg-type]
+                             self.context.control, reward, self.context.rollout_metrics)
 
     async def start_run(self, run_id: str, meta: dict[str, Any] | None = None) -> None:
         epoch = int((meta or {}).get("epoch", len(self._runs)))
@@ -216,7 +216,8 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
 
 
 @register_trajectory_builder(config_type=KafkaTrajectoryBuilderConfig)
-async def kafka_trajectory_builder(config: KafkaTrajectoryBuilderConfig, builder: FinetuneContext) -> AsyncIterator[Any]:
+async def kafka_trajectory_builder(config: KafkaTrajectoryBuilderConfig,
+                                   builder: FinetuneContext) -> AsyncIterator[Any]:
     component = KafkaTrajectoryBuilder(config, builder)
     try:
         yield component
@@ -312,9 +313,9 @@ class GRPOTrainerAdapter(TrainerAdapter):
         return out
 
     async def submit(self, trajectories: TrajectoryCollection) -> TrainingJobRef:
+        group_ids = [trajectories.group_id(i) for i in range(len(trajectories.trajectories))]
         ref = TrainingJobRef(run_id=trajectories.run_id, backend=self.backend,
-                             metadata={"job_id": uuid.uuid4().hex[:12],
-                                       "group_ids": [trajectories.group_id(i) for i in range(len(trajectories.trajectories))]})
+                             metadata={"job_id": uuid.uuid4().hex[:12], "group_ids": group_ids})
         job = _Job(TrainingJobStatus(trajectories.run_id, self.backend, TrainingStatusEnum.PENDING, 0.0, "queued"))
         self.jobs[ref.metadata["job_id"]] = job
         job.task = asyncio.create_task(self._run_job(ref, job, self._valid_groups(trajectories)))
@@ -523,7 +524,8 @@ class EpochTrainer(Trainer):
             return None
         return await self.trainer_adapter.submit(kept)
 
-    def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection, epoch: int) -> TrajectoryCollection:
+    def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection,
+                                  epoch: int) -> TrajectoryCollection:
         """The NAT curriculum on this epoch's groups (streams.curriculum.select_groups)."""
         assert self.state is not None
         candidates = [Candidate(trajectory_collection.group_id(i), tuple(t.reward for t in members), i)

@@ -312,7 +312,8 @@ class Trainer(ABC):
         rewards = await self.trajectory_builder.run_validation(epoch, {"run_id": run_id})
         return validation_record(epoch, rewards)
 
-    def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection, epoch: int) -> TrajectoryCollection:
+    def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection,
+                                  epoch: int) -> TrajectoryCollection:
         raise NotImplementedError("override to implement curriculum learning")
 
     def get_curriculum_state(self) -> dict[str, Any]:

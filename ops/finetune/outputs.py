@@ -107,7 +107,10 @@ class FinetuneOutputs:
         return write_reward_plot(self.output_dir / REWARD_PLOT, self.epochs, self.validations, title)
 
 
-def plot_series(epochs: Sequence[dict[str, Any]], validations: Sequence[dict[str, Any]]) -> dict[str, tuple[list[Any], list[float]]]:
+Series = dict[str, tuple[list[Any], list[float]]]
+
+
+def plot_series(epochs: Sequence[dict[str, Any]], validations: Sequence[dict[str, Any]]) -> Series:
     """The lines of reward_plot.png, by label: (epochs, values). The percentile goes on the second axis."""
     kept = [r for r in epochs if r["filtered_groups"]]
     series = {

@@ -66,17 +66,20 @@ def _register(kind: Kind, config_type: type[ComponentConfig], factory: Callable[
     return factory
 
 
-def register_trajectory_builder(config_type: type[TrajectoryBuilderConfig]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def register_trajectory_builder(config_type: type[TrajectoryBuilderConfig]) -> Decorator:
     """Decorator: register a TrajectoryBuilder factory under ``config_type``'s ``_type``."""
     return lambda factory: _register("trajectory_builder", config_type, factory)
 
 
-def register_trainer_adapter(config_type: type[TrainerAdapterConfig]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_trainer_adapter(config_type: type[TrainerAdapterConfig]) -> Decorator:
     """Decorator: register a TrainerAdapter factory under ``config_type``'s ``_type``."""
     return lambda factory: _register("trainer_adapter", config_type, factory)
 
 
-def register_trainer(config_type: type[TrainerConfig]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_trainer(config_type: type[TrainerConfig]) -> Decorator:
     """Decorator: register a Trainer factory under ``config_type``'s ``_type``."""
     return lambda factory: _register("trainer", config_type, factory)
 

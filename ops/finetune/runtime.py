@@ -108,7 +108,8 @@ def wait_endpoint(url: str, timeout_s: float) -> None:
     raise FinetuneError(f"endpoint {url} did not answer within {timeout_s:.0f} s ({last})")
 
 
-def provide_vllm(cfg: RlstreamConfig, endpoint: str | None, workdir: Path, timeout_s: float) -> tuple[str, VllmServer | None]:
+def provide_vllm(cfg: RlstreamConfig, endpoint: str | None, workdir: Path,
+                 timeout_s: float) -> tuple[str, VllmServer | None]:
     """The vLLM server URL: ``endpoint`` when given, else a server started on ``learner.model``."""
     if endpoint:
         url = server_root(endpoint)
