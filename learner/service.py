@@ -32,7 +32,7 @@ from ops.log import get_logger
 from ops.metrics import MetricsPublisher
 from schemas.codec import AvroCodec, CodecError
 from schemas.config import RlstreamConfig
-from schemas.models import TrajectoryGroup, WeightsKind
+from schemas.models import TrajectoryGroup, TrajectorySource, WeightsKind
 from schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -181,6 +181,10 @@ class Learner:
             group = self.codec.decode(record.value, TrajectoryGroup)
             if group.policy != self.cfg.policy:
                 raise BatchError(f"group of policy {group.policy!r}, this learner trains {self.cfg.policy!r}")
+            if any(t.source == TrajectorySource.validation for t in group.trajectories):
+                # held-out evaluation traffic: consumed, never trained on (not an error, so no dead letter)
+                self.validation_groups_skipped += 1
+                return TakenGroup(record.partition, record.offset, None, [])
             samples = samples_from_groups([group], self._tokenizer, self.cfg.finetuning.target_functions,
                                           self.cfg.finetuning.target_model)
             return TakenGroup(record.partition, record.offset, group, samples)
@@ -193,6 +197,7 @@ class Learner:
         return TakenGroup(record.partition, record.offset, None, [])
 
     _tokenizer: Any = None
+    validation_groups_skipped: int = 0
 
     # -- training ----------------------------------------------------------------------------------------
     async def _train_step(self, state: LearnerState, taken: list[TakenGroup], policy: Policy,

@@ -129,3 +129,21 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
         assert [v.version for v in versions] == [1]
 
     asyncio.run(scenario())
+
+
+def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                          tmp_path: Path) -> None:
+    from schemas.models import DeadLetter, TrajectorySource
+
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora=True, steps=1)
+    held_out = random_group(cfg.policy, cfg.run_id, 99)
+    for trajectory in held_out.trajectories:
+        trajectory.source = TrajectorySource.validation
+    asyncio.run(produce_groups(cfg, [held_out] + [random_group(cfg.policy, cfg.run_id, i) for i in range(2)]))
+    learner = Learner(cfg, holder="only")
+    state = asyncio.run(learner.run())
+    assert state.step == 1 and learner.validation_groups_skipped == 1
+    (version,) = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1))
+    assert version.group_count == 2  # the two training groups; the validation group was only consumed
+    assert sum(r.last - r.first + 1 for r in version.trained_on) == 3
+    assert asyncio.run(read_topic(cfg, created_topics.dlq, DeadLetter, expect=1, timeout_s=3.0)) == []
