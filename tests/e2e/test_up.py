@@ -55,6 +55,14 @@ async def _published_versions(bootstrap: str, topic: str) -> list[PolicyVersion]
         await consumer.stop()
 
 
+async def _latest_version(redis_url: str, policy: str) -> int:
+    control = ControlPlane(redis_url)
+    try:
+        return await control.latest_version(policy)
+    finally:
+        await control.close()
+
+
 def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path: Path, unique: str) -> None:
     prefix = f"up{unique}."
     env = {**os.environ, "RLSTREAM_KAFKA_BOOTSTRAP": local_stack.bootstrap, "RLSTREAM_REDIS_URL": local_stack.redis_url}
@@ -72,11 +80,7 @@ def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path
     versions = asyncio.run(_published_versions(local_stack.bootstrap, names.policy_versions))
     assert len(versions) >= MIN_VERSIONS
     assert [v.version for v in versions] == sorted(v.version for v in versions)
-    control = ControlPlane(local_stack.redis_url)
-    try:
-        latest = asyncio.run(control.latest_version("toy"))
-    finally:
-        asyncio.run(control.close())
+    latest = asyncio.run(_latest_version(local_stack.redis_url, "toy"))
     # the pointer moves right after each announcement; a stop may fall between the two
     assert versions[-1].version - 1 <= latest <= versions[-1].version
     loaded = {int(v) for v in summary["loaded"].values()}
