@@ -80,7 +80,8 @@ class InferenceSyncWorker:
         self.topics = TopicNames.from_config(cfg.topics)
         self.producer = producer or make_producer(cfg.kafka)
         self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics,
-                                        source=f"inference:{self.icfg.worker_id}", run_id=cfg.run_id)
+                                        source=f"inference:{self.icfg.worker_id}", run_id=cfg.run_id,
+                                        prometheus_port=self.icfg.prometheus_port)
         self.state = LoadedState(version=0, name=self.icfg.served_model, kind="base")
         self.adapters: deque[str] = deque()
         self.failures = 0

@@ -218,11 +218,11 @@ class InferenceConfig(Section):
     worker_id: str = "worker-0"
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
     heartbeat_ttl_s: float = Field(30.0, gt=0)
-    vllm_venv: Path = Path(".venv-vllm")
     load_retries: int = Field(3, ge=0)
     retry_backoff_s: float = Field(1.0, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
     weights_root: Path | None = Field(None, description="resolve relative PolicyVersion uris against this")
+    prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")
 
 
 class RlstreamConfig(BaseSettings):
