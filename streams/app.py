@@ -10,7 +10,9 @@ offsets (exactly_once) or after the state change (at_least_once).
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, R
 from streams.filters import apply_filters
 from streams.policy import PolicyTracker
 from streams.telemetry import Telemetry
-from streams.transactions import SourcePartitionTransactionManager
+from streams.transactions import BufferTracker, SourcePartitionTransactionManager
 
 log = get_logger(__name__)
 SERVICE = "streams"
@@ -57,7 +59,10 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
         broker_commit_interval=s.commit_interval_s,
         broker_session_timeout=cfg.kafka.session_timeout_ms / 1000.0,
         broker_heartbeat_interval=max(1.0, cfg.kafka.session_timeout_ms / 3000.0),
-        broker_request_timeout=max(cfg.kafka.request_timeout_ms / 1000.0, cfg.kafka.session_timeout_ms / 1000.0 + 5),
+        broker_rebalance_timeout=s.rebalance_timeout_s,
+        consumer_group_instance_id=f"{s.app_id}-{worker_id}" if s.static_membership else None,
+        # a JoinGroup may be held by the coordinator for the whole rebalance timeout
+        broker_request_timeout=max(cfg.kafka.request_timeout_ms / 1000.0, s.rebalance_timeout_s + 10),
         broker_client_id=f"{cfg.kafka.client_id}-{SERVICE}-{worker_id}",
         consumer_auto_offset_reset="earliest",
         producer_max_request_size=cfg.kafka.max_message_bytes + 64 * 1024,
@@ -82,6 +87,38 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
     return settings
 
 
+class Base64Values(MutableMapping[str, bytes]):
+    """Bytes values kept as base64 text in a JSON table (Faust's changelog recovery is JSON-safe)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def __getitem__(self, key: str) -> bytes:
+        value = self.table[key]
+        if value is None:
+            raise KeyError(key)
+        return base64.b64decode(value)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        value = self.table.get(key)
+        return default if value is None else base64.b64decode(value)
+
+    def __setitem__(self, key: str, value: bytes) -> None:
+        self.table[key] = base64.b64encode(value).decode("ascii")
+
+    def __delitem__(self, key: str) -> None:
+        del self.table[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
 @dataclass
 class StreamsApp:
     """The configured Faust app plus what its agent and timers share."""
@@ -100,20 +137,23 @@ class StreamsApp:
         self.app = faust.App(self.cfg.streams.app_id, **settings)
         # outputs join the transaction of the source partition (see streams/transactions.py)
         self.app.transport.TransactionManager = SourcePartitionTransactionManager
+        self.app.rlstream_buffer_tracker = BufferTracker(self.app.producer.buffer)  # type: ignore[attr-defined]
+        self.processing_lock = asyncio.Lock()
+        if self.cfg.streams.processing_guarantee == "exactly_once":
+            self.app.rlstream_processing_lock = self.processing_lock  # type: ignore[attr-defined]
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.ticks, **raw)
         self.groups_out = self.app.topic(self.names.groups, **raw)
         self.dlq_out = self.app.topic(self.names.dlq, **raw)
         parts = self.cfg.topics.partitions
         json_schema = faust.Schema(key_serializer="json", value_serializer="json")
-        raw_schema = faust.Schema(key_serializer="json", value_serializer="raw")
         self.group_table = self.app.Table("groups", default=None, partitions=parts, schema=json_schema)
-        self.member_table = self.app.Table("members", default=None, partitions=parts, schema=raw_schema)
+        self.member_table = self.app.Table("members", default=None, partitions=parts, schema=json_schema)
         self.curriculum_table = self.app.Table("curriculum", default=None, partitions=parts, schema=json_schema)
         rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
                               min_group_size=self.cfg.streams.min_group_size,
                               closed_retention_s=self.cfg.streams.closed_retention_s)
-        self.assembler = GroupAssembler(self.group_table, self.member_table, self.codec, rules)
+        self.assembler = GroupAssembler(self.group_table, Base64Values(self.member_table), self.codec, rules)
         self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
@@ -127,7 +167,8 @@ class StreamsApp:
         async def assemble(stream: Any) -> None:
             await self.policy.ready.wait()
             async for event in stream.events():
-                await self.handle(event.message)
+                async with self.processing_lock:
+                    await self.handle(event.message)
 
         @app.task
         async def follow_policy_versions() -> None:

@@ -203,3 +203,22 @@ def assert_groups_match(groups: list[TrajectoryGroup], expected: dict[str, dict[
         assert abs(g.reward_mean - sum(rewards) / len(rewards)) < 1e-9
         assert g.reward_min == min(rewards) and g.reward_max == max(rewards)
         assert len([o for o in g.source_offsets if o.topic.endswith("trajectories")]) == len(rewards)
+
+
+async def wait_for_count(cfg: RlstreamConfig, topic: str, n: int, timeout_s: float = 60.0) -> int:
+    """Block until ``topic`` holds at least ``n`` committed records; returns the count seen."""
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        seen, deadline = 0, time.monotonic() + timeout_s
+        while seen < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: {seen} records after {timeout_s}s, wanted {n}")
+            batch = await consumer.getmany(timeout_ms=200)
+            seen += sum(len(r) for r in batch.values())
+        return seen
+    finally:
+        await consumer.stop()

@@ -1,0 +1,68 @@
+"""Exactly-once under failure: SIGKILL of the worker process mid-stream, and two workers sharing the
+partitions through rebalances. Groups are read with isolation_level=read_committed."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.config import RlstreamConfig
+from schemas.models import MetricEvent
+from schemas.topics import TopicNames
+from streams.app import prepare_topics
+from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
+                                   wait_for_count)
+
+
+@pytest.mark.parametrize("store", ["memory", "rocksdb"])
+def test_sigkill_mid_stream_loses_nothing_and_duplicates_nothing(rl_config: RlstreamConfig, tmp_path: Path,
+                                                                 store: str) -> None:
+    asyncio.run(prepare_topics(rl_config))
+    names = TopicNames.from_config(rl_config.topics)
+    records, expected = interleaved_stream(rl_config, n_examples=500, group_size=4, seed=7, late_fraction=0.25)
+    assert sum(1 for t, *_ in records if t == names.trajectories) == 2000
+    worker = Worker(rl_config, "w1", tmp_path, **{"streams.store": store}).start()
+    restarted = None
+    try:
+        asyncio.run(publish(rl_config, records))
+        asyncio.run(wait_for_count(rl_config, names.groups, 60, timeout_s=90))
+        worker.kill()
+        emitted_before = asyncio.run(wait_for_count(rl_config, names.groups, 0))
+        assert emitted_before < len(expected), "the kill came after the stream was done"
+        restarted = Worker(rl_config, "w1", tmp_path, **{"streams.store": store}).start()
+        groups = asyncio.run(read_groups(rl_config, names.groups, expect=len(expected), timeout_s=150, quiet_s=4))
+        assert restarted.alive(), restarted.log_tail()
+        assert_groups_match(groups, expected)
+    finally:
+        worker.stop()
+        if restarted:
+            restarted.stop()
+
+
+def test_two_workers_share_partitions_through_rebalances(rl_config: RlstreamConfig, tmp_path: Path) -> None:
+    asyncio.run(prepare_topics(rl_config))
+    names = TopicNames.from_config(rl_config.topics)
+    records, expected = interleaved_stream(rl_config, n_examples=250, group_size=4, seed=9, late_fraction=0.3)
+    w1 = Worker(rl_config, "w1", tmp_path).start()
+    w2 = Worker(rl_config, "w2", tmp_path)
+    feeder = threading.Thread(target=lambda: asyncio.run(publish(rl_config, records, pace_every=60, pace_s=0.4)))
+    try:
+        feeder.start()
+        asyncio.run(wait_for_count(rl_config, names.groups, 30, timeout_s=90))
+        w2.start()  # rebalance: the partitions are shared mid-stream
+        time.sleep(12)
+        w1.kill()  # second rebalance: w2 takes everything over after the session timeout
+        feeder.join(120)
+        groups = asyncio.run(read_groups(rl_config, names.groups, expect=len(expected), timeout_s=150, quiet_s=4))
+        assert w2.alive(), w2.log_tail()
+        assert_groups_match(groups, expected)
+        metrics = [m for _, m in asyncio.run(read_all(rl_config, names.metrics, MetricEvent, timeout_s=5, quiet_s=1))]
+        worked = {m.tags.get("worker") for m in metrics if m.name == "streams.events_in" and m.value > 0}
+        assert worked == {"w1", "w2"}
+    finally:
+        w1.stop()
+        w2.stop()
