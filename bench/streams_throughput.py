@@ -1,0 +1,164 @@
+"""Streams throughput: raw aiokafka consume rate of `trajectories` vs the Faust assembly rate of the same
+events, measured in one run on one broker, printed with their ratio; then assembly latency p50/p99 at a fixed
+offered load. Realistic events: 8 turns, 512 completion tokens with logprobs each.
+
+    .venv/bin/python bench/streams_throughput.py --groups 100 --group-size 4 --rate 40
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aiokafka import TopicPartition  # noqa: E402
+
+from ops.infra import LocalStack  # noqa: E402
+from ops.kafka import make_consumer  # noqa: E402
+from schemas.config import RlstreamConfig, load_config  # noqa: E402
+from schemas.models import TrajectoryGroup  # noqa: E402
+from schemas.topics import TopicNames  # noqa: E402
+from streams.app import prepare_topics  # noqa: E402
+from streams.telemetry import percentile  # noqa: E402
+from tests.factories import make_trajectory  # noqa: E402
+from tests.streams_helpers import CODEC, Worker, publish  # noqa: E402
+
+
+def events(cfg: RlstreamConfig, groups: int, size: int, prefix: str) -> list[tuple[str, bytes, bytes]]:
+    names = TopicNames.from_config(cfg.topics)
+    out = []
+    for e in range(groups):
+        for g in range(size):
+            t = make_trajectory(run_id=cfg.run_id, example_id=f"{prefix}{e}", group_size=size, generation_index=g,
+                                policy=cfg.policy, reward=g / size, turns=8, completion_tokens=512,
+                                prompt_tokens=256, seed=e * 100 + g)
+            out.append((names.trajectories, t.example_id.encode(), CODEC.encode(t)))
+    return out
+
+
+async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> float:
+    consumer = make_consumer(cfg.kafka, group_id=None)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        seen, start = 0, time.perf_counter()
+        while seen < n:
+            batch = await consumer.getmany(timeout_ms=500)
+            seen += sum(len(r) for r in batch.values())
+        return n / (time.perf_counter() - start)
+    finally:
+        await consumer.stop()
+
+
+async def wait_groups(cfg: RlstreamConfig, topic: str, n: int, produced_at: dict[str, float] | None = None
+                      ) -> tuple[float, list[float]]:
+    """Seconds until ``n`` groups are readable (read_committed) and, with ``produced_at``, the latency of each
+    from its last member's publication to the group being readable."""
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    latencies: list[float] = []
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        seen, start = 0, time.perf_counter()
+        while seen < n:
+            batch = await consumer.getmany(timeout_ms=200)
+            now = time.time()
+            for records in batch.values():
+                for r in records:
+                    seen += 1
+                    if produced_at is not None:
+                        g = CODEC.decode(r.value, TrajectoryGroup)
+                        if g.example_id in produced_at:
+                            latencies.append(now - produced_at[g.example_id])
+        return time.perf_counter() - start, latencies
+    finally:
+        await consumer.stop()
+
+
+async def paced_publish(cfg: RlstreamConfig, records: list[tuple[str, bytes, bytes]], rate: float,
+                        produced_at: dict[str, float]) -> None:
+    from ops.kafka import make_producer
+
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        start = time.perf_counter()
+        for i, (topic, key, value) in enumerate(records):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await producer.send_and_wait(topic, value, key=key)
+            produced_at[key.decode()] = time.time()
+    finally:
+        await producer.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=100)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=40.0, help="offered load (trajectories/s) for the latency part")
+    ap.add_argument("--latency-groups", type=int, default=50)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-streams-"))
+    stack = LocalStack.start(tmp / "infra")
+    worker = None
+    try:
+        cfg = load_config(None, [("kafka.bootstrap_servers", stack.bootstrap), ("kafka.session_timeout_ms", "6000"),
+                                 ("redis.url", stack.redis_url), ("topics.prefix", "bench."),
+                                 ("topics.partitions", "4"), ("streams.app_id", "bench-streams"),
+                                 ("streams.data_dir", str(tmp / "streams")), ("streams.min_reward_diff", "0")])
+        names = TopicNames.from_config(cfg.topics)
+        asyncio.run(prepare_topics(cfg))
+        recs = events(cfg, args.groups, args.group_size, "ex")
+        n = len(recs)
+        size = sum(len(v) for *_, v in recs) / n
+        asyncio.run(publish(cfg, recs))
+        raw = asyncio.run(raw_consume_rate(cfg, names.trajectories, n))
+        # the assembler will read these from a fresh topic prefix: publish them there after the warm-up
+        cfg = cfg.model_copy(update={"topics": cfg.topics.model_copy(update={"prefix": "bench2."})})
+        names = TopicNames.from_config(cfg.topics)
+        asyncio.run(prepare_topics(cfg))
+        recs = [(names.trajectories, k, v) for _, k, v in recs]
+        worker = Worker(cfg, "bench", tmp, **{"streams.commit_interval_s": 1.0}).start()
+        warm = events(cfg, 1, args.group_size, "warm")
+        asyncio.run(publish(cfg, warm))
+        asyncio.run(wait_groups(cfg, names.groups, 1))  # worker joined, recovered and running
+        t0 = time.perf_counter()
+        asyncio.run(publish(cfg, recs))
+        asyncio.run(wait_groups(cfg, names.groups, 1 + args.groups))
+        total = time.perf_counter() - t0
+        faust_rate = n / total
+        print(f"events: {n} trajectories, {size / 1024:.1f} KiB each (8 turns x 512 tokens + logprobs)")
+        print(f"raw aiokafka consume : {raw:10.1f} trajectories/s")
+        print(f"faust assembly       : {faust_rate:10.1f} trajectories/s (publish -> all groups readable, {total:.1f}s)")
+        print(f"ratio raw/faust      : {raw / faust_rate:10.1f}x")
+        lat_recs = events(cfg, args.latency_groups, args.group_size, "lat")
+        produced_at: dict[str, float] = {}
+
+        async def latency_run() -> list[float]:
+            waiter = asyncio.create_task(wait_groups(cfg, names.groups, args.groups + args.latency_groups, produced_at))
+            await paced_publish(cfg, lat_recs, args.rate, produced_at)
+            _, lats = await waiter
+            return lats
+
+        lats = [x for x in asyncio.run(latency_run()) if x >= 0]
+        print(f"latency at {args.rate:.0f} trajectories/s offered: p50 {percentile(lats, 50) * 1000:.0f} ms, "
+              f"p99 {percentile(lats, 99) * 1000:.0f} ms (last member published -> group readable, "
+              f"read_committed, {len(lats)} groups)")
+    finally:
+        if worker:
+            worker.stop()
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()
