@@ -21,10 +21,10 @@ from typing import Any
 import yaml
 
 from ops.control import ControlPlane
-from ops.infra import LocalStack, pid_alive, stop_pid
+from ops.infra import LocalStack, stop_pid
 from ops.kafka import create_topics
 from ops.log import get_logger
-from schemas.config import RlstreamConfig, load_config, overrides_to_dict, read_yaml
+from schemas.config import ConfigError, RlstreamConfig, load_config, overrides_to_dict, read_yaml
 
 log = get_logger(__name__)
 
@@ -142,21 +142,26 @@ class VersionScore:
     at: float
 
 
-async def evaluate_heldout(base_url: str, model: str, examples: list[dict[str, Any]], reward_fn: Any,
+async def evaluate_heldout(base_url: str, model: str, examples: list[dict[str, Any]], workflow: Any, reward_fn: Any,
                            samples: int, max_tokens: int, temperature: float) -> tuple[float, int]:
-    """Mean reward of ``samples`` completions per held-out example from ``model`` (served by vLLM)."""
+    """Mean reward of ``samples`` runs of ``workflow`` per held-out example against ``model`` (served by vLLM).
+
+    The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
+    """
     from openai import AsyncOpenAI
 
-    from rollout.workflows import example_messages
+    from rollout.runner import score
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=60.0)
+    client.rlstream_model = model  # type: ignore[attr-defined]
+    client.rlstream_temperature = temperature  # type: ignore[attr-defined]
+    client.rlstream_max_tokens = max_tokens  # type: ignore[attr-defined]
     try:
-        async def one(example: dict[str, Any]) -> list[float]:
-            resp = await client.chat.completions.create(model=model, messages=example_messages(example), n=samples,
-                                                        max_tokens=max_tokens, temperature=temperature)
-            return [float(reward_fn(example, choice.message.content or "")) for choice in resp.choices]
+        async def one(example: dict[str, Any]) -> float:
+            output = await workflow(example, client)
+            return score(reward_fn(example, output))[0]
 
-        scores = [s for batch in await asyncio.gather(*(one(e) for e in examples)) for s in batch]
+        scores = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
     finally:
         await client.close()
     return (sum(scores) / len(scores) if scores else 0.0), len(scores)
@@ -294,10 +299,17 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
 
 
 async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures: LiveFigures, base_url: str,
-                            heldout: list[dict[str, Any]], reward_fn: Any, samples: int, stop: asyncio.Event,
-                            on_score: Any) -> None:
-    """Score every version the inference worker reports loaded (and the base model first) on held-out prompts."""
+                            heldout: list[dict[str, Any]], samples: int, stop: asyncio.Event, on_score: Any) -> None:
+    """Score every version the inference worker reports loaded (and the base model first) on held-out examples,
+    with the run's own workflow and reward function."""
+    from rollout.loading import load_callable
     from rollout.routing import VersionRouter
+
+    workflow = load_callable(cfg.rollout.workflow or "rollout.workflows:single_turn")
+    if not cfg.rollout.reward_function:
+        log.warning("no rollout.reward_function: held-out evaluation is off (rewards come as RewardEvents)")
+        return
+    reward_fn = load_callable(cfg.rollout.reward_function)
 
     router = VersionRouter(control, cfg.policy, cfg.rollout.model, ttl_s=0.0)
     done: set[int] = set()
@@ -306,7 +318,7 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
         if route.version not in done:
             done.add(route.version)
             try:
-                mean, n = await evaluate_heldout(base_url, route.model, heldout, reward_fn, samples,
+                mean, n = await evaluate_heldout(base_url, route.model, heldout, workflow, reward_fn, samples,
                                                  cfg.rollout.max_tokens, cfg.rollout.temperature)
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
@@ -371,8 +383,8 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
 
 
 # --- main ------------------------------------------------------------------------------------------------
-async def _supervise(cfg: RlstreamConfig, config_path: Path, opts: UpOptions, sup: Supervisor, vllm_url: str,
-                     heldout: list[dict[str, Any]], reward_fn: Any, figures: LiveFigures) -> None:
+async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm_url: str,
+                     heldout: list[dict[str, Any]], figures: LiveFigures) -> None:
     from rich.console import Console
     from rich.live import Live
 
@@ -401,9 +413,12 @@ async def _supervise(cfg: RlstreamConfig, config_path: Path, opts: UpOptions, su
     tasks = [
         asyncio.create_task(watcher.follow_topics(stop)),
         asyncio.create_task(watcher.poll_control(stop)),
-        asyncio.create_task(evaluate_versions(cfg, control, figures, f"{vllm_url}/v1", heldout, reward_fn,
-                                              opts.eval_samples, stop, on_score)),
     ]
+    if heldout:
+        tasks.append(asyncio.create_task(evaluate_versions(cfg, control, figures, f"{vllm_url}/v1", heldout,
+                                                           opts.eval_samples, stop, on_score)))
+    else:
+        log.warning("no held-out examples (set finetuning.validation_dataset): versions are not evaluated")
     deadline = time.monotonic() + opts.duration_s if opts.duration_s else None
     console = Console()
     try:
@@ -430,28 +445,24 @@ async def _supervise(cfg: RlstreamConfig, config_path: Path, opts: UpOptions, su
 def run_up(opts: UpOptions) -> dict[str, Any]:
     """Run the whole system until ``duration_s`` or Ctrl-C; returns the summary written to disk."""
     from ops.vllm import ensure_vllm_venv, start_vllm_server
-    from rollout.loading import load_callable
 
+    user_cfg = load_config(opts.config, opts.overrides) if opts.config else None  # fail before starting anything
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (opts.runs_dir / run_id).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack.start(run_dir / "infra")
     sup = Supervisor(run_dir / "logs")
     figures = LiveFigures()
-    summary: dict[str, Any] = {}
-    vllm = None
     config_path = run_dir / "config.yaml"
     try:
-        model_dir, dataset, heldout, reward_fn = _task(opts, run_dir)
+        model_dir, dataset, heldout = _task(opts, run_dir, user_cfg)
         print(f"run {run_id}: data in {run_dir}", flush=True)
         print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
         ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")
-        cfg_for_model = load_config(opts.config, opts.overrides) if opts.config else None
-        served = cfg_for_model.inference.served_model if cfg_for_model else TOY_DEFAULTS["inference"]["served_model"]
-        serve_dir = Path(cfg_for_model.learner.model) if cfg_for_model and cfg_for_model.learner.model else model_dir
-        vllm = start_vllm_server(serve_dir, served_model_name=served, workdir=run_dir / "vllm")
+        served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
+        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm")
         sup.extra_pids["vllm"] = vllm.pid
-        cfg, config_path = compose_config(opts, run_id, run_dir, stack, model_dir if opts.config is None else None,
+        cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset)
         asyncio.run(create_topics(cfg.kafka, cfg.topics))
         c = ["-c", str(config_path)]
@@ -459,10 +470,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         sup.spawn("learner", rlstream_command("learner", "run", *c))
         sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
         sup.spawn("rollout", rlstream_command("rollout", "run", *c))
-        if reward_fn is None and cfg.rollout.reward_function:
-            reward_fn = _output_reward(load_callable(cfg.rollout.reward_function))
         try:
-            asyncio.run(_supervise(cfg, config_path, opts, sup, vllm.url, heldout, reward_fn, figures))
+            asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
         except KeyboardInterrupt:
             pass
     finally:
@@ -481,29 +490,24 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     return summary
 
 
-def _output_reward(user_fn: Any) -> Any:
-    """Wrap a rollout reward ``(example, output)`` for held-out scoring of plain completions."""
-    return lambda example, text: float(user_fn(example, text))
+def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tuple[Path, Path | None, list[dict[str, Any]]]:
+    """Model directory, training dataset file (None: the user's config names it) and held-out examples.
 
+    The toy task is built here; a user config brings ``learner.model`` and, for held-out evaluation,
+    ``finetuning.validation_dataset``.
+    """
+    from rollout.loading import load_examples
 
-def _task(opts: UpOptions, run_dir: Path) -> tuple[Path, Path | None, list[dict[str, Any]], Any]:
-    """The toy task: model dir, training dataset file, held-out examples and reward (user configs bring their own)."""
-    from ops.toy import build_tiny_model, toy_dataset, toy_reward
+    if user_cfg is not None:
+        if not user_cfg.learner.model:
+            raise ConfigError("learner.model: with --config, name a local transformers model directory "
+                              "(untied embeddings) for vLLM and the learner")
+        path = user_cfg.finetuning.validation_dataset
+        heldout = load_examples(path)[: opts.heldout_examples] if path else []
+        return Path(user_cfg.learner.model), None, heldout
+    from ops.toy import build_tiny_model, toy_dataset
 
     model_dir = build_tiny_model((opts.runs_dir / "models" / "tiny").resolve())
-    if opts.config is not None:
-        user = load_config(opts.config, opts.overrides)
-        heldout_path = user.rollout.dataset
-        from rollout.loading import load_examples
-
-        heldout = load_examples(heldout_path)[: opts.heldout_examples] if heldout_path else []
-        return model_dir, None, heldout, None
-    train = toy_dataset(64, seed=0)
     dataset = run_dir / "train.jsonl"
-    dataset.write_text("".join(json.dumps(e) + "\n" for e in train))
-    heldout = toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)
-    return model_dir, dataset, heldout, toy_reward
-
-
-def alive_children(sup: Supervisor) -> list[str]:
-    return [c.name for c in sup.children if pid_alive(c.proc.pid)]
+    dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
+    return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)

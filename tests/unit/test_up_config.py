@@ -1,0 +1,45 @@
+"""`rlstream up` config composition: toy defaults < user file < -o overrides, plumbing always wins for addresses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ops.infra import LocalStack, ServiceProcess
+from ops.up import UpOptions, _task, compose_config
+from schemas.config import ConfigError, load_config
+
+
+def _stack() -> LocalStack:
+    return LocalStack(kafka=ServiceProcess("kafka", "127.0.0.1:1", external=True),
+                      redis=ServiceProcess("redis", "redis://127.0.0.1:2/0", external=True), root="/tmp")
+
+
+def test_toy_defaults_then_overrides(tmp_path: Path) -> None:
+    opts = UpOptions(overrides=[("learner.learning_rate", "0.01"), ("rollout.group_size", "4")])
+    cfg, path = compose_config(opts, "run-x", tmp_path, _stack(), tmp_path / "model", "http://127.0.0.1:9", None)
+    assert path.exists() and load_config(path) == cfg
+    assert cfg.run_id == "run-x" and cfg.policy == "toy"
+    assert cfg.learner.learning_rate == 0.01 and cfg.rollout.group_size == 4      # overrides win
+    assert cfg.learner.lora.enabled is False and cfg.rollout.reward_function == "ops.toy:toy_reward"  # toy defaults
+    assert cfg.kafka.bootstrap_servers == "127.0.0.1:1" and cfg.redis.url == "redis://127.0.0.1:2/0"
+    assert cfg.rollout.base_url == "http://127.0.0.1:9/v1" and cfg.learner.model == str(tmp_path / "model")
+
+
+def test_user_config_replaces_the_toy_task(tmp_path: Path) -> None:
+    user = tmp_path / "mine.yaml"
+    user.write_text(yaml.safe_dump({"policy": "mine", "learner": {"model": "/models/mine"},
+                                    "rollout": {"workflow": "my.agent:run", "reward_function": "my.agent:score"}}))
+    opts = UpOptions(config=user, overrides=[("rollout.concurrency", "3")])
+    cfg, _ = compose_config(opts, "run-y", tmp_path, _stack(), None, "http://127.0.0.1:9", None)
+    assert cfg.policy == "mine" and cfg.learner.model == "/models/mine"
+    assert cfg.rollout.workflow == "my.agent:run" and cfg.rollout.concurrency == 3
+    assert cfg.learner.lora.enabled is True  # no toy defaults leak into a user's run
+
+
+def test_user_config_without_a_model_is_refused(tmp_path: Path) -> None:
+    user = tmp_path / "mine.yaml"
+    user.write_text(yaml.safe_dump({"rollout": {"workflow": "my.agent:run"}}))
+    with pytest.raises(ConfigError, match="learner.model"):
+        _task(UpOptions(config=user), tmp_path, load_config(user))
