@@ -8,7 +8,7 @@ up: bootstrap
 	.venv/bin/rlstream up $(ARGS)
 
 test: bootstrap
-	.venv/bin/python -m pytest tests $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 test-fast: bootstrap
 	.venv/bin/python -m pytest tests -m "unit or integration" $(PYTEST_ARGS)
