@@ -37,8 +37,9 @@ def configure_logging(mode: Literal["auto", "json", "console"] = "auto", level: 
         return
     renderer = structlog.dev.ConsoleRenderer() if mode == "console" else structlog.processors.JSONRenderer()
     logging.basicConfig(level=level, stream=CURRENT_STDERR, format="%(message)s")
-    # the OpenAI client logs every HTTP request at INFO through httpx: noise in a service log
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # HTTP clients (httpx, and httpx2 under the OpenAI client) log every request at INFO: noise in a service log
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

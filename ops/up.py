@@ -419,7 +419,8 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
                                                            opts.eval_samples, stop, on_score)))
     else:
         log.warning("no held-out examples (set finetuning.validation_dataset): versions are not evaluated")
-    deadline = time.monotonic() + opts.duration_s if opts.duration_s else None
+    figures.started = time.monotonic()  # the clock of the live view starts with the services
+    deadline = figures.started + opts.duration_s if opts.duration_s else None
     console = Console()
     try:
         with Live(render(figures, cfg.run_id, opts.duration_s), console=console, refresh_per_second=1,
