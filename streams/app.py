@@ -32,7 +32,7 @@ from streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, R
 from streams.filters import apply_filters
 from streams.policy import PolicyTracker
 from streams.telemetry import Telemetry
-from streams.transactions import BufferTracker, SourcePartitionTransactionManager
+from streams.transactions import BufferTracker, SourcePartitionTransactionManager, refetch_dropped
 
 log = get_logger(__name__)
 SERVICE = "streams"
@@ -186,6 +186,10 @@ class StreamsApp:
         async def tick() -> None:
             await self.send_ticks()
 
+        @app.timer(max(1.0, self.cfg.streams.commit_interval_s * 2))
+        async def refetch() -> None:
+            await self.refetch_dropped()
+
         @app.timer(self.cfg.streams.metrics_interval_s)
         async def report() -> None:
             await self.report()
@@ -274,6 +278,20 @@ class StreamsApp:
         self.telemetry.observe_latency(time.time() - finished.last_member_ts)
 
     # -- timers ------------------------------------------------------------------------------
+    async def refetch_dropped(self) -> None:
+        """Fetch again the input records Faust dropped un-processed on a flow resume (see
+        streams.transactions.dropped_ranges); without this their groups never complete."""
+        if self.app.rebalancing:
+            return
+        async with self.processing_lock:
+            if self.app.rebalancing:
+                return
+            holes = await refetch_dropped(self.app.consumer, {self.names.trajectories, self.names.rewards, self.ticks})
+        for tp, (committed, first) in holes.items():
+            self.telemetry.count("records_refetched", first - committed)
+            log.warning("dropped records fetched again", topic=tp.topic, partition=tp.partition, committed=committed,
+                        first_acked=first)
+
     async def send_ticks(self) -> None:
         """One tick per partition of the tick topic (plain producer: ticks need no transaction)."""
         if self._side_producer is None:
