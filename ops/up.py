@@ -41,6 +41,11 @@ TOY_DEFAULTS: dict[str, Any] = {
                 "max_tokens": 12, "temperature": 1.0, "model": "toy"},
     "inference": {"served_model": "toy"},
 }
+#: A pretrained 135M model: LoRA with a small learning rate (full fine-tuning at the tiny model's rate would wreck it).
+SMOLLM2_DEFAULTS: dict[str, Any] = {
+    "learner": {"lora": {"enabled": True}, "learning_rate": 1e-4},
+    "rollout": {"max_tokens": 16},
+}
 HELDOUT_SEED = 1_000
 
 
@@ -53,6 +58,7 @@ class UpOptions:
     duration_s: float | None = None
     runs_dir: Path = Path("runs")
     heldout_examples: int = 24
+    model: str = "tiny"
     eval_samples: int = 4
     live: bool = True
 
@@ -111,7 +117,7 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
     """The effective config of the run (toy defaults < user file < overrides), written to ``run_dir``."""
     user = read_yaml(opts.config) if opts.config else {}
     toy = opts.config is None
-    base = deep_merge(TOY_DEFAULTS, {}) if toy else {}
+    base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
     plumbing: dict[str, Any] = {
         "run_id": run_id,
         "kafka": {"bootstrap_servers": stack.bootstrap},
@@ -506,9 +512,10 @@ def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tu
         path = user_cfg.finetuning.validation_dataset
         heldout = load_examples(path)[: opts.heldout_examples] if path else []
         return Path(user_cfg.learner.model), None, heldout
-    from ops.toy import build_tiny_model, toy_dataset
+    from ops.toy import build_tiny_model, smollm2_model_dir, toy_dataset
 
-    model_dir = build_tiny_model((opts.runs_dir / "models" / "tiny").resolve())
+    models = (opts.runs_dir / "models").resolve()
+    model_dir = smollm2_model_dir(models / "smollm2") if opts.model == "smollm2" else build_tiny_model(models / "tiny")
     dataset = run_dir / "train.jsonl"
     dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
     return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)

