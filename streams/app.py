@@ -6,11 +6,17 @@ timeouts are decided inside the partition's own event stream, where table writes
 the partition's transaction. Tables (changelog-backed, keyed by group_id / trajectory_id) hold the
 assembly state; ``groups`` and ``dlq`` records are produced in the same transaction as the input
 offsets (exactly_once) or after the state change (at_least_once).
+
+Recovery: a ``progress`` table holds, per source partition, the offset of the last applied record,
+written in that record's transaction; after every rebalance the tables are rebuilt from the committed
+changelogs (streams/state_reset.py) and records are admitted only from marker + 1 on
+(streams/progress.py), so the state, its outputs and the input position always move together.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -20,7 +26,7 @@ from typing import Any
 import faust
 
 from ops.deadletter import dead_letter
-from ops.kafka import make_producer
+from ops.kafka import make_consumer, make_producer
 from ops.log import get_logger
 from ops.metrics import MetricsPublisher
 from schemas.codec import AvroCodec
@@ -32,7 +38,9 @@ from streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, R
 from streams.filters import apply_filters
 from streams.policy import PolicyTracker
 from streams.telemetry import Telemetry
-from streams.transactions import BufferTracker, SourcePartitionTransactionManager, refetch_dropped
+from streams.progress import Admission, ProgressGate
+from streams.state_reset import SettledTransactions, install_full_recovery
+from streams.transactions import BufferTracker, SourcePartitionTransactionManager
 
 log = get_logger(__name__)
 SERVICE = "streams"
@@ -119,6 +127,54 @@ class Base64Values(MutableMapping[str, bytes]):
         return len(self.table)
 
 
+class DetachedValues(MutableMapping[str, Any]):
+    """A table view whose values are private copies.
+
+    Faust serializes a changelog record when its producer buffer sends it, not when the table is
+    written, and a memory store hands out the stored object itself: a state dict changed in place
+    by a later record would reach the changelog with that later record's changes, in the earlier
+    record's transaction. Copying on read and write keeps every changelog record equal to the
+    value written."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    @staticmethod
+    def _copy(value: Any) -> Any:
+        return None if value is None else json.loads(json.dumps(value))
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.table.get(key)
+        if value is None:
+            raise KeyError(key)
+        return self._copy(value)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        value = self.table.get(key)
+        return default if value is None else self._copy(value)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.table[key] = self._copy(value)
+
+    def __delitem__(self, key: str) -> None:
+        del self.table[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.table))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        """(key, copy of value) for every key that holds a value (a store may list emptied keys)."""
+        for key, value in list(self.table.items()):
+            if value is not None:
+                yield key, self._copy(value)
+
+
 @dataclass
 class StreamsApp:
     """The configured Faust app plus what its agent and timers share."""
@@ -137,6 +193,7 @@ class StreamsApp:
         self.app = faust.App(self.cfg.streams.app_id, **settings)
         # outputs join the transaction of the source partition (see streams/transactions.py)
         self.app.transport.TransactionManager = SourcePartitionTransactionManager
+        self.app.rlstream_source_topic = self.names.trajectories  # type: ignore[attr-defined]
         self.app.rlstream_buffer_tracker = BufferTracker(self.app.producer.buffer)  # type: ignore[attr-defined]
         self.processing_lock = asyncio.Lock()
         if self.cfg.streams.processing_guarantee == "exactly_once":
@@ -150,10 +207,18 @@ class StreamsApp:
         self.group_table = self.app.Table("groups", default=None, partitions=parts, schema=json_schema)
         self.member_table = self.app.Table("members", default=None, partitions=parts, schema=json_schema)
         self.curriculum_table = self.app.Table("curriculum", default=None, partitions=parts, schema=json_schema)
+        # "<topic>:<partition>" -> last applied offset, in the same transaction as the record's effects
+        self.progress_table = self.app.Table("progress", default=None, partitions=parts, schema=json_schema)
+        # ticks carry no data (a lost or repeated tick only moves a timeout check): only the inputs are gated
+        # recovered state == one committed snapshot (see streams/state_reset.py)
+        self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
+        install_full_recovery(self.app, self.settled)
+        self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards})
         rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
                               min_group_size=self.cfg.streams.min_group_size,
                               closed_retention_s=self.cfg.streams.closed_retention_s)
-        self.assembler = GroupAssembler(self.group_table, Base64Values(self.member_table), self.codec, rules)
+        self.assembler = GroupAssembler(DetachedValues(self.group_table), Base64Values(self.member_table), self.codec,
+                                        rules)
         self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
@@ -166,9 +231,15 @@ class StreamsApp:
         @app.agent(self.source, name="assemble")
         async def assemble(stream: Any) -> None:
             await self.policy.ready.wait()
-            async for event in stream.events():
+            # manual acks: a record skipped out of order must not let the committed offset pass it
+            acked = stream.noack()
+            async for event in acked.events():
                 async with self.processing_lock:
-                    await self.handle(event.message)
+                    verdict = await self.admit_and_handle(event.message)
+                if verdict is Admission.LATER:
+                    self.app.consumer._unacked_messages.discard(event.message)
+                else:
+                    await acked.ack(event)
 
         @app.task
         async def follow_policy_versions() -> None:
@@ -186,9 +257,21 @@ class StreamsApp:
         async def tick() -> None:
             await self.send_ticks()
 
-        @app.timer(max(1.0, self.cfg.streams.commit_interval_s * 2))
-        async def refetch() -> None:
-            await self.refetch_dropped()
+        @app.timer(1.0)
+        async def keep_in_order() -> None:
+            await self.maintain_progress()
+
+        @app.on_partitions_revoked.connect
+        async def on_revoked(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
+
+        @app.on_partitions_assigned.connect
+        async def on_assigned(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
+
+        @app.on_rebalance_complete.connect
+        async def on_recovered(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
 
         @app.timer(self.cfg.streams.metrics_interval_s)
         async def report() -> None:
@@ -198,8 +281,28 @@ class StreamsApp:
         async def stop_side(app: Any, **_: Any) -> None:  # noqa: ARG001
             if self._side_producer is not None:
                 await self._side_producer.stop()
+            await self.settled.close()
 
     # -- per event ---------------------------------------------------------------------------
+    async def admit_and_handle(self, msg: Any) -> "Admission":
+        """Process the record only when the progress gate admits it (see streams.progress): never while a
+        rebalance or table recovery is under way, only after the resync to the recovered markers, and
+        never a record at or below its partition's marker. Returns what became of the record."""
+        if self.app.rebalancing:
+            self.telemetry.count("records_deferred")
+            return Admission.LATER
+        if self.gate.resync_needed:
+            await self.gate.resync()
+        if msg.topic == self.ticks:
+            await self.handle(msg)
+            return Admission.PROCESS
+        verdict = await self.gate.admit(msg.topic, msg.partition, msg.offset)
+        if verdict is Admission.PROCESS:
+            await self.handle(msg)
+        else:
+            self.telemetry.count("records_skipped" if verdict is Admission.APPLIED else "records_deferred")
+        return verdict
+
     async def handle(self, msg: Any) -> None:
         """Process one record of trajectories, rewards or ticks."""
         src = SourceRef(msg.topic, msg.partition, msg.offset)
@@ -219,6 +322,21 @@ class StreamsApp:
                 outcome = Outcome(rejects=[Reject("processing_error", f"{type(exc).__name__}: {exc}", src, msg.key,
                                                   msg.value)])
         await self.publish(outcome, msg.partition)
+        if msg.topic != self.ticks:
+            self.gate.applied(msg.topic, msg.partition, msg.offset)
+        await self.send_table_changes()
+
+    async def send_table_changes(self) -> None:
+        """Hand this record's queued changelog records to the producer now, inside the record's context
+        (so inside its partition's transaction, before any commit can run between the record's
+        outputs and its state changes)."""
+        buffer = self.app.producer.buffer
+        while not buffer.pending.empty():
+            fut = buffer.pending.get_nowait()
+            try:
+                await buffer._send_pending(fut)
+            finally:
+                buffer.message_sent.set()
 
     def _ingest(self, msg: Any, src: SourceRef, now: float) -> Outcome:
         record_ts = float(msg.timestamp or now)
@@ -259,7 +377,7 @@ class StreamsApp:
     async def _emit(self, finished: Finished, partition: int) -> None:
         group = finished.group
         verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
-                                self.curriculum_table, partition)
+                                DetachedValues(self.curriculum_table), partition)
         if verdict.reason is not None:
             self.telemetry.count(f"groups_filtered.{verdict.reason}")
             log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)
@@ -278,19 +396,17 @@ class StreamsApp:
         self.telemetry.observe_latency(time.time() - finished.last_member_ts)
 
     # -- timers ------------------------------------------------------------------------------
-    async def refetch_dropped(self) -> None:
-        """Fetch again the input records Faust dropped un-processed on a flow resume (see
-        streams.transactions.dropped_ranges); without this their groups never complete."""
+    async def maintain_progress(self) -> None:
+        """Resync after a rebalance even when no record arrives, and repeat seeks back that did not
+        bring their missing records (see streams.progress)."""
         if self.app.rebalancing:
             return
         async with self.processing_lock:
             if self.app.rebalancing:
                 return
-            holes = await refetch_dropped(self.app.consumer, {self.names.trajectories, self.names.rewards, self.ticks})
-        for tp, (committed, first) in holes.items():
-            self.telemetry.count("records_refetched", first - committed)
-            log.warning("dropped records fetched again", topic=tp.topic, partition=tp.partition, committed=committed,
-                        first_acked=first)
+            if self.gate.resync_needed:
+                await self.gate.resync()
+            await self.gate.maintain()
 
     async def send_ticks(self) -> None:
         """One tick per partition of the tick topic (plain producer: ticks need no transaction)."""

@@ -68,7 +68,15 @@ class SourcePartitionTransactionManager(TransactionManager):
     ) -> Awaitable[RecordMetadata]:
         event: Any = current_event()
         if event is None:
-            return await super().send(topic, key, value, partition, timestamp, headers)
+            # table changelog records are sent from the producer buffer, outside the event: they belong
+            # to the transaction of the source partition with their partition number (tables are
+            # co-partitioned with the inputs), whatever topic group the assignor gave the changelog
+            source_topic: str | None = getattr(self.app, "rlstream_source_topic", None)
+            if source_topic is None or partition is None or topic not in self.app.tables.changelog_topics:
+                return await super().send(topic, key, value, partition, timestamp, headers)
+            group = self.app.assignor.group_for_topic(source_topic)
+            tid = f"{self.app.conf.id}-{group}-{partition}"
+            return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
         source = event.message
         group = self.app.assignor.group_for_topic(source.topic)
         tid = f"{self.app.conf.id}-{group}-{source.partition}"
@@ -85,46 +93,3 @@ class SourcePartitionTransactionManager(TransactionManager):
             if tracker is not None:
                 await tracker.drain()
             return await super().commit(offsets, start_new_transaction)
-
-
-def dropped_ranges(consumer: Any, topics: set[str]) -> dict[TP, tuple[int, int]]:
-    """Input partitions whose next uncommitted records were dropped without being processed.
-
-    Faust's stream buffer is cleared when flow resumes after a rebalance or recovery
-    (``clear_on_resume``); records fetched just before that are dropped un-acked while the
-    fetcher's read offset has already moved past them, so they are neither processed nor
-    fetched again in this session. The acked offsets then start above the committed offset
-    with a hole no transaction marker explains, no offset of that partition can be committed
-    any more, and the groups waiting for those records never complete. Per partition records
-    are processed in order, so an acked offset above a missing one can only mean the missing
-    one was dropped. Returns ``{tp: (committed, first_acked)}`` for every such hole.
-    """
-    holes: dict[TP, tuple[int, int]] = {}
-    assignment = consumer.assignment()
-    for tp, acked in list(consumer._acked.items()):
-        if tp.topic not in topics or tp not in assignment or not acked:
-            continue
-        committed = consumer._committed_offset.get(tp)
-        if committed is None:
-            continue
-        first = min(acked)
-        if first <= committed:
-            continue
-        gap = consumer._gap.get(tp)
-        covered = 0
-        if gap:
-            for iv in gap.overlap(committed, first):
-                covered += min(iv.end, first) - max(iv.begin, committed)
-        if covered < first - committed:
-            holes[tp] = (committed, first)
-    return holes
-
-
-async def refetch_dropped(consumer: Any, topics: set[str]) -> dict[TP, tuple[int, int]]:
-    """Seek every partition with dropped records back to its committed offset (call with no event
-    in flight: under the app's processing lock). Records already processed come again and are
-    ignored by the assembler's dedupe; their offsets are already acked."""
-    holes = dropped_ranges(consumer, topics)
-    for tp, (committed, _first) in holes.items():
-        await consumer.seek(tp, committed)
-    return holes

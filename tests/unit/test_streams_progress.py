@@ -1,0 +1,87 @@
+"""The progress gate in isolation: markers, resync seeks, skips of applied records, seeks back over holes."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from faust.types import TP
+
+from streams import progress
+from streams.progress import Admission, ProgressGate, progress_key
+
+
+class RecordingConsumer:
+    """Just the consumer surface the gate touches: assignment, committed offsets, seeks."""
+
+    def __init__(self, assigned: set[TP], committed: dict[TP, int | None] | None = None) -> None:
+        self.assigned = assigned
+        self._committed_offset: dict[TP, int | None] = dict(committed or {})
+        self.seeks: list[tuple[TP, int]] = []
+
+    def assignment(self) -> set[TP]:
+        return self.assigned
+
+    async def seek_wait(self, partitions: dict[TP, int]) -> None:
+        self.seeks.extend(partitions.items())
+
+    async def earliest_offsets(self, *tps: TP) -> dict[TP, int]:
+        return {tp: 0 for tp in tps}
+
+
+T0, T1, R0 = TP("traj", 0), TP("traj", 1), TP("rew", 0)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_resync_seeks_to_marker_plus_one_or_committed_offset() -> None:
+    table = {progress_key("traj", 0): 41}
+    consumer = RecordingConsumer({T0, T1, R0, TP("changelog", 0)}, committed={T1: 7, R0: None})
+    gate = ProgressGate(table, consumer, {"traj", "rew"})
+    seeks = run(gate.resync())
+    assert seeks == {T0: 42, T1: 7, R0: 0}
+    assert not gate.resync_needed
+    gate.invalidate()
+    assert gate.resync_needed
+
+
+def test_applied_records_are_skipped_and_the_next_one_admitted() -> None:
+    table: dict[str, int] = {}
+    consumer = RecordingConsumer({T0}, committed={T0: 10})
+    gate = ProgressGate(table, consumer, {"traj"})
+    run(gate.resync())
+    assert run(gate.admit("traj", 0, 9)) is Admission.APPLIED  # below the committed offset
+    assert run(gate.admit("traj", 0, 10)) is Admission.PROCESS
+    gate.applied("traj", 0, 10)
+    assert table[progress_key("traj", 0)] == 10
+    assert run(gate.admit("traj", 0, 10)) is Admission.APPLIED  # a replay after a seek
+    assert run(gate.admit("traj", 0, 11)) is Admission.PROCESS
+
+
+def test_a_hole_seeks_back_and_defers_until_the_missing_record_comes() -> None:
+    table = {progress_key("traj", 0): 4}
+    consumer = RecordingConsumer({T0})
+    gate = ProgressGate(table, consumer, {"traj"})
+    consumer.seeks.clear()
+    assert run(gate.admit("traj", 0, 9)) is Admission.LATER
+    assert consumer.seeks == [(T0, 5)]
+    assert run(gate.admit("traj", 0, 10)) is Admission.LATER  # more stale records: no second seek
+    assert consumer.seeks == [(T0, 5)]
+    assert run(gate.admit("traj", 0, 5)) is Admission.PROCESS
+    gate.applied("traj", 0, 5)
+    run(gate.maintain())
+    assert consumer.seeks == [(T0, 5)]  # the missing record came: nothing to repeat
+
+
+def test_a_seek_back_is_repeated_then_a_persistent_gap_is_accepted(monkeypatch: Any) -> None:
+    table = {progress_key("traj", 0): 4}
+    consumer = RecordingConsumer({T0})
+    gate = ProgressGate(table, consumer, {"traj"})
+    monkeypatch.setattr(progress, "SEEK_BACK_RETRY_S", 0.0)
+    assert run(gate.admit("traj", 0, 9)) is Admission.LATER
+    for _ in range(progress.MAX_SEEK_BACKS - 1):
+        assert run(gate.admit("traj", 0, 9)) is Admission.LATER
+        run(gate.maintain())
+    assert consumer.seeks == [(T0, 5)] * progress.MAX_SEEK_BACKS
+    assert run(gate.admit("traj", 0, 9)) is Admission.PROCESS
