@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,13 +41,18 @@ def events(cfg: RlstreamConfig, groups: int, size: int, prefix: str) -> list[tup
     return out
 
 
+async def read_from_beginning(consumer: Any, topic: str) -> None:
+    """Assign every partition of ``topic`` to a group-less consumer and rewind it to the start."""
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+
+
 async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> float:
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        await read_from_beginning(consumer, topic)
         seen, start = 0, time.perf_counter()
         while seen < n:
             batch = await consumer.getmany(timeout_ms=500)
@@ -64,9 +70,7 @@ async def wait_groups(cfg: RlstreamConfig, topic: str, n: int, produced_at: dict
     await consumer.start()
     latencies: list[float] = []
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        await read_from_beginning(consumer, topic)
         seen, start = 0, time.perf_counter()
         while seen < n:
             batch = await consumer.getmany(timeout_ms=200)
