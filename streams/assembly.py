@@ -99,15 +99,11 @@ class GroupAssembler:
     def on_trajectory(self, event: TrajectoryEvent, raw: bytes, key: bytes | None, src: SourceRef,
                       record_ts: float, now: float) -> Outcome:
         out = Outcome()
-        state = self.groups.get(event.group_id)
-        if state is None:
-            state = self._new_state(event.group_id, event.example_id, src.partition, now)
+        state = self._open_state(event, src, now)
         if state.get("closed"):
-            if event.trajectory_id in state["ids"]:
-                out.counts["duplicate_trajectory"] += 1
-            else:
-                out.rejects.append(Reject("group_closed", f"group {event.group_id} was already emitted or expired; "
-                                          f"member {event.trajectory_id} came too late", src, key, raw))
+            self._on_closed(state, event.trajectory_id, "duplicate_trajectory",
+                            f"group {event.group_id} was already emitted or expired; "
+                            f"member {event.trajectory_id} came too late", out, src, key, raw)
             return out
         if event.trajectory_id in state["m"]:
             out.counts["duplicate_trajectory"] += 1
@@ -139,15 +135,11 @@ class GroupAssembler:
     def on_reward(self, event: RewardEvent, raw: bytes, key: bytes | None, src: SourceRef, record_ts: float,
                   now: float) -> Outcome:
         out = Outcome()
-        state = self.groups.get(event.group_id)
-        if state is None:
-            state = self._new_state(event.group_id, event.example_id, src.partition, now)
+        state = self._open_state(event, src, now)
         if state.get("closed"):
-            if event.trajectory_id in state["ids"]:
-                out.counts["duplicate_reward"] += 1
-            else:
-                out.rejects.append(Reject("group_closed", f"reward for {event.trajectory_id} came after group "
-                                          f"{event.group_id} was emitted or expired", src, key, raw))
+            self._on_closed(state, event.trajectory_id, "duplicate_reward",
+                            f"reward for {event.trajectory_id} came after group "
+                            f"{event.group_id} was emitted or expired", out, src, key, raw)
             return out
         if state["e"] != event.example_id:
             out.rejects.append(Reject(v.REWARD_GROUP_MISMATCH, f"reward names example {event.example_id!r} but group "
@@ -193,6 +185,20 @@ class GroupAssembler:
         return out
 
     # -- internals -----------------------------------------------------------------------
+    def _open_state(self, event: TrajectoryEvent | RewardEvent, src: SourceRef, now: float) -> dict[str, Any]:
+        """The group's state, or a fresh one for a group seen for the first time."""
+        state = self.groups.get(event.group_id)
+        return state if state is not None else self._new_state(event.group_id, event.example_id, src.partition, now)
+
+    @staticmethod
+    def _on_closed(state: dict[str, Any], trajectory_id: str, duplicate_counter: str, late_message: str,
+                   out: Outcome, src: SourceRef, key: bytes | None, raw: bytes) -> None:
+        """A record for a group already emitted or expired: a member's duplicate is counted, else dead-lettered."""
+        if trajectory_id in state["ids"]:
+            out.counts[duplicate_counter] += 1
+        else:
+            out.rejects.append(Reject("group_closed", late_message, src, key, raw))
+
     @staticmethod
     def _new_state(group_id: str, example_id: str, partition: int, now: float) -> dict[str, Any]:
         return {"g": group_id, "e": example_id, "r": "", "pol": "", "n": None, "p": partition, "t0": now,
