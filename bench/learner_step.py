@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.batch import Sample, collate  # noqa: E402
-from learner.policy import Policy, completion_logprobs, pick_dtype  # noqa: E402
-from learner.step import GRPOTrainerStep, assign_advantages  # noqa: E402
-from schemas.config import LearnerConfig, LoraConfig  # noqa: E402
+from rlstream.learner.batch import Sample, collate  # noqa: E402
+from rlstream.learner.policy import Policy, completion_logprobs, pick_dtype  # noqa: E402
+from rlstream.learner.step import GRPOTrainerStep, assign_advantages  # noqa: E402
+from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
 
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -43,7 +43,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, workdir: Pa
     """(model, tokenizer): the tiny toy model, or a randomly initialised model of a named architecture."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from ops.toy import build_tiny_model
+    from rlstream.ops.toy import build_tiny_model
 
     tiny = build_tiny_model(workdir / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(tiny)

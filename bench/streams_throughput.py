@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokafka import TopicPartition  # noqa: E402
 
-from ops.infra import LocalStack  # noqa: E402
-from ops.kafka import make_consumer  # noqa: E402
-from schemas.config import RlstreamConfig, load_config  # noqa: E402
-from schemas.models import TrajectoryGroup  # noqa: E402
-from schemas.topics import TopicNames  # noqa: E402
-from streams.app import prepare_topics  # noqa: E402
-from streams.telemetry import percentile  # noqa: E402
+from rlstream.ops.infra import LocalStack  # noqa: E402
+from rlstream.transport.kafka import make_consumer  # noqa: E402
+from rlstream.schemas.config import RlstreamConfig, load_config  # noqa: E402
+from rlstream.schemas.models import TrajectoryGroup  # noqa: E402
+from rlstream.schemas.topics import TopicNames  # noqa: E402
+from rlstream.streams.app import prepare_topics  # noqa: E402
+from rlstream.streams.telemetry import percentile  # noqa: E402
 from tests.factories import make_trajectory  # noqa: E402
 from tests.streams_helpers import CODEC, Worker, publish  # noqa: E402
 
@@ -89,7 +89,7 @@ async def wait_groups(cfg: RlstreamConfig, topic: str, n: int, produced_at: dict
 
 async def paced_publish(cfg: RlstreamConfig, records: list[tuple[str, bytes, bytes]], rate: float,
                         produced_at: dict[str, float]) -> None:
-    from ops.kafka import make_producer
+    from rlstream.transport.kafka import make_producer
 
     producer = make_producer(cfg.kafka)
     await producer.start()

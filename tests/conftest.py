@@ -13,10 +13,10 @@ from typing import Iterator
 
 import pytest
 
-from ops.infra import LocalStack
-from ops.log import configure_logging
-from schemas.config import RlstreamConfig, load_config
-from schemas.topics import TopicNames
+from rlstream.ops.infra import LocalStack
+from rlstream.transport.log import configure_logging
+from rlstream.schemas.config import RlstreamConfig, load_config
+from rlstream.schemas.topics import TopicNames
 
 TIER_BY_DIR = {"unit": "unit", "integration": "integration", "e2e": "slow"}
 
@@ -80,7 +80,7 @@ def consumer_group(unique: str) -> str:
 @pytest.fixture
 def created_topics(rl_config: RlstreamConfig) -> TopicNames:
     """Every rlstream topic created under this test's prefix."""
-    from ops.kafka import create_topics
+    from rlstream.transport.kafka import create_topics
 
     asyncio.run(create_topics(rl_config.kafka, rl_config.topics))
     return TopicNames.from_config(rl_config.topics)

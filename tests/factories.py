@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import uuid
 
-from schemas.models import Message, RewardEvent, ToolCall, TrajectoryEvent, Turn
+from rlstream.schemas.models import Message, RewardEvent, ToolCall, TrajectoryEvent, Turn
 
 
 def make_trajectory(

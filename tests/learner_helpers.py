@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from learner.batch import Sample
-from ops.toy import build_tiny_model
+from rlstream.learner.batch import Sample
+from rlstream.ops.toy import build_tiny_model
 
 _CACHE: dict[str, Path] = {}
 
@@ -36,7 +36,7 @@ def make_group(*, policy: str, run_id: str, example_id: str, prompt_ids: list[in
                completions: list[tuple[list[int], list[float] | None]], rewards: list[float], version: int = 0,
                messages_prompt: str = "question"):
     """A TrajectoryGroup whose trajectories carry one trainable turn with token ids (and behaviour logprobs)."""
-    from schemas.models import Message, TrajectoryEvent, TrajectoryGroup, Turn
+    from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup, Turn
 
     trajs = []
     for i, ((ids, lps), r) in enumerate(zip(completions, rewards)):
@@ -66,9 +66,9 @@ def random_group(policy: str, run_id: str, index: int, seed: int = 0, size: int 
 
 async def produce_groups(cfg, groups) -> list[tuple[int, int]]:
     """Send groups to the groups topic (keyed by example id); returns (partition, offset) of each."""
-    from ops.kafka import make_producer
-    from schemas.codec import AvroCodec
-    from schemas.topics import TopicNames
+    from rlstream.transport.kafka import make_producer
+    from rlstream.schemas.codec import AvroCodec
+    from rlstream.schemas.topics import TopicNames
 
     codec, topic = AvroCodec(), TopicNames.from_config(cfg.topics).groups
     producer = make_producer(cfg.kafka)
@@ -88,8 +88,8 @@ async def read_topic(cfg, topic: str, model_cls, expect: int, timeout_s: float =
     import asyncio
     import time
 
-    from ops.kafka import make_consumer
-    from schemas.codec import AvroCodec
+    from rlstream.transport.kafka import make_consumer
+    from rlstream.schemas.codec import AvroCodec
 
     codec = AvroCodec()
     consumer = make_consumer(cfg.kafka, topic, group_id=None)

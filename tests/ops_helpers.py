@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ops.kafka import make_producer
-from ops.topic_reader import open_reader, read_to_end
-from schemas.codec import AvroCodec, CodecError
-from schemas.config import RlstreamConfig
-from schemas.models import WireModel
+from rlstream.transport.kafka import make_producer
+from rlstream.transport.topic_reader import open_reader, read_to_end
+from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import WireModel
 
 CODEC = AvroCodec()
 
@@ -56,8 +56,8 @@ def ops_app() -> "typer.Typer":
     """The operator commands on a bare typer app (their tests do not depend on other command groups)."""
     import typer
 
-    from ops.cli_common import RlstreamGroup
-    from ops.cli_ops import register
+    from rlstream.cli.common import RlstreamGroup
+    from rlstream.cli.ops import register
 
     app = typer.Typer(cls=RlstreamGroup)
     register(app)

@@ -12,11 +12,11 @@ from typing import Any, Iterable
 
 from aiokafka import TopicPartition
 
-from ops.infra import stop_pid
-from ops.kafka import make_consumer, make_producer
-from schemas.codec import AvroCodec
-from schemas.config import RlstreamConfig
-from schemas.models import DeadLetter, TrajectoryGroup, WireModel
+from rlstream.ops.infra import stop_pid
+from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DeadLetter, TrajectoryGroup, WireModel
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEC = AvroCodec()
@@ -46,10 +46,10 @@ def worker_overrides(cfg: RlstreamConfig, **extra: Any) -> list[str]:
 
 
 class Worker:
-    """``python -m streams worker`` as a child process (its own session, stopped by PID)."""
+    """``python -m rlstream.cli streams worker`` as a child process (its own session, stopped by PID)."""
 
     def __init__(self, cfg: RlstreamConfig, worker_id: str, log_dir: Path, **extra: Any) -> None:
-        self.cmd = [sys.executable, "-m", "streams", "worker", "--worker-id", worker_id,
+        self.cmd = [sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
                     *worker_overrides(cfg, **extra)]
         self.log_path = log_dir / f"{worker_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -149,7 +149,7 @@ def interleaved_stream(cfg: RlstreamConfig, n_examples: int, group_size: int, se
     expected ``{trajectory_id: reward}``."""
     import random
 
-    from schemas.topics import TopicNames
+    from rlstream.schemas.topics import TopicNames
     from tests.factories import make_reward, make_trajectory
 
     names = TopicNames.from_config(cfg.topics)

@@ -15,18 +15,18 @@ from typing import Any
 import pytest
 import yaml
 
-from ops.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_KEYS, REWARD_HISTORY, REWARD_KEYS,
+from rlstream.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_KEYS, REWARD_HISTORY, REWARD_KEYS,
                                   REWARD_PLOT, TRAINING_METRICS, VALIDATION_HISTORY, VALIDATION_KEYS)
-from ops.metric_names import (CURRICULUM_PERCENTILE, REWARD_MEAN, REWARD_MEAN_FILTERED, STEP_EPOCH, STEP_TAG,
+from rlstream.transport.metric_names import (CURRICULUM_PERCENTILE, REWARD_MEAN, REWARD_MEAN_FILTERED, STEP_EPOCH, STEP_TAG,
                               VALIDATION_REWARD_MEAN)
-from ops.toy import toy_dataset
-from ops.topic_reader import open_reader, partitions_of, read_to_end
-from ops.vllm import VllmServer
-from schemas.codec import AvroCodec
-from schemas.config import CurriculumConfig, RlstreamConfig
-from schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent, TrajectoryGroup, TrajectorySource
-from schemas.topics import TopicNames
-from streams.curriculum import keep_count, percentile_schedule
+from rlstream.ops.toy import toy_dataset
+from rlstream.transport.topic_reader import open_reader, partitions_of, read_to_end
+from rlstream.ops.vllm import VllmServer
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import CurriculumConfig, RlstreamConfig
+from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent, TrajectoryGroup, TrajectorySource
+from rlstream.schemas.topics import TopicNames
+from rlstream.streams.curriculum import keep_count, percentile_schedule
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
 
 vllm = vllm_fixture()
@@ -36,7 +36,7 @@ _failed: set[str] = set()
 
 async def flaky_single_turn(example: dict[str, Any], client: Any) -> str:
     """The reference workflow, except that the first generation of FLAKY_EXAMPLE fails (once per process)."""
-    from rollout.workflows import single_turn
+    from rlstream.rollout.workflows import single_turn
 
     if example["id"] == FLAKY_EXAMPLE and FLAKY_EXAMPLE not in _failed:
         _failed.add(FLAKY_EXAMPLE)
@@ -68,7 +68,7 @@ def file_config(rl_config: RlstreamConfig, model_dir: Path, output_dir: Path) ->
                             "lora": {"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0,
                                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}})
     data["rollout"].update({"workflow": "tests.e2e.test_finetune_toy:flaky_single_turn",
-                            "reward_function": "ops.toy:toy_reward", "model": SERVED_MODEL, "max_tokens": 8, "temperature": 1.0, "concurrency": 8})
+                            "reward_function": "rlstream.ops.toy:toy_reward", "model": SERVED_MODEL, "max_tokens": 8, "temperature": 1.0, "concurrency": 8})
     data["inference"].update({"served_model": SERVED_MODEL})
     return data
 
@@ -93,7 +93,7 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
     train = write_jsonl(tmp_path / "train.jsonl", toy_dataset(EXAMPLES, seed=0))
     held_out = write_jsonl(tmp_path / "validation.jsonl", toy_dataset(VALIDATION_EXAMPLES, seed=1000))
     result = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "ops.cli", "--log-format", "json", "finetune", "--config_file", str(config_path),
+    cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "finetune", "--config_file", str(config_path),
            "--dataset", str(train), "--validation_dataset", str(held_out), "--validation_interval", "2",
            "--endpoint", vllm.base_url, "--result_json_path", str(result),
            "-o", "finetuning.num_epochs", str(EPOCHS), "-o", "finetuning.curriculum_learning.expansion_interval", "1"]

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from ops.control import ControlPlane
-from ops.infra import LocalStack
-from schemas.codec import AvroCodec
-from schemas.models import PolicyVersion
-from schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.ops.infra import LocalStack
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.models import PolicyVersion
+from rlstream.schemas.topics import TopicNames
 
 DURATION_S = 300
 MIN_VERSIONS = 5
@@ -66,7 +66,7 @@ async def _latest_version(redis_url: str, policy: str) -> int:
 def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path: Path, unique: str) -> None:
     prefix = f"up{unique}."
     env = {**os.environ, "RLSTREAM_KAFKA_BOOTSTRAP": local_stack.bootstrap, "RLSTREAM_REDIS_URL": local_stack.redis_url}
-    cmd = [sys.executable, "-m", "ops.cli", "up", "--duration", str(DURATION_S), "--no-live",
+    cmd = [sys.executable, "-m", "rlstream.cli", "up", "--duration", str(DURATION_S), "--no-live",
            "--runs-dir", str(tmp_path / "runs"), "-o", "topics.prefix", prefix]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from ops.vllm import VllmServer
-from rollout.capture import Recording, instrument, target_function
+from rlstream.ops.vllm import VllmServer
+from rlstream.rollout.capture import Recording, instrument, target_function
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, max_abs_diff, reference_logprobs,
                                     tiny_model_dir, vllm_fixture)
 

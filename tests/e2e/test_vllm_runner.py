@@ -9,17 +9,17 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from ops.control import ControlPlane
-from ops.kafka import make_consumer
-from ops.vllm import VllmServer
-from rollout.capture import target_function
-from rollout.loading import load_callable, load_examples
-from rollout.publisher import TrajectoryPublisher
-from rollout.runner import RolloutRunner, dataset_examples
-from schemas.codec import AvroCodec
-from schemas.config import RlstreamConfig
-from schemas.models import TrajectoryEvent
-from schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import make_consumer
+from rlstream.ops.vllm import VllmServer
+from rlstream.rollout.capture import target_function
+from rlstream.rollout.loading import load_callable, load_examples
+from rlstream.rollout.publisher import TrajectoryPublisher
+from rlstream.rollout.runner import RolloutRunner, dataset_examples
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import TrajectoryEvent
+from rlstream.schemas.topics import TopicNames
 from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture
 
 vllm = vllm_fixture()
@@ -142,7 +142,7 @@ def test_admission_control_pauses_until_the_learner_catches_up(
     cfg = runner_config(rl_config, vllm, group_size=1, concurrency=1, mode="continuous", max_groups=3,
                         groups_per_version=1, max_policy_lag=1)
     examples = load_examples(write_dataset(tmp_path / "data.jsonl", 2))
-    workflow = load_callable("rollout.workflows:single_turn")
+    workflow = load_callable("rlstream.rollout.workflows:single_turn")
     observed: dict[str, Any] = {}
 
     async def learner(runner: RolloutRunner, control: ControlPlane) -> None:
@@ -173,14 +173,14 @@ def test_cli_rollout_run_publishes_scored_groups(
 ) -> None:
     from typer.testing import CliRunner
 
-    from ops.cli import app
+    from rlstream.cli.app import app
 
     dataset = write_dataset(tmp_path / "data.jsonl", 2)
     overrides = {"kafka.bootstrap_servers": rl_config.kafka.bootstrap_servers, "redis.url": rl_config.redis.url,
                  "topics.prefix": rl_config.topics.prefix, "topics.partitions": "2", "run_id": rl_config.run_id,
                  "policy": rl_config.policy, "rollout.group_size": "2", "rollout.max_tokens": "4",
                  "rollout.model": SERVED_MODEL}
-    args = ["rollout", "run", "--dataset", str(dataset), "--workflow", "rollout.workflows:single_turn",
+    args = ["rollout", "run", "--dataset", str(dataset), "--workflow", "rlstream.rollout.workflows:single_turn",
             "--reward", "tests.e2e.test_vllm_runner:text_length_reward", "--mode", "epoch",
             "--base-url", vllm.base_url]
     for key, value in overrides.items():

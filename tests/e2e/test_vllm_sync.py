@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from ops.control import ControlPlane
-from ops.kafka import make_consumer, make_producer
-from ops.vllm import VllmServer
-from rollout.capture import Recording, instrument
-from rollout.routing import Route, VersionRouter
-from rollout.sync import InferenceSyncWorker, adapter_name
-from rollout.vllm_backend import VllmBackend
-from schemas.codec import AvroCodec
-from schemas.config import RlstreamConfig
-from schemas.models import DeadLetter, PolicyVersion, WeightsKind
-from schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.ops.vllm import VllmServer
+from rlstream.rollout.capture import Recording, instrument
+from rlstream.rollout.routing import Route, VersionRouter
+from rlstream.inference.sync import InferenceSyncWorker, adapter_name
+from rlstream.inference.vllm_backend import VllmBackend
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DeadLetter, PolicyVersion, WeightsKind
+from rlstream.schemas.topics import TopicNames
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, make_full_version, make_lora_version,
                                     max_abs_diff, policy_version, reference_logprobs, tiny_model_dir, vllm_fixture,
                                     wait_until)

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import pytest
 
-from ops.toy import build_tiny_model
-from ops.vllm import VllmServer, start_vllm_server
-from rollout.manifest import digest_files
-from schemas.models import PolicyVersion, WeightsKind
+from rlstream.ops.toy import build_tiny_model
+from rlstream.ops.vllm import VllmServer, start_vllm_server
+from rlstream.inference.manifest import digest_files
+from rlstream.schemas.models import PolicyVersion, WeightsKind
 
 SERVED_MODEL = "policy"
 TOLERANCE = 1e-4

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from ops.infra import pid_alive, stop_pid
+from rlstream.ops.infra import pid_alive, stop_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def rlstream(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
     env["COLUMNS"] = "200"
-    return subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rlstream.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

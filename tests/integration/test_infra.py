@@ -8,12 +8,12 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from ops.control import ControlPlane, LeaseLost
-from ops.kafka import client_options, create_topics, list_topics, make_consumer, make_producer
-from schemas.codec import AvroCodec
-from schemas.config import RlstreamConfig
-from schemas.models import TrajectoryEvent
-from schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane, LeaseLost
+from rlstream.transport.kafka import client_options, create_topics, list_topics, make_consumer, make_producer
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import TrajectoryEvent
+from rlstream.schemas.topics import TopicNames
 from tests.factories import make_trajectory
 
 
@@ -149,7 +149,7 @@ def test_services_die_with_a_killed_parent(tmp_path) -> None:  # type: ignore[no
     import time
     from pathlib import Path
 
-    from ops.infra import pid_alive
+    from rlstream.ops.infra import pid_alive
 
     script = ("import sys, time; from ops.infra import LocalStack; s = LocalStack.start(sys.argv[1]); "
               "print('PIDS', s.kafka.pid, s.redis.pid, flush=True); time.sleep(120)")

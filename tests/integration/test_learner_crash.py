@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import CheckpointStore
-from ops.control import ControlPlane
-from schemas.config import RlstreamConfig
-from schemas.models import PolicyVersion
-from schemas.topics import TopicNames
+from rlstream.learner.checkpoint import CheckpointStore
+from rlstream.transport.control import ControlPlane
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import PolicyVersion
+from rlstream.schemas.topics import TopicNames
 from tests.learner_helpers import produce_groups, random_group, read_topic, tiny_model
 
 N_GROUPS, PER_STEP, TOTAL_STEPS = 12, 2, 6
@@ -31,7 +31,7 @@ def _learner_cmd(cfg: RlstreamConfig, model: Path, *extra: str) -> list[str]:
         "learner.checkpoint_every": "2", "learner.publish_every": "2", "learner.total_steps": str(TOTAL_STEPS),
         "learner.device": "cpu", "learner.lease_ttl_s": "5",
     }
-    args = [sys.executable, "-c", "from ops.cli import app; app()", "--log-format", "json", "learner", "run"]
+    args = [sys.executable, "-c", "from rlstream.cli.app import app; app()", "--log-format", "json", "learner", "run"]
     for k, v in overrides.items():
         args += ["-o", k, v]
     return args + list(extra)

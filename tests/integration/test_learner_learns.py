@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from learner.publish import load_published
-from learner.service import Learner
-from ops.control import ControlPlane
-from ops.toy import toy_dataset, toy_reward
-from schemas.config import RlstreamConfig
-from schemas.topics import TopicNames
+from rlstream.learner.publish import load_published
+from rlstream.learner.service import Learner
+from rlstream.transport.control import ControlPlane
+from rlstream.ops.toy import toy_dataset, toy_reward
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.topics import TopicNames
 from tests.learner_helpers import make_group, produce_groups, tiny_model
 
 GROUP_SIZE, PROMPTS_PER_STEP, STEPS, MAX_NEW = 4, 8, 24, 8

@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from learner.batch import collate
-from learner.checkpoint import CheckpointError, verify_manifest
-from learner.policy import completion_logprobs
-from learner.publish import announce, load_published, manifest_digest, version_dir, write_version
-from learner.service import Learner
-from ops.control import ControlPlane, LeaseLost
-from schemas.codec import AvroCodec
-from schemas.config import RlstreamConfig
-from schemas.models import PolicyVersion, WeightsKind
-from schemas.topics import TopicNames
+from rlstream.learner.batch import collate
+from rlstream.learner.checkpoint import CheckpointError, verify_manifest
+from rlstream.learner.policy import completion_logprobs
+from rlstream.learner.publish import announce, load_published, manifest_digest, version_dir, write_version
+from rlstream.learner.service import Learner
+from rlstream.transport.control import ControlPlane, LeaseLost
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import PolicyVersion, WeightsKind
+from rlstream.schemas.topics import TopicNames
 from tests.learner_helpers import produce_groups, random_group, random_samples, read_topic, tiny_model
 
 
@@ -105,7 +105,7 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
         await asyncio.wait_for(task, timeout=120)
         assert await control.latest_version(cfg.policy) == 1  # the second learner published once it held the lease
         stale = first  # its token is older than the second learner's
-        from ops.kafka import make_producer
+        from rlstream.transport.kafka import make_producer
 
         producer = make_producer(cfg.kafka)
         await producer.start()
@@ -133,7 +133,7 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
 
 def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamConfig, created_topics: TopicNames,
                                                           tmp_path: Path) -> None:
-    from schemas.models import DeadLetter, TrajectorySource
+    from rlstream.schemas.models import DeadLetter, TrajectorySource
 
     cfg = _configure(rl_config, tiny_model(tmp_path), lora=True, steps=1)
     held_out = random_group(cfg.policy, cfg.run_id, 99)

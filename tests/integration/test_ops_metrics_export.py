@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import httpx
 
-from ops.kafka import make_producer
-from ops.metrics import MetricsPublisher, label_name, prometheus_name, start_prometheus, stop_prometheus
-from schemas.codec import AvroCodec
-from schemas.models import MetricEvent
+from rlstream.transport.kafka import make_producer
+from rlstream.transport.metrics import MetricsPublisher, label_name, prometheus_name, start_prometheus, stop_prometheus
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.models import MetricEvent
 from tests.ops_helpers import read_all
 
 

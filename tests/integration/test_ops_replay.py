@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from ops.replay import Position, ReplayFilter, ReplayError, parse_position, replay, replay_group_id, replay_trajectory_id
-from schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
+from rlstream.ops.replay import Position, ReplayFilter, ReplayError, parse_position, replay, replay_group_id, replay_trajectory_id
+from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
 from tests.factories import make_reward, make_trajectory
 from tests.ops_helpers import publish, publish_raw, read_all
 

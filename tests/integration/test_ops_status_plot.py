@@ -7,11 +7,11 @@ import json
 from aiokafka import TopicPartition
 from typer.testing import CliRunner
 
-from ops import metric_names as mn
-from ops.control import ControlPlane
-from ops.kafka import make_consumer
-from schemas.config import dump_config
-from schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent
+from rlstream.transport import metric_names as mn
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import make_consumer
+from rlstream.schemas.config import dump_config
+from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent
 from tests.factories import make_trajectory
 from tests.ops_helpers import ops_app, publish, read_all
 
@@ -103,7 +103,7 @@ def test_plot_from_metrics_topic(rl_config, created_topics, tmp_path):
     events.append(MetricEvent(source="finetune", run_id="other", name=mn.REWARD_MEAN, value=50.0, step=1))
     asyncio.run(publish(rl_config, created_topics.metrics, events, lambda m: m.source))
 
-    from ops.plot import load_run_metrics
+    from rlstream.ops.plot import load_run_metrics
 
     metrics = asyncio.run(load_run_metrics(rl_config, run))
     assert metrics.step_kind == mn.STEP_EPOCH

@@ -7,10 +7,10 @@ import json
 
 from typer.testing import CliRunner
 
-from ops.tail import TailOptions, run_tail
-from schemas.codec import AvroCodec
-from schemas.config import dump_config
-from schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup
+from rlstream.ops.tail import TailOptions, run_tail
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import dump_config
+from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup
 from tests.factories import make_trajectory
 from tests.ops_helpers import publish, publish_raw
 from tests.ops_helpers import ops_app

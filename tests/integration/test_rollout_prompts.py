@@ -5,10 +5,10 @@ import asyncio
 import json
 from typing import Any
 
-from ops.kafka import make_producer
-from rollout.runner import topic_examples
-from schemas.config import RlstreamConfig
-from schemas.topics import TopicNames
+from rlstream.transport.kafka import make_producer
+from rlstream.rollout.runner import topic_examples
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.topics import TopicNames
 
 
 def test_prompts_topic_yields_examples_and_reports_bad_records(rl_config: RlstreamConfig,
@@ -18,7 +18,7 @@ def test_prompts_topic_yields_examples_and_reports_bad_records(rl_config: Rlstre
     async def scenario() -> tuple[list[tuple[dict[str, Any], int]], list[str]]:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        from ops.kafka import client_options
+        from rlstream.transport.kafka import client_options
 
         admin = AIOKafkaAdminClient(**client_options(rl_config.kafka))
         await admin.start()

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from ops.infra import free_port, start_kafka
-from ops.kafka import create_topics, make_consumer
-from rollout.publisher import PublishError, TrajectoryPublisher
-from schemas.codec import AvroCodec, PayloadTooLargeError
-from schemas.config import RlstreamConfig
-from schemas.models import RewardEvent, TrajectoryEvent
-from schemas.topics import TopicNames
+from rlstream.ops.infra import free_port, start_kafka
+from rlstream.transport.kafka import create_topics, make_consumer
+from rlstream.rollout.publisher import PublishError, TrajectoryPublisher
+from rlstream.schemas.codec import AvroCodec, PayloadTooLargeError
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent
+from rlstream.schemas.topics import TopicNames
 from tests.factories import make_reward, make_trajectory
 
 

@@ -10,11 +10,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from schemas.config import RlstreamConfig
-from schemas.models import DeadLetter, GroupCompletion, Message, MetricEvent, PolicyVersion, RewardEvent, Turn
-from schemas.topics import TopicNames
-from streams import validation as v
-from streams.app import prepare_topics
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DeadLetter, GroupCompletion, Message, MetricEvent, PolicyVersion, RewardEvent, Turn
+from rlstream.schemas.topics import TopicNames
+from rlstream.streams import validation as v
+from rlstream.streams.app import prepare_topics
 from tests.factories import make_reward, make_trajectory
 from tests.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, publish, read_all,
                                    read_dead_letters, read_groups)

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from schemas.config import RlstreamConfig
-from schemas.models import MetricEvent
-from schemas.topics import TopicNames
-from streams.app import prepare_topics
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import MetricEvent
+from rlstream.schemas.topics import TopicNames
+from rlstream.streams.app import prepare_topics
 from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
                                    wait_for_count)
 

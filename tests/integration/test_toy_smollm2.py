@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ops.toy import smollm2_gguf, smollm2_model_dir
+from rlstream.ops.toy import smollm2_gguf, smollm2_model_dir
 
 
 def test_smollm2_converts_to_an_untied_transformers_model(tmp_path: Path) -> None:

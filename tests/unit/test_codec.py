@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from schemas.codec import (
+from rlstream.schemas.codec import (
     CONFLUENT_MAGIC,
     SINGLE_OBJECT_MAGIC,
     AvroCodec,
@@ -19,7 +19,7 @@ from schemas.codec import (
     schema_fingerprint,
     schema_json,
 )
-from schemas.models import (
+from rlstream.schemas.models import (
     EVENT_MODELS,
     CurriculumInfo,
     DeadLetter,
@@ -263,7 +263,7 @@ def test_non_bytes_input_is_corrupt() -> None:
 
 
 def test_from_config_uses_the_kafka_limit() -> None:
-    from schemas.config import KafkaConfig
+    from rlstream.schemas.config import KafkaConfig
 
     codec = AvroCodec.from_config(KafkaConfig(max_message_bytes=50_000))
     assert codec.registry is None and codec.max_bytes == 50_000

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, CodecError
-from schemas.models import EVENT_MODELS, MetricEvent, RewardEvent, WireModel
+from rlstream.schemas.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, CodecError
+from rlstream.schemas.models import EVENT_MODELS, MetricEvent, RewardEvent, WireModel
 from tests.unit.test_codec import DictRegistry, sample_events
 
 EVENTS = sample_events()

@@ -14,8 +14,8 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from schemas.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, schema_fingerprint, schema_json
-from schemas.models import EVENT_MODELS, RewardEvent, WireModel
+from rlstream.schemas.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, schema_fingerprint, schema_json
+from rlstream.schemas.models import EVENT_MODELS, RewardEvent, WireModel
 from tests.unit.test_codec import NEW_REWARD, sample_events
 
 EVENTS = sample_events()

@@ -15,8 +15,8 @@ import typer.main
 import yaml
 from pydantic import BaseModel
 
-from ops.cli import app
-from schemas.config import ENV_PREFIX, ENV_SHORTCUTS, RlstreamConfig, load_config
+from rlstream.cli.app import app
+from rlstream.schemas.config import ENV_PREFIX, ENV_SHORTCUTS, RlstreamConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

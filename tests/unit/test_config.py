@@ -10,8 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ops.cli import app
-from schemas.config import ConfigError, load_config, overrides_to_dict
+from rlstream.cli.app import app
+from rlstream.schemas.config import ConfigError, load_config, overrides_to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,7 +163,7 @@ def test_cli_config_validate(tmp_path: Path) -> None:
 
 def test_cli_config_as_a_real_process(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
-    proc = subprocess.run([sys.executable, "-m", "ops.cli", "config", "show", "--json", "-o", "learner.lora.r", "12"],
+    proc = subprocess.run([sys.executable, "-m", "rlstream.cli", "config", "show", "--json", "-o", "learner.lora.r", "12"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert '"r": 12' in proc.stdout
@@ -171,7 +171,7 @@ def test_cli_config_as_a_real_process(tmp_path: Path) -> None:
 
 def test_logging_still_works_after_a_cli_run(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI configures logging while the runner has replaced stderr; later logs must not hit that closed stream."""
-    from ops.log import configure_logging, get_logger
+    from rlstream.transport.log import configure_logging, get_logger
 
     assert CliRunner().invoke(app, ["--log-format", "json", "config", "validate"]).exit_code == 0
     get_logger("after-cli").warning("still logging", answer=42)

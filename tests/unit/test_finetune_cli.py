@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from ops.cli import app
-from ops.finetune.run import FinetuneOptions, compose_config, validation_config
+from rlstream.cli.app import app
+from rlstream.finetune.run import FinetuneOptions, compose_config, validation_config
 
 
 def write_config(tmp_path: Path, **finetuning: object) -> Path:

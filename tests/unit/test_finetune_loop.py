@@ -8,17 +8,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ops.finetune import (EpisodeItem, EpisodeItemRole, TrainerAdapter, TrainerAdapterConfig, TrainingJobRef,
+from rlstream.finetune import (EpisodeItem, EpisodeItemRole, TrainerAdapter, TrainerAdapterConfig, TrainingJobRef,
                           TrainingJobStatus, TrainingStatusEnum, Trajectory, TrajectoryBuilder,
                           TrajectoryBuilderConfig, TrajectoryCollection, register_trainer_adapter,
                           register_trajectory_builder)
-from ops.finetune.components import GRPOTrainerAdapter, GRPOTrainerAdapterConfig, episode_problem
-from ops.finetune.outputs import TRAINING_METRICS, VALIDATION_HISTORY
-from ops.finetune.registry import build_component
-from ops.finetune.runtime import FinetuneContext
-from schemas.config import RlstreamConfig, load_config
-from schemas.models import Message, ToolCall, TrajectoryEvent, Turn
-from streams.curriculum import keep_count, percentile_schedule
+from rlstream.finetune.components import GRPOTrainerAdapter, GRPOTrainerAdapterConfig, episode_problem
+from rlstream.finetune.outputs import TRAINING_METRICS, VALIDATION_HISTORY
+from rlstream.finetune.registry import build_component
+from rlstream.finetune.runtime import FinetuneContext
+from rlstream.schemas.config import RlstreamConfig, load_config
+from rlstream.schemas.models import Message, ToolCall, TrajectoryEvent, Turn
+from rlstream.streams.curriculum import keep_count, percentile_schedule
 
 
 def traj(reward: float, roles: tuple[str, ...] = ("user", "assistant"), group: str = "g") -> Trajectory:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.finetune.interfaces import validation_record
-from ops.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_KEYS, PERCENTILE_LABEL, REWARD_HISTORY,
+from rlstream.finetune.interfaces import validation_record
+from rlstream.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_KEYS, PERCENTILE_LABEL, REWARD_HISTORY,
                                   REWARD_KEYS, REWARD_PLOT, TRAINING_METRICS, VALIDATION_HISTORY, VALIDATION_KEYS,
                                   FinetuneOutputs, curriculum_document, epoch_record, plot_series)
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from ops.finetune import (TrainerAdapter, TrainerAdapterConfig, TrajectoryBuilder, TrajectoryBuilderConfig,
+from rlstream.finetune import (TrainerAdapter, TrainerAdapterConfig, TrajectoryBuilder, TrajectoryBuilderConfig,
                           TrajectoryCollection, register_trainer_adapter, register_trajectory_builder)
-from ops.finetune.registry import RegistryError, build_component, registered, resolve
-from schemas.config import FinetuningConfig
+from rlstream.finetune.registry import RegistryError, build_component, registered, resolve
+from rlstream.schemas.config import FinetuningConfig
 
 
 class EchoBuilderConfig(TrajectoryBuilderConfig, name="test_echo_builder"):
@@ -108,7 +108,7 @@ def test_plugins_register_custom_components_by_import(tmp_path: Path, monkeypatc
     module = f"plugin_{uuid.uuid4().hex[:8]}"
     type_name = f"custom_{module}"
     (tmp_path / f"{module}.py").write_text(f'''
-from ops.finetune import TrainerAdapter, TrainerAdapterConfig, register_trainer_adapter
+from rlstream.finetune import TrainerAdapter, TrainerAdapterConfig, register_trainer_adapter
 
 class CustomConfig(TrainerAdapterConfig, name="{type_name}"):
     endpoint: str = "http://training:8080"

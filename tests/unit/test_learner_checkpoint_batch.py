@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.batch import BatchError, samples_from_trajectory, tokens_from_messages, turn_is_target
-from learner.checkpoint import CheckpointStore, LearnerState
-from learner.policy import load_policy
-from learner.step import GRPOTrainerStep
-from schemas.config import LearnerConfig, LoraConfig
-from schemas.models import Message, TrajectoryEvent, Turn
+from rlstream.learner.batch import BatchError, samples_from_trajectory, tokens_from_messages, turn_is_target
+from rlstream.learner.checkpoint import CheckpointStore, LearnerState
+from rlstream.learner.policy import load_policy
+from rlstream.learner.step import GRPOTrainerStep
+from rlstream.schemas.config import LearnerConfig, LoraConfig
+from rlstream.schemas.models import Message, TrajectoryEvent, Turn
 from tests.learner_helpers import random_samples, tiny_model
 
 

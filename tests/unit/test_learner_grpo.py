@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from learner.batch import Sample, collate
-from learner.grpo import (LossConfig, aggregate_loss, clipped_surrogate, group_advantages, grpo_loss, k3_kl,
+from rlstream.learner.batch import Sample, collate
+from rlstream.learner.grpo import (LossConfig, aggregate_loss, clipped_surrogate, group_advantages, grpo_loss, k3_kl,
                           lr_factor, policy_ratio, token_logprobs, truncated_importance_weights)
 
 

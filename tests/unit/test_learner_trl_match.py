@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.batch import collate
-from learner.policy import completion_logprobs, load_policy
-from learner.step import GRPOTrainerStep, assign_advantages
-from schemas.config import LearnerConfig, LoraConfig
+from rlstream.learner.batch import collate
+from rlstream.learner.policy import completion_logprobs, load_policy
+from rlstream.learner.step import GRPOTrainerStep, assign_advantages
+from rlstream.schemas.config import LearnerConfig, LoraConfig
 from tests.learner_helpers import random_samples, tiny_model
 
 AGGREGATIONS = [("token_mean", "bnpo"), ("sequence_mean", "grpo"), ("constant", "dr_grpo")]

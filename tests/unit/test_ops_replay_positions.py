@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ops.replay import ReplayError, ReplayFilter, parse_position, rewrite
-from schemas.models import TrajectorySource
+from rlstream.ops.replay import ReplayError, ReplayFilter, parse_position, rewrite
+from rlstream.schemas.models import TrajectorySource
 from tests.factories import make_trajectory
 
 

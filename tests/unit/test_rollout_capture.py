@@ -6,7 +6,7 @@ from typing import Any
 
 from openai.types.chat import ChatCompletion
 
-from rollout.capture import Recording, instrument, routing, target_function, token_data
+from rlstream.rollout.capture import Recording, instrument, routing, target_function, token_data
 
 
 def completion(content: str | None, *, token_ids: list[int] | None = None, logprobs: list[float] | None = None,

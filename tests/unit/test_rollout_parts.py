@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from rollout.admission import AdmissionPolicy
-from rollout.capture import constrained
-from rollout.loading import DatasetError, UserCodeError, load_callable, load_examples
-from rollout.manifest import ManifestError, digest_files, local_dir, verify
-from rollout.runner import score
-from schemas.models import FileDigest, PolicyVersion, WeightsKind
+from rlstream.rollout.admission import AdmissionPolicy
+from rlstream.rollout.capture import constrained
+from rlstream.rollout.loading import DatasetError, UserCodeError, load_callable, load_examples
+from rlstream.inference.manifest import ManifestError, digest_files, local_dir, verify
+from rlstream.rollout.runner import score
+from rlstream.schemas.models import FileDigest, PolicyVersion, WeightsKind
 
 
 def test_admission_allows_max_policy_lag_versions_ahead_then_pauses() -> None:
@@ -64,11 +64,11 @@ def test_datasets_load_from_json_and_jsonl_with_clear_errors(tmp_path: Path) -> 
 
 
 def test_user_code_references() -> None:
-    assert load_callable("rollout.runner:score")(0.5) == (0.5, {})
+    assert load_callable("rlstream.rollout.runner:score")(0.5) == (0.5, {})
     with pytest.raises(UserCodeError, match="module:function"):
-        load_callable("ops.toy.toy_reward")
+        load_callable("rlstream.ops.toy.toy_reward")
     with pytest.raises(UserCodeError, match="no attribute"):
-        load_callable("ops.toy:nope")
+        load_callable("rlstream.ops.toy:nope")
     with pytest.raises(UserCodeError, match="cannot import"):
         load_callable("no_such_module_xyz:f")
 

@@ -5,12 +5,12 @@ from typing import Any
 
 import pytest
 
-from schemas.codec import AvroCodec
-from schemas.config import CurriculumConfig, StreamsConfig
-from schemas.models import GroupCompletion, TrajectoryEvent
-from streams import validation as v
-from streams.assembly import AssemblyRules, GroupAssembler, Outcome, SourceRef, group_stats
-from streams.filters import CURRICULUM, STALE, ZERO_VARIANCE, apply_filters
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import CurriculumConfig, StreamsConfig
+from rlstream.schemas.models import GroupCompletion, TrajectoryEvent
+from rlstream.streams import validation as v
+from rlstream.streams.assembly import AssemblyRules, GroupAssembler, Outcome, SourceRef, group_stats
+from rlstream.streams.filters import CURRICULUM, STALE, ZERO_VARIANCE, apply_filters
 from tests.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()

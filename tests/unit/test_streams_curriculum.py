@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from schemas.config import CurriculumConfig
-from streams.curriculum import Candidate, CurriculumState, OnlineCurriculum, keep_count, percentile_schedule, select_groups
+from rlstream.schemas.config import CurriculumConfig
+from rlstream.streams.curriculum import Candidate, CurriculumState, OnlineCurriculum, keep_count, percentile_schedule, select_groups
 
 
 def cfg(**kw: object) -> CurriculumConfig:

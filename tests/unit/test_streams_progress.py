@@ -6,8 +6,8 @@ from typing import Any
 
 from faust.types import TP
 
-from streams import progress
-from streams.progress import Admission, ProgressGate, progress_key
+from rlstream.streams import progress
+from rlstream.streams.exactly_once.progress import Admission, ProgressGate, progress_key
 
 
 class RecordingConsumer:

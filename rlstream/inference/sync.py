@@ -1,0 +1,288 @@
+"""The inference sync worker: keeps one vLLM server on the newest policy version.
+
+It reads ``policy-versions`` from the beginning (the topic keeps every version), catches up to
+the newest version of its policy, loads it, then loads each newer version as it is announced:
+
+* the sha256 manifest is checked first; a mismatch is refused (never loaded) and reported;
+* LoRA versions are loaded under a new adapter name per version (``<policy>-v<version>``) and
+  adapters beyond ``keep_adapters`` are unloaded;
+* full versions go through pause -> reload_weights -> reset prefix cache -> resume;
+* a failed load is retried ``load_retries`` times with backoff, then reported; the worker stays on
+  the version it had (the server is never left half-loaded).
+
+The loaded version and the name to request it by are heartbeated to Redis
+(``rlstream:{policy}:worker:{id}``); the rollout runner routes requests by it. Failures are
+reported in the log, as a ``inference/load_failed`` metric, as a dead letter on ``dlq`` (with the
+raw PolicyVersion record) and as ``last_error`` fields of the worker's Redis hash.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
+
+from rlstream.transport.control import ControlPlane, worker_key
+from rlstream.transport.deadletter import dead_letter, send_dead_letter
+from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.log import get_logger
+from rlstream.transport.metrics import MetricsPublisher
+from rlstream.inference.manifest import ManifestError, local_dir, verify
+from rlstream.inference.vllm_backend import BackendError, VllmBackend
+from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import PolicyVersion, WeightsKind
+from rlstream.schemas.topics import TopicNames
+
+log = get_logger(__name__)
+
+LOAD_FAILED = "inference/load_failed"
+LOADED_VERSION = "inference/loaded_version"
+LOAD_SECONDS = "inference/load_seconds"
+
+
+class LoadRefused(RuntimeError):
+    """A version that must not be loaded (bad manifest, unsupported kind)."""
+
+
+@dataclass
+class LoadedState:
+    version: int
+    name: str
+    kind: str
+    weights_dir: Path | None = None
+
+
+def adapter_name(policy: str, version: int) -> str:
+    """The LoRA adapter name of one version (new per version: vLLM refuses reusing a name)."""
+    return f"{policy}-v{version}"
+
+
+class InferenceSyncWorker:
+    """Loads every new PolicyVersion of ``cfg.policy`` into one vLLM server."""
+
+    def __init__(
+        self,
+        cfg: RlstreamConfig,
+        backend: VllmBackend,
+        control: ControlPlane,
+        producer: AIOKafkaProducer | None = None,
+        codec: AvroCodec | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.icfg = cfg.inference
+        self.backend = backend
+        self.control = control
+        self.codec = codec or AvroCodec()
+        self.topics = TopicNames.from_config(cfg.topics)
+        self.producer = producer or make_producer(cfg.kafka)
+        self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics,
+                                        source=f"inference:{self.icfg.worker_id}", run_id=cfg.run_id,
+                                        prometheus_port=self.icfg.prometheus_port)
+        self.state = LoadedState(version=0, name=self.icfg.served_model, kind="base")
+        self.adapters: deque[str] = deque()
+        self.failures = 0
+        self.refused: list[tuple[int, str]] = []
+        self._loaded_event = asyncio.Event()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Catch up, load the newest version, then follow the topic until ``stop`` is set."""
+        stop = stop or asyncio.Event()
+        consumer = make_consumer(self.cfg.kafka, group_id=None)
+        await self.producer.start()
+        await consumer.start()
+        heartbeat = asyncio.create_task(self._heartbeat_loop(stop))
+        try:
+            await self._catch_up(consumer)
+            while not stop.is_set():
+                batches = await consumer.getmany(timeout_ms=500, max_records=100)
+                for records in batches.values():
+                    for record in records:
+                        await self.handle_record(record)
+        finally:
+            stop.set()
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await consumer.stop()
+            await self.producer.stop()
+
+    async def _catch_up(self, consumer: AIOKafkaConsumer) -> None:
+        """Read the topic up to its current end; load only the newest valid version of our policy."""
+        from aiokafka import TopicPartition
+
+        partitions = await _wait_partitions(consumer, self.topics.policy_versions)
+        tps = [TopicPartition(self.topics.policy_versions, p) for p in partitions]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        newest: list[tuple[PolicyVersion, ConsumerRecord]] = []
+        while await _behind(consumer, ends):
+            batches = await consumer.getmany(*tps, timeout_ms=500)
+            for records in batches.values():
+                for record in records:
+                    version = await self._decode(record)
+                    if version is not None and version.policy == self.cfg.policy:
+                        newest.append((version, record))
+        newest.sort(key=lambda item: item[0].version, reverse=True)
+        for version, record in newest:  # newest first; fall back to an older one if it is refused
+            if version.version <= self.state.version:
+                break
+            if await self.sync(version, record):
+                break
+        await self._heartbeat()
+        log.info("sync worker caught up", policy=self.cfg.policy, loaded_version=self.state.version,
+                 name=self.state.name, seen=len(newest))
+
+    async def handle_record(self, record: ConsumerRecord) -> None:
+        version = await self._decode(record)
+        if version is None or version.policy != self.cfg.policy:
+            return
+        if version.version <= self.state.version:
+            log.info("version not newer than the loaded one; skipped", version=version.version,
+                     loaded=self.state.version)
+            return
+        await self.sync(version, record)
+
+    async def _decode(self, record: ConsumerRecord) -> PolicyVersion | None:
+        try:
+            return self.codec.decode(record.value, PolicyVersion)
+        except CodecError as exc:
+            log.error("undecodable policy version; sent to dlq", offset=record.offset, error=str(exc))
+            await self._dead_letter(record, exc)
+            return None
+
+    # -- loading ----------------------------------------------------------------------------
+    async def sync(self, version: PolicyVersion, record: ConsumerRecord | None = None) -> bool:
+        """Verify and load one version; True when it is now served. Failures are reported, not raised."""
+        started = time.monotonic()
+        try:
+            weights_dir = verify(version, self.icfg.weights_root)
+        except ManifestError as exc:
+            await self._report(version, record, exc, refused=True)
+            return False
+        attempts = self.icfg.load_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._load(version, weights_dir)
+                break
+            except BackendError as exc:
+                log.warning("load failed", version=version.version, attempt=attempt, of=attempts, error=str(exc))
+                if attempt == attempts:
+                    await self._report(version, record, exc, refused=False)
+                    return False
+                await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
+        await self._heartbeat()
+        seconds = time.monotonic() - started
+        await self.metrics.emit(LOADED_VERSION, version.version, step=version.version,
+                                tags={"worker": self.icfg.worker_id, "kind": version.kind.value})
+        await self.metrics.emit(LOAD_SECONDS, seconds, step=version.version, tags={"worker": self.icfg.worker_id})
+        log.info("version loaded", policy=version.policy, version=version.version, kind=version.kind.value,
+                 name=self.state.name, seconds=round(seconds, 3))
+        self._loaded_event.set()
+        return True
+
+    async def _load(self, version: PolicyVersion, weights_dir: Path) -> None:
+        if version.kind == WeightsKind.lora:
+            name = adapter_name(version.policy, version.version)
+            if name in self.adapters:  # loaded by an earlier attempt whose follow-up failed
+                await self.backend.unload_lora(name)
+                self.adapters.remove(name)
+            await self.backend.load_lora(name, weights_dir)
+            self.adapters.append(name)
+            self.state = LoadedState(version.version, name, "lora", self.state.weights_dir)
+            await self._trim_adapters()
+        elif version.kind == WeightsKind.full:
+            previous = self.state.weights_dir or self._base_dir(version)
+            await self.backend.load_full(weights_dir, rollback_dir=previous)
+            self.state = LoadedState(version.version, self.icfg.served_model, "full", weights_dir)
+            # adapters trained against the old base no longer match the served weights
+            while self.adapters:
+                await self._unload_quietly(self.adapters.popleft())
+        else:  # pragma: no cover - the enum has two members
+            raise LoadRefused(f"unknown weights kind {version.kind}")
+
+    def _base_dir(self, version: PolicyVersion) -> Path | None:
+        try:
+            path = local_dir(version.base_model, self.icfg.weights_root)
+        except ManifestError:
+            return None
+        return path if path.is_dir() else None
+
+    async def _trim_adapters(self) -> None:
+        while len(self.adapters) > self.icfg.keep_adapters:
+            await self._unload_quietly(self.adapters.popleft())
+
+    async def _unload_quietly(self, name: str) -> None:
+        try:
+            await self.backend.unload_lora(name)
+        except BackendError as exc:
+            log.warning("could not unload an old adapter", name=name, error=str(exc))
+
+    # -- reporting --------------------------------------------------------------------------
+    async def _report(self, version: PolicyVersion, record: ConsumerRecord | None, exc: Exception, refused: bool) -> None:
+        self.failures += 1
+        if refused:
+            self.refused.append((version.version, str(exc)))
+        what = "refused" if refused else "failed"
+        log.error(f"version {what}", policy=version.policy, version=version.version, error=str(exc),
+                  loaded_version=self.state.version)
+        await self.metrics.emit(LOAD_FAILED, 1.0, step=version.version,
+                                tags={"worker": self.icfg.worker_id, "reason": type(exc).__name__})
+        try:
+            await self.control.redis.hset(worker_key(self.cfg.policy, self.icfg.worker_id), mapping={
+                "last_error": f"version {version.version} {what}: {exc}", "last_error_version": version.version,
+                "last_error_at": time.time()})
+        except Exception as redis_exc:  # the dlq and log still carry it
+            log.warning("could not record the failure in redis", error=str(redis_exc))
+        if record is not None:
+            await self._dead_letter(record, exc)
+
+    async def _dead_letter(self, record: ConsumerRecord, exc: Exception) -> None:
+        letter = dead_letter(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
+                             value=record.value, error=exc, service=f"inference:{self.icfg.worker_id}")
+        try:
+            await send_dead_letter(self.producer, self.codec, self.topics.dlq, letter)
+        except Exception as send_exc:
+            log.error("dead letter not sent", error=str(send_exc), offset=record.offset)
+
+    # -- heartbeat --------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        await self.control.heartbeat_worker(self.cfg.policy, self.icfg.worker_id, self.state.version,
+                                            self.state.name, self.icfg.heartbeat_ttl_s)
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=max(0.5, self.icfg.heartbeat_ttl_s / 3))
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                return
+            try:
+                await self._heartbeat()
+            except Exception as exc:
+                log.warning("heartbeat failed", error=str(exc))
+
+
+async def _behind(consumer: AIOKafkaConsumer, ends: dict) -> bool:  # type: ignore[type-arg]
+    """True while some partition's position is before the end offset taken at start."""
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return True
+    return False
+
+
+async def _wait_partitions(consumer: AIOKafkaConsumer, topic: str, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        partitions = consumer.partitions_for_topic(topic)
+        if partitions:
+            return sorted(partitions)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {topic} does not exist: run `rlstream topics create`")
+        await consumer.topics()  # refresh metadata
+        await asyncio.sleep(0.2)

@@ -1,0 +1,110 @@
+"""The trained model: load any transformers causal LM, LoRA (peft) or full, pick device and dtype,
+compute completion logprobs, and provide the KL reference."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from rlstream.learner.batch import Batch
+from rlstream.learner.grpo import token_logprobs
+from rlstream.transport.log import get_logger
+from rlstream.schemas.config import LearnerConfig
+
+log = get_logger(__name__)
+
+
+def pick_device(requested: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("learner.device is cuda but no CUDA device is available")
+    return torch.device(requested)
+
+
+def pick_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU, bf16 on GPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass
+class Policy:
+    """A model being trained, its tokenizer and how to get reference logprobs."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    lora: bool
+    base_model: str
+    reference: Any = None  # frozen copy (full fine-tuning with beta > 0)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer is not None else 0
+        return int(pad)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference_mode(self) -> Iterator[Any]:
+        """Yield the reference model: the base with the adapter disabled (LoRA) or the frozen copy (full)."""
+        if self.lora:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            if self.reference is None:
+                raise RuntimeError("no reference model (full fine-tuning builds one only when beta > 0)")
+            yield self.reference
+
+
+def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, with_reference: bool | None = None) -> Policy:
+    """Load ``cfg.model`` (or ``model_path``) for training as the config says (LoRA or full)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(model_path or cfg.model)
+    if not path:
+        raise ValueError("learner.model is empty: give the path of a transformers model directory")
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer with the model; turns must carry token ids", model=path, error=str(exc))
+        tokenizer = None
+    need_ref = cfg.beta > 0 if with_reference is None else with_reference
+    reference = None
+    if cfg.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    elif need_ref:
+        reference = copy.deepcopy(model).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    model.train()
+    log.info("policy loaded", model=path, device=str(device), dtype=str(dtype), lora=cfg.lora.enabled,
+             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, lora=cfg.lora.enabled,
+                  base_model=path, reference=reference)
+
+
+def completion_logprobs(model: Any, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs (B, T) of the completion tokens of ``batch`` under ``model`` (float32)."""
+    t = batch.completion_len
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, logits_to_keep=t + 1)
+    logits = out.logits[:, -t - 1:-1, :]
+    return token_logprobs(logits, batch.completion_ids, temperature)

@@ -1,0 +1,116 @@
+"""Weight publication: a new directory per version, a sha256 manifest, a PolicyVersion on ``policy-versions``,
+then the Redis latest pointer moved by compare-and-set under the learner's lease (fencing).
+
+Version directory ``<output_dir>/versions/v<NNNNNN>/``: full fine-tuning writes ``model.safetensors`` with
+untied embeddings, ``config.json`` (``tie_word_embeddings: false``) and the tokenizer; LoRA writes a PEFT
+adapter folder (``adapter_model.safetensors``, ``adapter_config.json``). ``manifest.json`` lists the sha256 of
+every file; the Redis pointer's ``sha256`` is the sha256 of ``manifest.json`` itself.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from rlstream.learner.checkpoint import MANIFEST, fsync_path, sha256_file, verify_manifest, write_manifest
+from rlstream.learner.policy import Policy
+from rlstream.transport.control import ControlPlane, Lease
+from rlstream.transport.log import get_logger
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.models import FileDigest, OffsetRange, PolicyVersion, WeightsKind
+
+log = get_logger(__name__)
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def _save_full(policy: Policy, out: Path) -> None:
+    model = policy.model
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    out_emb = model.get_output_embeddings()
+    if out_emb is not None:  # untie: vLLM keeps stale weights for tied embeddings on reload
+        state["lm_head.weight"] = out_emb.weight.detach().to("cpu").contiguous().clone()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    if hasattr(config, "get_text_config"):
+        config.get_text_config().tie_word_embeddings = False
+    config.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(out))
+    if policy.tokenizer is not None:
+        policy.tokenizer.save_pretrained(str(out))
+
+
+def write_version(policy: Policy, root: Path, policy_name: str, version: int) -> tuple[Path, dict[str, Any]]:
+    """Write version ``version`` atomically (temporary directory, fsync, rename); returns (dir, manifest)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    if policy.lora:
+        policy.model.save_pretrained(str(tmp), safe_serialization=True)
+    else:
+        _save_full(policy, tmp)
+    manifest = write_manifest(tmp, {"policy": policy_name, "version": version,
+                                    "kind": "lora" if policy.lora else "full", "base_model": policy.base_model})
+    if final.exists():  # an unannounced leftover of a crashed publication of this same version
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(root)
+    verify_manifest(final)
+    return final, manifest
+
+
+def manifest_digest(directory: Path) -> str:
+    """The sha256 of a version's ``manifest.json`` (what the Redis pointer carries)."""
+    return sha256_file(Path(directory) / MANIFEST)
+
+
+def offset_ranges(topic: str, ranges: dict[int, list[int]]) -> list[OffsetRange]:
+    return [OffsetRange(topic=topic, partition=p, first=r[0], last=r[1]) for p, r in sorted(ranges.items())]
+
+
+async def announce(
+    *, producer: Any, codec: AvroCodec, control: ControlPlane, lease: Lease, topic: str, groups_topic: str,
+    policy_name: str, run_id: str, directory: Path, manifest: dict[str, Any], version: int, step: int,
+    kind: WeightsKind, base_model: str, ranges: dict[int, list[int]], group_count: int, metrics: dict[str, float],
+    lease_ttl_s: float,
+) -> PolicyVersion:
+    """Announce a written version: renew (check) the lease, PolicyVersion on ``policy-versions``, then move the
+    Redis pointer by CAS under the lease. Raises :class:`ops.control.LeaseLost` when the lease is gone."""
+    verify_manifest(directory)
+    await control.renew_lease(policy_name, lease, lease_ttl_s)
+    event = PolicyVersion(
+        policy=policy_name, version=version, base_model=base_model, kind=kind, uri=str(Path(directory).resolve()),
+        files=[FileDigest(path=f["path"], sha256=f["sha256"], size=f["size"]) for f in manifest["files"]],
+        learner_step=step, group_count=group_count, trained_on=offset_ranges(groups_topic, ranges),
+        metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,
+    )
+    await producer.send_and_wait(topic, codec.encode(event), key=policy_name.encode())
+    moved = await control.publish_latest(policy_name, version, event.uri, manifest_digest(directory), lease)
+    log.info("version published", policy=policy_name, version=version, step=step, uri=event.uri, moved=moved,
+             groups=group_count)
+    return event
+
+
+def load_published(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """Load a published version with transformers/peft (verifying its manifest first)."""
+    from transformers import AutoModelForCausalLM
+
+    manifest = verify_manifest(Path(directory))
+    if manifest["kind"] == "lora":
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(manifest["base_model"], dtype=dtype)
+        return PeftModel.from_pretrained(base, str(directory))
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)

@@ -1,0 +1,203 @@
+"""``rlstream status``: one look at a deployment.
+
+Policy versions (the Redis latest pointer and the recent PolicyVersion messages), the learner
+lease holder, inference workers and the version each has loaded, lag per topic and consumer
+group, the run's status hash and its latest metrics. Reads only: it joins no group and commits
+nothing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import client_options
+from rlstream.transport.log import get_logger
+from rlstream.transport.topic_reader import TopicMissingError, codec_for, open_reader, read_to_end
+from rlstream.schemas.codec import CodecError
+from rlstream.schemas.config import KafkaConfig, RlstreamConfig
+from rlstream.schemas.models import MetricEvent, PolicyVersion
+from rlstream.schemas.topics import TopicNames
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GroupLag:
+    """Lag of one consumer group on one topic (sums over partitions; ``per_partition`` holds the detail)."""
+
+    group: str
+    topic: str
+    committed: int = 0
+    end: int = 0
+    lag: int = 0
+    per_partition: dict[int, int] = field(default_factory=dict)
+
+
+async def consumer_group_lags(kafka: KafkaConfig, prefix: str = "", groups: list[str] | None = None) -> list[GroupLag]:
+    """Lag of every consumer group (or of ``groups``) on the topics whose name starts with ``prefix``.
+
+    A partition the group never committed counts its whole end offset as lag.
+    """
+    admin = AIOKafkaAdminClient(**client_options(kafka))
+    await admin.start()
+    try:
+        if groups is None:
+            groups = sorted({str(g[0]) for g in await admin.list_consumer_groups()})
+        committed: dict[tuple[str, TopicPartition], int] = {}
+        for group in groups:
+            for tp, meta in (await admin.list_consumer_group_offsets(group)).items():
+                if tp.topic.startswith(prefix):
+                    committed[(group, tp)] = meta.offset
+    finally:
+        await admin.close()
+    if not committed:
+        return []
+    reader = await open_reader(kafka)
+    try:
+        ends = await reader.end_offsets(sorted({tp for _, tp in committed}))
+    finally:
+        await reader.stop()
+    out: dict[tuple[str, str], GroupLag] = {}
+    for (group, tp), offset in sorted(committed.items(), key=lambda kv: (kv[0][0], kv[0][1].topic, kv[0][1].partition)):
+        entry = out.setdefault((group, tp.topic), GroupLag(group=group, topic=tp.topic))
+        end = ends.get(tp, 0)
+        lag = max(0, end - max(offset, 0))
+        entry.committed += max(offset, 0)
+        entry.end += end
+        entry.lag += lag
+        entry.per_partition[tp.partition] = lag
+    return list(out.values())
+
+
+async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: int = 5) -> list[PolicyVersion]:
+    """The newest ``limit`` PolicyVersion messages of ``policy``, newest first."""
+    codec = codec_for(kafka)
+    found: list[PolicyVersion] = []
+    reader = await open_reader(kafka)
+    try:
+        async for record in read_to_end(reader, topic, tail=max(50, limit * 10)):
+            try:
+                version = codec.decode(record.value, PolicyVersion)
+            except CodecError:
+                continue
+            if version.policy == policy:
+                found.append(version)
+    finally:
+        await reader.stop()
+    found.sort(key=lambda v: (v.version, v.created_at), reverse=True)
+    return found[:limit]
+
+
+async def latest_metrics(kafka: KafkaConfig, topic: str, run_id: str | None, tail: int = 500) -> list[MetricEvent]:
+    """The last event of each (source, name) among the last ``tail`` per partition, for ``run_id`` (or all)."""
+    codec = codec_for(kafka)
+    last: dict[tuple[str, str], MetricEvent] = {}
+    reader = await open_reader(kafka)
+    try:
+        async for record in read_to_end(reader, topic, tail=tail):
+            try:
+                event = codec.decode(record.value, MetricEvent)
+            except CodecError:
+                continue
+            if run_id and event.run_id != run_id:
+                continue
+            key = (event.source, event.name)
+            if key not in last or event.ts >= last[key].ts:
+                last[key] = event
+    finally:
+        await reader.stop()
+    return sorted(last.values(), key=lambda e: (e.source, e.name))
+
+
+async def control_plane_status(url: str, policy: str, run_id: str) -> dict[str, Any]:
+    """Latest pointer, lease holder, workers (with heartbeat age) and the run's status hash."""
+    plane = ControlPlane(url, retry_max_s=2.0)
+    try:
+        now = time.time()
+        workers = await plane.workers(policy)
+        for info in workers.values():
+            if "heartbeat_at" in info:
+                info["age_s"] = f"{max(0.0, now - float(info['heartbeat_at'])):.1f}"
+        return {
+            "latest": await plane.latest(policy),
+            "lease_holder": await plane.lease_holder(policy),
+            "workers": workers,
+            "run_status": await plane.status(run_id),
+        }
+    finally:
+        await plane.close()
+
+
+async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, versions: int = 5) -> dict[str, Any]:
+    """Everything ``rlstream status`` shows, as JSON-ready data; an unreachable part is reported, not raised."""
+    run_id = run_id or cfg.run_id
+    names = TopicNames.from_config(cfg.topics)
+    status: dict[str, Any] = {"policy": cfg.policy, "run_id": run_id, "errors": []}
+    if cfg.redis.url:
+        try:
+            status.update(await control_plane_status(cfg.redis.url, cfg.policy, run_id))
+        except Exception as exc:  # a down Redis must not hide what Kafka can tell
+            status["errors"].append(f"redis {cfg.redis.url}: {exc}")
+    else:
+        status["errors"].append("redis.url is not set: no control-plane figures")
+    for key, call in (
+        ("recent_versions", lambda: recent_versions(cfg.kafka, names.policy_versions, cfg.policy, versions)),
+        ("lag", lambda: consumer_group_lags(cfg.kafka, cfg.topics.prefix)),
+        ("metrics", lambda: latest_metrics(cfg.kafka, names.metrics, run_id)),
+    ):
+        try:
+            value = await call()
+        except TopicMissingError as exc:
+            status["errors"].append(str(exc))
+            value = []
+        except Exception as exc:
+            status["errors"].append(f"{key}: {type(exc).__name__}: {exc}")
+            value = []
+        status[key] = [v.model_dump(mode="json") if hasattr(v, "model_dump") else asdict(v) for v in value]
+    return status
+
+
+def render_status(status: dict[str, Any], console: Any) -> None:
+    """Print ``status`` as rich tables."""
+    from rich.table import Table
+
+    latest = status.get("latest") or {}
+    console.print(f"[bold]policy[/bold] {status['policy']}   [bold]run[/bold] {status['run_id']}")
+    console.print(f"latest version (redis): {latest.get('version', '-')}  uri: {latest.get('uri', '-')}")
+    console.print(f"learner lease: {status.get('lease_holder') or 'free'}")
+
+    table = Table("version", "kind", "learner step", "groups", "run", "created", "uri", title="recent policy versions")
+    for v in status.get("recent_versions", []):
+        table.add_row(str(v["version"]), str(v["kind"]), str(v["learner_step"]), str(v["group_count"]), v["run_id"],
+                      str(v["created_at"]), v["uri"])
+    console.print(table)
+
+    table = Table("worker", "name", "loaded version", "heartbeat age s", title="inference workers")
+    for wid, info in sorted((status.get("workers") or {}).items()):
+        table.add_row(wid, info.get("name", ""), info.get("version", ""), info.get("age_s", ""))
+    console.print(table)
+
+    table = Table("consumer group", "topic", "committed", "end", "lag", title="lag per topic and consumer group")
+    for lag in status.get("lag", []):
+        table.add_row(lag["group"], lag["topic"], str(lag["committed"]), str(lag["end"]), str(lag["lag"]))
+    console.print(table)
+
+    run_status = status.get("run_status") or {}
+    if run_status:
+        table = Table("figure", "value", title=f"run status ({status['run_id']})")
+        for k, v in sorted(run_status.items()):
+            table.add_row(k, v)
+        console.print(table)
+
+    table = Table("source", "metric", "value", "step", "time", title="latest metrics")
+    for m in status.get("metrics", []):
+        table.add_row(m["source"], m["name"], f"{m['value']:.6g}", "" if m["step"] is None else str(m["step"]),
+                      str(m["ts"]))
+    console.print(table)
+    for err in status.get("errors", []):
+        console.print(f"[yellow]! {err}[/yellow]")

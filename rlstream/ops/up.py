@@ -1,0 +1,521 @@
+"""``rlstream up``: the whole system on one machine, training continuously on a toy task.
+
+Starts the embedded broker and Redis, creates the topics, then the streams worker, the learner,
+a vLLM server with its sync worker and a rollout runner as child processes; evaluates every
+policy version vLLM loads on held-out prompts; shows a live view; on the end of ``--duration``
+or Ctrl-C stops every child by PID and writes a reward-per-version plot and a JSON summary.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlstream.transport.control import ControlPlane
+from rlstream.ops.infra import LocalStack, stop_pid
+from rlstream.transport.kafka import create_topics
+from rlstream.transport.log import get_logger
+from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, overrides_to_dict, read_yaml
+
+log = get_logger(__name__)
+
+#: The toy run: a tiny randomly initialised Qwen2 learns to answer with the letter the prompt names.
+TOY_DEFAULTS: dict[str, Any] = {
+    "policy": "toy",
+    "topics": {"partitions": 4},
+    "streams": {"group_timeout_s": 60.0, "min_group_size": 2, "max_policy_lag": 8, "min_reward_diff": 0.0,
+                "metrics_interval_s": 2.0},
+    "learner": {"lora": {"enabled": False}, "learning_rate": 3e-3, "groups_per_step": 4, "publish_every": 1,
+                "checkpoint_every": 5, "scale_rewards": "group"},
+    "rollout": {"workflow": "rlstream.rollout.workflows:single_turn", "reward_function": "rlstream.ops.toy:toy_reward",
+                "group_size": 8, "concurrency": 8, "max_policy_lag": 2, "mode": "continuous",
+                "max_tokens": 12, "temperature": 1.0, "model": "toy"},
+    "inference": {"served_model": "toy"},
+}
+#: A pretrained 135M model: LoRA with a small learning rate (full fine-tuning at the tiny model's rate would wreck it).
+SMOLLM2_DEFAULTS: dict[str, Any] = {
+    "learner": {"lora": {"enabled": True}, "learning_rate": 1e-4},
+    "rollout": {"max_tokens": 16},
+}
+HELDOUT_SEED = 1_000
+
+
+@dataclass
+class UpOptions:
+    """What ``rlstream up`` was asked for."""
+
+    config: Path | None = None
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+    duration_s: float | None = None
+    runs_dir: Path = Path("runs")
+    heldout_examples: int = 24
+    model: str = "tiny"
+    eval_samples: int = 4
+    live: bool = True
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_file: Path
+
+
+class Supervisor:
+    """Starts children in their own process sessions and stops them by PID, newest first."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.extra_pids: dict[str, int] = {}
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        log_file = self.log_dir / f"{name}.log"
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, **(env or {})})
+        child = Child(name, proc, log_file)
+        self.children.append(child)
+        log.info("started", service=name, pid=proc.pid, log=str(log_file))
+        return child
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            stop_pid(child.proc.pid, timeout_s=20.0)
+            log.info("stopped", service=child.name, pid=child.proc.pid, exit_code=child.proc.poll())
+        for name, pid in self.extra_pids.items():
+            stop_pid(pid, timeout_s=20.0)
+            log.info("stopped", service=name, pid=pid)
+
+
+def rlstream_command(*args: str) -> list[str]:
+    """The command line of an ``rlstream`` subcommand run with this interpreter."""
+    return [sys.executable, "-m", "rlstream.cli", "--log-format", "json", *args]
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStack, model_dir: Path | None,
+                   vllm_url: str, dataset: Path | None) -> tuple[RlstreamConfig, Path]:
+    """The effective config of the run (toy defaults < user file < overrides), written to ``run_dir``."""
+    user = read_yaml(opts.config) if opts.config else {}
+    toy = opts.config is None
+    base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
+    plumbing: dict[str, Any] = {
+        "run_id": run_id,
+        "kafka": {"bootstrap_servers": stack.bootstrap},
+        "redis": {"url": stack.redis_url},
+        "streams": {"data_dir": str(run_dir / "streams")},
+        "learner": {"output_dir": str(run_dir / "learner")},
+        "rollout": {"base_url": f"{vllm_url}/v1"},
+        "inference": {"url": vllm_url},
+    }
+    if model_dir is not None:
+        plumbing["learner"]["model"] = str(model_dir)
+    if dataset is not None:
+        plumbing["rollout"]["dataset"] = str(dataset)
+    merged = deep_merge(deep_merge(base, plumbing), user)
+    merged = deep_merge(merged, overrides_to_dict(opts.overrides))
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    return load_config(path), path
+
+
+# --- held-out evaluation -------------------------------------------------------------------------------
+@dataclass
+class VersionScore:
+    version: int
+    model: str
+    reward_mean: float
+    samples: int
+    at: float
+
+
+async def evaluate_heldout(base_url: str, model: str, examples: list[dict[str, Any]], workflow: Any, reward_fn: Any,
+                           samples: int, max_tokens: int, temperature: float) -> tuple[float, int]:
+    """Mean reward of ``samples`` runs of ``workflow`` per held-out example against ``model`` (served by vLLM).
+
+    The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
+    """
+    from openai import AsyncOpenAI
+
+    from rlstream.rollout.runner import score
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=60.0)
+    client.rlstream_model = model  # type: ignore[attr-defined]
+    client.rlstream_temperature = temperature  # type: ignore[attr-defined]
+    client.rlstream_max_tokens = max_tokens  # type: ignore[attr-defined]
+    try:
+        async def one(example: dict[str, Any]) -> float:
+            output = await workflow(example, client)
+            return score(reward_fn(example, output))[0]
+
+        scores = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
+    finally:
+        await client.close()
+    return (sum(scores) / len(scores) if scores else 0.0), len(scores)
+
+
+# --- live figures --------------------------------------------------------------------------------------
+@dataclass
+class LiveFigures:
+    """What the live view shows, refreshed from Kafka and Redis."""
+
+    started: float = field(default_factory=time.monotonic)
+    latest_version: int = -1
+    latest_published_at: float | None = None
+    loaded: dict[str, str] = field(default_factory=dict)
+    groups_seen: int = 0
+    group_reward_by_version: dict[int, list[float]] = field(default_factory=dict)
+    newest_group_version: int | None = None
+    filtered: dict[str, float] = field(default_factory=dict)
+    dlq_count: int = 0
+    lags: dict[str, int] = field(default_factory=dict)
+    heldout: list[VersionScore] = field(default_factory=list)
+    group_times: list[float] = field(default_factory=list)
+
+    def groups_per_s(self, window_s: float = 30.0) -> float:
+        now = time.monotonic()
+        recent = [t for t in self.group_times if now - t <= window_s]
+        return len(recent) / min(window_s, max(1e-9, now - self.started))
+
+    def policy_lag(self) -> int | None:
+        if self.newest_group_version is None or self.latest_version < 0:
+            return None
+        return self.latest_version - self.newest_group_version
+
+
+def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
+    from rich.table import Table
+
+    elapsed = time.monotonic() - figures.started
+    title = f"rlstream up — run {run_id} — {elapsed:.0f}s" + (f" / {duration_s:.0f}s" if duration_s else "")
+    table = Table(title=title, show_header=True)
+    table.add_column("figure")
+    table.add_column("value", overflow="fold")
+    age = f"{time.time() - figures.latest_published_at:.0f}s ago" if figures.latest_published_at else "-"
+    table.add_row("policy version (published)", f"{figures.latest_version if figures.latest_version >= 0 else '-'} ({age})")
+    table.add_row("loaded in vLLM", ", ".join(f"{w}: v{v}" for w, v in figures.loaded.items()) or "-")
+    heldout = "  ".join(f"v{s.version}: {s.reward_mean:.2f}" for s in figures.heldout[-8:])
+    table.add_row("held-out reward per version", heldout or "-")
+    train = "  ".join(f"v{v}: {sum(r) / len(r):.2f}" for v, r in sorted(figures.group_reward_by_version.items())[-8:])
+    table.add_row("training reward per version", train or "-")
+    table.add_row("groups", f"{figures.groups_seen} ({figures.groups_per_s():.2f}/s)")
+    table.add_row("groups filtered", ", ".join(f"{k}: {v:.0f}" for k, v in sorted(figures.filtered.items())) or "0")
+    table.add_row("dlq", str(figures.dlq_count))
+    lag = figures.policy_lag()
+    table.add_row("policy lag (versions)", "-" if lag is None else str(lag))
+    table.add_row("consumer lag", ", ".join(f"{k}: {v}" for k, v in sorted(figures.lags.items())) or "-")
+    return table
+
+
+class Watcher:
+    """Feeds :class:`LiveFigures` from the groups, metrics and dlq topics and from Redis."""
+
+    def __init__(self, cfg: RlstreamConfig, control: ControlPlane, figures: LiveFigures) -> None:
+        self.cfg, self.control, self.figures = cfg, control, figures
+
+    async def follow_topics(self, stop: asyncio.Event) -> None:
+        from rlstream.transport.kafka import make_consumer
+        from rlstream.schemas.codec import AvroCodec, CodecError
+        from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup
+        from rlstream.schemas.topics import TopicNames
+
+        names = TopicNames.from_config(self.cfg.topics)
+        codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes * 4)
+        consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, group_id=None,
+                                 isolation_level="read_committed")
+        await consumer.start()
+        try:
+            while not stop.is_set():
+                batches = await consumer.getmany(timeout_ms=500, max_records=500)
+                for tp, records in batches.items():
+                    for record in records:
+                        try:
+                            if tp.topic == names.groups:
+                                self._on_group(codec.decode(record.value, TrajectoryGroup))
+                            elif tp.topic == names.metrics:
+                                self._on_metric(codec.decode(record.value, MetricEvent))
+                            else:
+                                codec.decode(record.value, DeadLetter)
+                                self.figures.dlq_count += 1
+                        except CodecError as exc:
+                            log.warning("undecodable record in live view", topic=tp.topic, error=str(exc))
+        finally:
+            await consumer.stop()
+
+    def _on_group(self, group: Any) -> None:
+        if group.run_id != self.cfg.run_id:
+            return
+        self.figures.groups_seen += 1
+        self.figures.group_times.append(time.monotonic())
+        rewards = [t.reward for t in group.trajectories if t.reward is not None]
+        if rewards:
+            self.figures.group_reward_by_version.setdefault(group.max_policy_version, []).append(
+                sum(rewards) / len(rewards))
+        self.figures.newest_group_version = max(self.figures.newest_group_version or 0, group.max_policy_version)
+
+    def _on_metric(self, event: Any) -> None:
+        if event.run_id != self.cfg.run_id:
+            return
+        if "filtered" in event.name:
+            reason = event.tags.get("reason", event.name)
+            self.figures.filtered[reason] = event.value if "total" in event.name else self.figures.filtered.get(reason, 0) + event.value
+
+    async def poll_control(self, stop: asyncio.Event) -> None:
+        from rlstream.ops.status import consumer_group_lags
+
+        while not stop.is_set():
+            try:
+                latest = await self.control.latest(self.cfg.policy)
+                if latest:
+                    self.figures.latest_version = int(latest["version"])
+                    self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
+                workers = await self.control.workers(self.cfg.policy)
+                self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
+                lags = await consumer_group_lags(self.cfg.kafka, prefix=self.cfg.topics.prefix)
+                self.figures.lags = {f"{g.group}/{g.topic.removeprefix(self.cfg.topics.prefix)}": g.lag for g in lags}
+            except Exception as exc:  # the view must not die with a transient error
+                log.warning("live view refresh failed", error=str(exc))
+            await _sleep_or_stop(stop, 2.0)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures: LiveFigures, base_url: str,
+                            heldout: list[dict[str, Any]], samples: int, stop: asyncio.Event, on_score: Any) -> None:
+    """Score every version the inference worker reports loaded (and the base model first) on held-out examples,
+    with the run's own workflow and reward function."""
+    from rlstream.rollout.loading import load_callable
+    from rlstream.rollout.routing import VersionRouter
+
+    workflow = load_callable(cfg.rollout.workflow or "rlstream.rollout.workflows:single_turn")
+    if not cfg.rollout.reward_function:
+        log.warning("no rollout.reward_function: held-out evaluation is off (rewards come as RewardEvents)")
+        return
+    reward_fn = load_callable(cfg.rollout.reward_function)
+
+    router = VersionRouter(control, cfg.policy, cfg.rollout.model, ttl_s=0.0)
+    done: set[int] = set()
+    while not stop.is_set():
+        route = await router.current()
+        if route.version not in done:
+            done.add(route.version)
+            try:
+                mean, n = await evaluate_heldout(base_url, route.model, heldout, workflow, reward_fn, samples,
+                                                 cfg.rollout.max_tokens, cfg.rollout.temperature)
+            except Exception as exc:
+                log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
+                done.discard(route.version)
+            else:
+                score = VersionScore(route.version, route.model, mean, n, time.time())
+                figures.heldout.append(score)
+                await on_score(score)
+        await _sleep_or_stop(stop, 1.0)
+
+
+# --- outputs ---------------------------------------------------------------------------------------------
+def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if figures.heldout:
+        ax.plot([s.version for s in figures.heldout], [s.reward_mean for s in figures.heldout], "o-",
+                label="held-out reward (vLLM, loaded version)")
+    train = sorted(figures.group_reward_by_version.items())
+    if train:
+        ax.plot([v for v, _ in train], [sum(r) / len(r) for _, r in train], "s--", alpha=0.7,
+                label="training reward (groups by policy version)")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"rlstream up — {run_id}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Path, plot: Path | None) -> dict[str, Any]:
+    scores = figures.heldout
+    first = scores[0].reward_mean if scores else None
+    best_last = scores[-1].reward_mean if scores else None
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "config": str(config_path),
+        "plot": str(plot) if plot else None,
+        "latest_version": figures.latest_version,
+        "loaded": figures.loaded,
+        "groups": figures.groups_seen,
+        "dlq": figures.dlq_count,
+        "filtered": figures.filtered,
+        "heldout": [{"version": s.version, "model": s.model, "reward_mean": s.reward_mean, "samples": s.samples}
+                    for s in scores],
+        "heldout_first": first,
+        "heldout_last": best_last,
+        "heldout_gain": (best_last - first) if scores else None,
+        "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
+        "checkpoints": str(run_dir / "learner"),
+        "logs": str(run_dir / "logs"),
+    }
+
+
+# --- main ------------------------------------------------------------------------------------------------
+async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm_url: str,
+                     heldout: list[dict[str, Any]], figures: LiveFigures) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlstream.transport.kafka import make_producer
+    from rlstream.transport.metric_names import STEP_TAG, STEP_VERSION, VALIDATION_REWARD_MEAN
+    from rlstream.transport.metrics import MetricsPublisher
+    from rlstream.schemas.codec import AvroCodec
+    from rlstream.schemas.topics import TopicNames
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    metrics = MetricsPublisher(producer, AvroCodec(), TopicNames.from_config(cfg.topics).metrics, source="up",
+                               run_id=cfg.run_id)
+
+    async def on_score(score: VersionScore) -> None:
+        log.info("held-out reward", version=score.version, reward_mean=round(score.reward_mean, 3))
+        await metrics.emit(VALIDATION_REWARD_MEAN, score.reward_mean, step=score.version,
+                           tags={STEP_TAG: STEP_VERSION})
+
+    watcher = Watcher(cfg, control, figures)
+    tasks = [
+        asyncio.create_task(watcher.follow_topics(stop)),
+        asyncio.create_task(watcher.poll_control(stop)),
+    ]
+    if heldout:
+        tasks.append(asyncio.create_task(evaluate_versions(cfg, control, figures, f"{vllm_url}/v1", heldout,
+                                                           opts.eval_samples, stop, on_score)))
+    else:
+        log.warning("no held-out examples (set finetuning.validation_dataset): versions are not evaluated")
+    figures.started = time.monotonic()  # the clock of the live view starts with the services
+    deadline = figures.started + opts.duration_s if opts.duration_s else None
+    console = Console()
+    try:
+        with Live(render(figures, cfg.run_id, opts.duration_s), console=console, refresh_per_second=1,
+                  transient=False, auto_refresh=opts.live) as live:
+            while not stop.is_set():
+                if deadline and time.monotonic() >= deadline:
+                    break
+                dead = sup.dead()
+                if dead:
+                    names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log_file})" for c in dead)
+                    log.error("a service stopped; shutting down", services=names)
+                    break
+                live.update(render(figures, cfg.run_id, opts.duration_s))
+                await _sleep_or_stop(stop, 1.0)
+            live.update(render(figures, cfg.run_id, opts.duration_s))
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await producer.stop()
+        await control.close()
+
+
+def run_up(opts: UpOptions) -> dict[str, Any]:
+    """Run the whole system until ``duration_s`` or Ctrl-C; returns the summary written to disk."""
+    from rlstream.ops.vllm import ensure_vllm_venv, start_vllm_server
+
+    user_cfg = load_config(opts.config, opts.overrides) if opts.config else None  # fail before starting anything
+    run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = (opts.runs_dir / run_id).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    stack = LocalStack.start(run_dir / "infra")
+    sup = Supervisor(run_dir / "logs")
+    figures = LiveFigures()
+    config_path = run_dir / "config.yaml"
+    try:
+        model_dir, dataset, heldout = _task(opts, run_dir, user_cfg)
+        print(f"run {run_id}: data in {run_dir}", flush=True)
+        print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
+        ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")
+        served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
+        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm")
+        sup.extra_pids["vllm"] = vllm.pid
+        cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
+                                          vllm.url, dataset)
+        asyncio.run(create_topics(cfg.kafka, cfg.topics))
+        c = ["-c", str(config_path)]
+        sup.spawn("streams", rlstream_command("streams", "worker", *c))
+        sup.spawn("learner", rlstream_command("learner", "run", *c))
+        sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
+        sup.spawn("rollout", rlstream_command("rollout", "run", *c))
+        try:
+            asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
+        except KeyboardInterrupt:
+            pass
+    finally:
+        sup.stop_all()
+        stack.stop()
+        plot = None
+        try:
+            plot = write_plot(figures, run_dir / "reward_per_version.png", run_id)
+        except Exception as exc:
+            log.warning("plot not written", error=str(exc))
+        summary = summarize(figures, run_id, run_dir, config_path, plot)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"\nrun data and checkpoints: {run_dir}")
+        print(f"plot:    {plot}")
+        print(f"summary: {run_dir / 'summary.json'}")
+    return summary
+
+
+def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tuple[Path, Path | None, list[dict[str, Any]]]:
+    """Model directory, training dataset file (None: the user's config names it) and held-out examples.
+
+    The toy task is built here; a user config brings ``learner.model`` and, for held-out evaluation,
+    ``finetuning.validation_dataset``.
+    """
+    from rlstream.rollout.loading import load_examples
+
+    if user_cfg is not None:
+        if not user_cfg.learner.model:
+            raise ConfigError("learner.model: with --config, name a local transformers model directory "
+                              "(untied embeddings) for vLLM and the learner")
+        path = user_cfg.finetuning.validation_dataset
+        heldout = load_examples(path)[: opts.heldout_examples] if path else []
+        return Path(user_cfg.learner.model), None, heldout
+    from rlstream.ops.toy import build_tiny_model, smollm2_model_dir, toy_dataset
+
+    models = (opts.runs_dir / "models").resolve()
+    model_dir = smollm2_model_dir(models / "smollm2") if opts.model == "smollm2" else build_tiny_model(models / "tiny")
+    dataset = run_dir / "train.jsonl"
+    dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
+    return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)

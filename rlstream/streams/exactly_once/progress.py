@@ -1,0 +1,145 @@
+"""Source progress kept in a changelog table: the state and its input offset commit together.
+
+``progress`` maps ``"<topic>:<partition>"`` to the offset of the last record of that source partition
+whose effects (table writes, groups, dead letters) were applied. It is written while the record is
+processed, so it lands in the same partition transaction as those effects; after a restart or a
+rebalance the recovered marker M says exactly where the recovered state stops, whatever offset the
+consumer group committed.
+
+:class:`ProgressGate` decides, per record, whether it may be processed:
+
+* after every assignment the gate is closed until Faust's table recovery has finished (the app is no
+  longer rebalancing) and a resync has sought every assigned source partition to M + 1 (no marker:
+  the committed offset stands);
+* a record at or below M was applied already and is skipped (replays after a seek are cheap);
+* a record above M + 1 means records in between were never delivered (stale buffered records from
+  an older position, or records Faust dropped on a flow resume): it is skipped *un-acked* (so the
+  committed offset cannot pass it) and the partition is sought back to M + 1, so the records come
+  again in order. A gap that repeated seeks back could not fill (e.g. transaction markers in the
+  input) is accepted.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+from faust.types import TP
+
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+#: a seek back that has not brought the missing record within this time is done again ...
+SEEK_BACK_RETRY_S = 2.0
+#: ... and after this many, a later offset is taken as a real gap (e.g. a transaction marker the
+#: consumer did not record as one)
+MAX_SEEK_BACKS = 5
+
+
+class Admission(enum.Enum):
+    """What the gate decided for one record."""
+
+    PROCESS = "process"  # the next record of its partition: apply it (then ack it)
+    APPLIED = "applied"  # at or below the marker: applied before, ack it without processing
+    LATER = "later"  # out of order or during a rebalance: skip it un-acked, it will be fetched again
+
+
+def progress_key(topic: str, partition: int) -> str:
+    """The progress table key of one source partition."""
+    return f"{topic}:{partition}"
+
+
+class ProgressGate:
+    """Per-record gate over a ``progress`` table (see the module docstring)."""
+
+    def __init__(self, table: MutableMapping[str, Any], consumer: Any, topics: set[str]) -> None:
+        self.table = table
+        self.consumer = consumer
+        self.topics = topics
+        self.resync_needed = True
+        self._seek_back: dict[TP, tuple[int, float, int]] = {}  # offset, when, attempt
+        # partitions without a marker: the offset before the position they were sought to at resync
+        self._floor: dict[TP, int] = {}
+
+    def invalidate(self) -> None:
+        """A rebalance or recovery began: resync before the next record."""
+        self.resync_needed = True
+
+    def marker(self, topic: str, partition: int) -> int | None:
+        """The last applied offset of the partition (or, before its first record, the one before the
+        resync position)."""
+        value = self.table.get(progress_key(topic, partition))
+        return self._floor.get(TP(topic, partition)) if value is None else int(value)
+
+    async def resync(self) -> dict[TP, int]:
+        """Seek every assigned source partition to its marker + 1; returns the seeks done."""
+        self.resync_needed = False  # a rebalance during the seeks sets it again
+        self._seek_back.clear()
+        self._floor.clear()
+        seeks: dict[TP, int] = {}
+        origin: dict[str, str] = {}
+        for tp in sorted(self.consumer.assignment()):
+            if tp.topic not in self.topics:
+                continue
+            marker = self.marker(tp.topic, tp.partition)
+            if marker is None:  # nothing applied yet: start at the committed offset (else the log start)
+                start = self.consumer._committed_offset.get(tp)
+                how = "committed"
+                if start is None:
+                    start = (await self.consumer.earliest_offsets(tp)).get(tp) or 0
+                    how = "log start"
+                self._floor[tp] = start - 1
+            else:
+                start, how = marker + 1, "marker"
+            await self.consumer.seek_wait({tp: start})
+            seeks[tp] = start
+            origin[f"{tp.topic}:{tp.partition}"] = f"{start} ({how})"
+        log.info("source partitions sought to their progress markers", seeks=origin)
+        return seeks
+
+    async def admit(self, topic: str, partition: int, offset: int) -> Admission:
+        """Whether the record is the next one to apply, was applied already, or must come again later
+        (records before it are missing: the partition is sought back to marker + 1)."""
+        marker = self.marker(topic, partition)
+        if marker is None:
+            return Admission.PROCESS
+        if offset <= marker:
+            return Admission.APPLIED
+        expected = marker + 1
+        if offset == expected:
+            return Admission.PROCESS
+        tp = TP(topic, partition)
+        sought = self._seek_back.get(tp)
+        if sought is not None and sought[0] == expected:
+            if sought[2] < MAX_SEEK_BACKS or time.monotonic() - sought[1] < SEEK_BACK_RETRY_S:
+                return Admission.LATER  # stale records still in the buffer; the seek back is under way
+            log.warning("offset gap accepted after repeated seeks back", topic=topic, partition=partition,
+                        expected=expected, offset=offset)
+            return Admission.PROCESS
+        await self._seek_back_to(tp, expected, 1)
+        log.warning("records missing before this one; partition sought back", topic=topic, partition=partition,
+                    expected=expected, offset=offset)
+        return Admission.LATER
+
+    async def _seek_back_to(self, tp: TP, offset: int, attempt: int) -> None:
+        await self.consumer.seek_wait({tp: offset})
+        self._seek_back[tp] = (offset, time.monotonic(), attempt)
+
+    async def maintain(self) -> None:
+        """Timer work (call with no record in flight): seek again every partition whose seek back has
+        not brought its missing record yet (a fetch in flight can move the read position past it)."""
+        now = time.monotonic()
+        for tp, (offset, at, attempt) in list(self._seek_back.items()):
+            marker = self.marker(tp.topic, tp.partition)
+            if marker is not None and marker >= offset:
+                del self._seek_back[tp]  # the missing records came
+            elif now - at >= SEEK_BACK_RETRY_S and tp in self.consumer.assignment():
+                await self._seek_back_to(tp, offset, min(attempt + 1, MAX_SEEK_BACKS))
+                log.info("partition sought back again", topic=tp.topic, partition=tp.partition, offset=offset,
+                         attempt=attempt + 1)
+
+    def applied(self, topic: str, partition: int, offset: int) -> None:
+        """Record that the record's effects were applied (call inside the record's processing)."""
+        self.table[progress_key(topic, partition)] = offset

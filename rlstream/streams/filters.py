@@ -1,0 +1,65 @@
+"""Filters on finished groups, in DESIGN.md's order: staleness, zero variance, curriculum.
+
+Pure: the caller supplies the latest policy version and a mapping that keeps the online
+curriculum's state (a changelog-backed table in the app, a dict in tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, MutableMapping
+
+from rlstream.schemas.config import StreamsConfig
+from rlstream.schemas.models import CurriculumInfo, TrajectoryGroup
+from rlstream.streams.curriculum import OnlineCurriculum
+
+STALE = "stale"
+ZERO_VARIANCE = "zero_variance"
+CURRICULUM = "curriculum"
+FILTER_REASONS = (STALE, ZERO_VARIANCE, CURRICULUM)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``reason`` is None when the group passes; ``group`` carries the curriculum info when it does."""
+
+    group: TrajectoryGroup
+    reason: str | None
+    detail: str = ""
+
+
+def is_stale(group: TrajectoryGroup, latest_version: int | None, max_policy_lag: int) -> bool:
+    """Older than ``latest - max_policy_lag`` (the group's oldest member decides)."""
+    return latest_version is not None and group.min_policy_version < latest_version - max_policy_lag
+
+
+def is_zero_variance(group: TrajectoryGroup, min_reward_diff: float) -> bool:
+    return group.reward_max - group.reward_min < min_reward_diff
+
+
+def curriculum_key(partition: int) -> str:
+    return f"curriculum:{partition}"
+
+
+def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version: int | None,
+                  curriculum_store: MutableMapping[str, Any], partition: int) -> Verdict:
+    """Run the three filters; the first one that rejects names the reason."""
+    if is_stale(group, latest_version, config.max_policy_lag):
+        return Verdict(group, STALE, f"min policy version {group.min_policy_version} < latest {latest_version} "
+                                     f"- max_policy_lag {config.max_policy_lag}")
+    if is_zero_variance(group, config.min_reward_diff):
+        return Verdict(group, ZERO_VARIANCE, f"reward spread {group.reward_max - group.reward_min:.4g} < "
+                                             f"{config.min_reward_diff}")
+    if not config.curriculum.enabled:
+        return Verdict(group, None)
+    key = curriculum_key(partition)
+    online = OnlineCurriculum.from_dict(config.curriculum, config.curriculum_window, curriculum_store.get(key))
+    epoch = latest_version if latest_version is not None else group.max_policy_version
+    admitted, selection = online.admit(group.group_id, [t.reward or 0.0 for t in group.trajectories], epoch)
+    curriculum_store[key] = online.to_dict()
+    rank = selection.ranks.get(group.group_id, -1)
+    info = CurriculumInfo(window=epoch, rank=rank, percentile=selection.percentile,
+                          window_size=selection.window_size)
+    if not admitted:
+        return Verdict(group, CURRICULUM, f"rank {rank} of {len(selection.ranks)} outside percentile "
+                                          f"{selection.percentile}")
+    return Verdict(group.model_copy(update={"curriculum": info}), None)

@@ -1,0 +1,193 @@
+"""The Redis control plane (DESIGN.md, Redis): latest version pointer, learner lease, worker heartbeats, run status.
+
+Kafka is the data plane; nothing here is the only copy of data. Every call retries with
+exponential backoff while Redis is unreachable and says so in the logs.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+
+def latest_key(policy: str) -> str:
+    return f"rlstream:{policy}:latest"
+
+
+def lease_key(policy: str) -> str:
+    return f"rlstream:{policy}:learner"
+
+
+def fencing_counter_key(policy: str) -> str:
+    return f"rlstream:{policy}:learner:fencing"
+
+
+def worker_key(policy: str, worker_id: str) -> str:
+    return f"rlstream:{policy}:worker:{worker_id}"
+
+
+def status_key(run_id: str) -> str:
+    return f"rlstream:{run_id}:status"
+
+
+class LeaseLost(RuntimeError):
+    """This learner no longer holds the lease (another took it, or it expired)."""
+
+
+# Moves the pointer only forward, and only for the current lease holder when a fence is given.
+_PUBLISH_LUA = """
+local fence = ARGV[5]
+if fence ~= '' then
+  if redis.call('GET', KEYS[2]) ~= fence then return -1 end
+end
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if tonumber(ARGV[1]) <= current then return 0 end
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'sha256', ARGV[3], 'published_at', ARGV[4])
+return 1
+"""
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    holder: str
+    token: int
+
+    @property
+    def value(self) -> str:
+        return f"{self.holder}|{self.token}"
+
+
+class ControlPlane:
+    """Async access to rlstream's Redis keys."""
+
+    def __init__(self, url: str, retry_max_s: float = 30.0) -> None:
+        self.url = url
+        self.retry_max_s = retry_max_s
+        self.redis: aioredis.Redis = aioredis.from_url(url, decode_responses=True, socket_timeout=5.0)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        delay, waited = 0.1, 0.0
+        while True:
+            try:
+                return await call()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if waited >= self.retry_max_s:
+                    log.error("redis unreachable, giving up", op=what, url=self.url, waited_s=round(waited, 1))
+                    raise
+                log.warning("redis unreachable, retrying", op=what, url=self.url, error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 5.0)
+
+    # -- latest version ----------------------------------------------------------------
+    async def latest(self, policy: str) -> dict[str, str] | None:
+        data = await self._retry("latest", lambda: self.redis.hgetall(latest_key(policy)))
+        return data or None
+
+    async def latest_version(self, policy: str) -> int:
+        """The latest published version, -1 when none was published."""
+        data = await self.latest(policy)
+        return int(data["version"]) if data else -1
+
+    async def publish_latest(self, policy: str, version: int, uri: str, sha256: str, lease: Lease | None = None) -> bool:
+        """Compare-and-set the latest pointer: True if moved; False if ``version`` is not newer.
+
+        With ``lease``, raises :class:`LeaseLost` unless that lease is still held (fencing).
+        """
+        fence = lease.value if lease else ""
+        result = await self._retry(
+            "publish_latest",
+            lambda: self.redis.eval(_PUBLISH_LUA, 2, latest_key(policy), lease_key(policy),
+                                    str(version), uri, sha256, str(time.time()), fence),
+        )
+        if int(result) == -1:
+            raise LeaseLost(f"learner lease for policy {policy!r} is not held by {fence}; refusing to publish")
+        return int(result) == 1
+
+    # -- learner lease -----------------------------------------------------------------
+    async def acquire_lease(self, policy: str, holder: str, ttl_s: float) -> Lease | None:
+        """Take the learner lease if free; returns it with a new fencing token, else None."""
+        token = await self._retry("fencing", lambda: self.redis.incr(fencing_counter_key(policy)))
+        lease = Lease(holder, int(token))
+        ok = await self._retry("acquire_lease", lambda: self.redis.set(lease_key(policy), lease.value, nx=True,
+                                                                     px=int(ttl_s * 1000)))
+        return lease if ok else None
+
+    async def wait_for_lease(self, policy: str, holder: str, ttl_s: float, poll_s: float = 1.0) -> Lease:
+        """Block until the lease is ours (a second learner waits here)."""
+        logged = False
+        while True:
+            lease = await self.acquire_lease(policy, holder, ttl_s)
+            if lease:
+                log.info("learner lease acquired", policy=policy, holder=holder, fencing_token=lease.token)
+                return lease
+            if not logged:
+                log.info("learner lease held by another learner; waiting", policy=policy,
+                         holder=await self.lease_holder(policy))
+                logged = True
+            await asyncio.sleep(poll_s)
+
+    async def renew_lease(self, policy: str, lease: Lease, ttl_s: float) -> None:
+        ok = await self._retry("renew_lease", lambda: self.redis.eval(_RENEW_LUA, 1, lease_key(policy), lease.value,
+                                                                    str(int(ttl_s * 1000))))
+        if not int(ok):
+            raise LeaseLost(f"learner lease for policy {policy!r} was lost by {lease.value}")
+
+    async def release_lease(self, policy: str, lease: Lease) -> None:
+        await self._retry("release_lease", lambda: self.redis.eval(_RELEASE_LUA, 1, lease_key(policy), lease.value))
+
+    async def lease_holder(self, policy: str) -> str | None:
+        return await self._retry("lease_holder", lambda: self.redis.get(lease_key(policy)))
+
+    # -- inference workers -------------------------------------------------------------
+    async def heartbeat_worker(self, policy: str, worker_id: str, version: int, name: str, ttl_s: float) -> None:
+        key = worker_key(policy, worker_id)
+
+        async def call() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={"version": version, "name": name, "heartbeat_at": time.time()})
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+
+        await self._retry("heartbeat_worker", call)
+
+    async def workers(self, policy: str) -> dict[str, dict[str, str]]:
+        prefix = worker_key(policy, "")
+
+        async def call() -> dict[str, dict[str, str]]:
+            out = {}
+            async for key in self.redis.scan_iter(match=prefix + "*"):
+                out[key[len(prefix):]] = await self.redis.hgetall(key)
+            return out
+
+        return await self._retry("workers", call)
+
+    # -- run status --------------------------------------------------------------------
+    async def set_status(self, run_id: str, figures: dict[str, Any]) -> None:
+        mapping = {k: str(v) for k, v in figures.items()}
+        if mapping:
+            await self._retry("set_status", lambda: self.redis.hset(status_key(run_id), mapping=mapping))
+
+    async def status(self, run_id: str) -> dict[str, str]:
+        return await self._retry("status", lambda: self.redis.hgetall(status_key(run_id)))
