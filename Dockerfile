@@ -17,12 +17,8 @@ WORKDIR /app
 # dependencies first, so source edits do not rebuild the torch layer
 COPY pyproject.toml README.md ./
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch; else pip install torch; fi
-COPY schemas ./schemas
-COPY streams ./streams
-COPY learner ./learner
-COPY rollout ./rollout
-COPY ops ./ops
-RUN pip install ".[rocksdb]" && rlstream --help > /dev/null
+COPY rlstream ./rlstream
+RUN pip install ".[streams,learner,rocksdb]" && rlstream --help > /dev/null
 
 RUN useradd --create-home --uid 1000 rlstream && mkdir -p /data /weights && chown rlstream /data /weights
 USER rlstream

@@ -87,7 +87,7 @@ def test_compose_parses_and_holds_the_deployment():
     assert gpu["capabilities"] == ["gpu"] and services["learner"]["deploy"] == services["vllm"]["deploy"]
     for name in ("streams", "learner", "rollout", "inference-sync"):
         assert services[name]["depends_on"]["topics-init"]["condition"] == "service_completed_successfully"
-    assert (ROOT / "Dockerfile").exists() and (ROOT / "ops" / "prometheus.yml").exists()
+    assert (ROOT / "Dockerfile").exists() and (ROOT / "rlstream" / "ops" / "prometheus.yml").exists()
 
 
 def test_every_component_runs_its_rlstream_command():
@@ -133,7 +133,7 @@ def test_service_options_and_environment_are_real(service, monkeypatch):
 
 
 def test_prometheus_scrapes_the_ports_the_services_serve():
-    prom = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
+    prom = yaml.safe_load((ROOT / "rlstream" / "ops" / "prometheus.yml").read_text())
     targets = {}
     for job in prom["scrape_configs"]:
         for sd in job.get("dns_sd_configs", []):

@@ -6,7 +6,7 @@ from typing import Any
 
 from faust.types import TP
 
-from rlstream.streams import progress
+from rlstream.streams.exactly_once import progress
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate, progress_key
 
 
