@@ -1,8 +1,9 @@
 """Shared fixtures: one real broker (noida-db) and one real redis-server per test session,
 a unique topic prefix, policy name and consumer group per test.
 
-Tiers come from the directory: tests/unit -> ``unit``, tests/integration -> ``integration``,
-tests/e2e -> ``slow`` (real vLLM).
+Tiers come from the directory: tests/unit -> ``unit``, tests/integration -> ``integration`` (real broker and
+Redis), tests/chaos -> ``chaos`` (processes killed, brokers restarted), tests/e2e -> ``slow`` (real vLLM).
+The run goes tier by tier in that order, so a broken unit shows in seconds, not after the vLLM tests.
 """
 from __future__ import annotations
 
@@ -18,15 +19,19 @@ from rlstream.transport.log import configure_logging
 from rlstream.schemas.config import RlstreamConfig, load_config
 from rlstream.schemas.topics import TopicNames
 
-TIER_BY_DIR = {"unit": "unit", "integration": "integration", "e2e": "slow"}
+TIER_BY_DIR = {"unit": "unit", "integration": "integration", "chaos": "chaos", "e2e": "slow"}
+TIER_ORDER = ["unit", "integration", "chaos", "slow"]
+
+
+def _tier(item: pytest.Item) -> str:
+    parts = Path(str(item.fspath)).parts
+    return next((marker for directory, marker in TIER_BY_DIR.items() if directory in parts), "slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        for directory, marker in TIER_BY_DIR.items():
-            if directory in parts:
-                item.add_marker(getattr(pytest.mark, marker))
+        item.add_marker(getattr(pytest.mark, _tier(item)))
+    items.sort(key=lambda item: TIER_ORDER.index(_tier(item)))  # stable: file order kept within a tier
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rlstream.cli.common import (ConfigOption, OverrideOption, RlstreamGroup, console, err_console, load_or_exit,
-                            run_async)
+from rlstream.cli.common import (ConfigOption, LogFormat, LogLevel, OverrideOption, RlstreamGroup, console,
+                                 err_console, load_or_exit, run_async)
 from rlstream.transport.log import configure_logging
 from rlstream.schemas.config import dump_config
 
@@ -33,9 +33,36 @@ from rlstream.cli.finetune import register as register_finetune; register_finetu
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 
 
+DISTRIBUTION = "rlstream"
+
+
+def installed_version() -> str:
+    """The version of the installed ``rlstream`` distribution (``unknown`` when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"{DISTRIBUTION} {installed_version()}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def main(log_format: str = typer.Option("auto", "--log-format", help="auto | json | console")) -> None:
-    configure_logging(log_format)  # type: ignore[arg-type]
+def main(
+    log_format: LogFormat = typer.Option(LogFormat.auto, "--log-format",
+                                         help="auto (console on a terminal, else json) | json | console"),
+    log_level: LogLevel = typer.Option(LogLevel.INFO, "--log-level", case_sensitive=False,
+                                       help="lowest level logged"),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the installed version and exit"),
+) -> None:
+    """Options that apply to every command."""
+    configure_logging(log_format.value, level=log_level.value)  # type: ignore[arg-type]
 
 
 # --- infra ----------------------------------------------------------------------------

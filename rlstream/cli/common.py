@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from enum import Enum
 from pathlib import Path
 from typing import Any, Coroutine, Optional, Sequence, TypeVar
 
@@ -14,6 +15,24 @@ from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config
 T = TypeVar("T")
 console = Console(stderr=False)
 err_console = Console(stderr=True)
+
+
+class LogFormat(str, Enum):
+    """``--log-format``: ``auto`` is console on a terminal, JSON lines otherwise."""
+
+    auto = "auto"
+    json = "json"
+    console = "console"
+
+
+class LogLevel(str, Enum):
+    """``--log-level`` (and the Faust worker's ``--loglevel``); accepted in any case."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
 
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML config file", exists=False, dir_okay=False)
 #: ``-o KEY VALUE`` (repeatable). Annotate the parameter ``Optional[list[str]]`` (typer cannot express a list of

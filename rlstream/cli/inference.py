@@ -5,12 +5,20 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from rlstream.cli.common import ConfigOption, OverrideOption, console, load_or_exit
+
+
+class Backend(str, Enum):
+    """Inference servers the sync worker can drive."""
+
+    vllm = "vllm"
+
 
 inference_app = typer.Typer(help="Inference workers: load every new policy version into vLLM.", no_args_is_help=True)
 
@@ -19,15 +27,13 @@ inference_app = typer.Typer(help="Inference workers: load every new policy versi
 def inference_sync(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
-    backend: str = typer.Option("vllm", help="inference backend (vllm)"),
+    backend: Backend = typer.Option(Backend.vllm, help="inference backend"),
     url: Optional[str] = typer.Option(None, help="server URL, e.g. http://127.0.0.1:8000 (inference.url)"),
     worker_id: Optional[str] = typer.Option(None, help="this worker's id in Redis (inference.worker_id)"),
     served_model: Optional[str] = typer.Option(None, help="the server's base model name (inference.served_model)"),
 ) -> None:
     """Follow policy-versions; verify, load and heartbeat every new version until interrupted."""
     cfg = load_or_exit(config, override)
-    if backend != "vllm":
-        raise typer.BadParameter(f"unknown backend {backend!r}; supported: vllm")
     updates = {k: v for k, v in {"url": url, "worker_id": worker_id, "served_model": served_model}.items() if v}
     if updates:
         cfg.inference = cfg.inference.model_validate({**cfg.inference.model_dump(), **updates})

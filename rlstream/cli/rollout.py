@@ -3,12 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from rlstream.cli.common import ConfigOption, OverrideOption, console, err_console, load_or_exit
+
+
+class RolloutMode(str, Enum):
+    """``epoch``: ``rollout.epochs`` passes over the dataset; ``continuous``: cycle it (or read a topic)."""
+
+    epoch = "epoch"
+    continuous = "continuous"
+
 
 rollout_app = typer.Typer(help="Rollouts: run a workflow over a dataset and publish its trajectories.",
                           no_args_is_help=True)
@@ -19,15 +28,16 @@ def rollout_run(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
     dataset: Optional[Path] = typer.Option(None, help="JSON or JSONL examples (rollout.dataset)"),
-    workflow: Optional[str] = typer.Option(None, help="module:function, async (example, client) -> output"),
+    workflow: Optional[str] = typer.Option(None, help="module:function, async (example, client, sampling) -> output"),
     reward: Optional[str] = typer.Option(None, help="module:function (example, output) -> reward"),
-    mode: Optional[str] = typer.Option(None, help="epoch | continuous"),
+    mode: Optional[RolloutMode] = typer.Option(None, help="epoch (rollout.epochs passes) | continuous (rollout.mode)"),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://host:8000/v1"),
     max_groups: Optional[int] = typer.Option(None, help="stop after this many groups"),
 ) -> None:
     """Run group_size generations per example, score them and publish them to the trajectories topic."""
     cfg = load_or_exit(config, override)
-    updates = {k: v for k, v in {"dataset": dataset, "workflow": workflow, "reward_function": reward, "mode": mode,
+    updates = {k: v for k, v in {"dataset": dataset, "workflow": workflow, "reward_function": reward,
+                                 "mode": mode.value if mode else None,
                                  "base_url": base_url, "max_groups": max_groups}.items() if v is not None}
     if updates:
         cfg.rollout = cfg.rollout.model_validate({**cfg.rollout.model_dump(), **updates})
@@ -52,10 +62,11 @@ async def _run(cfg):  # type: ignore[no-untyped-def]
     from rlstream.rollout.loading import load_callable, load_examples
     from rlstream.rollout.publisher import TrajectoryPublisher
     from rlstream.rollout.runner import RolloutRunner, dataset_examples, topic_examples
+    from rlstream.rollout.workflows import check_workflow
     from rlstream.schemas.topics import TopicNames
 
     rcfg = cfg.rollout
-    workflow = load_callable(rcfg.workflow or "rlstream.rollout.workflows:single_turn")
+    workflow = check_workflow(load_callable(rcfg.workflow or "rlstream.rollout.workflows:single_turn"))
     reward_ref = rcfg.reward_function or cfg.finetuning.reward_function.function
     reward_fn = load_callable(reward_ref) if reward_ref else None
     stop = asyncio.Event()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from rlstream.cli.common import ConfigOption, load_or_exit
+from rlstream.cli.common import ConfigOption, LogLevel, load_or_exit
 
 streams_app = typer.Typer(help="The stream app: trajectories + rewards -> filtered GRPO groups.", no_args_is_help=True)
 
@@ -41,7 +41,7 @@ def worker(
     config: Optional[Path] = ConfigOption,
     worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name of this worker (default host-pid); "
                                             "also its table data directory under streams.data_dir"),
-    loglevel: str = typer.Option("WARNING", "--loglevel", help="Faust log level"),
+    loglevel: LogLevel = typer.Option(LogLevel.WARNING, "--loglevel", case_sensitive=False, help="Faust log level"),
 ) -> None:
     """Run one worker of the group assembler; several with the same app_id share the partitions.
 
@@ -50,4 +50,4 @@ def worker(
     from rlstream.streams.app import run_worker
 
     cfg = load_or_exit(config, parse_overrides(list(ctx.args)))
-    run_worker(cfg, worker_id or f"{socket.gethostname()}-{os.getpid()}", loglevel)
+    run_worker(cfg, worker_id or f"{socket.gethostname()}-{os.getpid()}", loglevel.value)

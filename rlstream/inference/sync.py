@@ -23,16 +23,17 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
+from aiokafka import AIOKafkaProducer
 
 from rlstream.transport.control import ControlPlane, worker_key
-from rlstream.transport.deadletter import dead_letter, send_dead_letter
+from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
 from rlstream.inference.manifest import ManifestError, local_dir, verify
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion, WeightsKind
 from rlstream.schemas.topics import TopicNames
@@ -82,6 +83,9 @@ class InferenceSyncWorker:
         self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics,
                                         source=f"inference:{self.icfg.worker_id}", run_id=cfg.run_id,
                                         prometheus_port=self.icfg.prometheus_port)
+        # undecodable records and refused/failed versions; a failed send is logged, the worker goes on
+        self.dead_letters = DeadLetterSink(self.producer, self.codec, self.topics.dlq,
+                                           service=f"inference:{self.icfg.worker_id}", best_effort=True)
         self.state = LoadedState(version=0, name=self.icfg.served_model, kind="base")
         self.adapters: deque[str] = deque()
         self.failures = 0
@@ -95,14 +99,13 @@ class InferenceSyncWorker:
         consumer = make_consumer(self.cfg.kafka, group_id=None)
         await self.producer.start()
         await consumer.start()
+        reader = TopicReader(consumer, self.codec, PolicyVersion, dead_letters=self.dead_letters)
         heartbeat = asyncio.create_task(self._heartbeat_loop(stop))
         try:
-            await self._catch_up(consumer)
+            await self._catch_up(reader)
             while not stop.is_set():
-                batches = await consumer.getmany(timeout_ms=500, max_records=100)
-                for records in batches.values():
-                    for record in records:
-                        await self.handle_record(record)
+                for item in await reader.fetch(timeout_ms=500, max_records=100):
+                    await self.handle(item)
         finally:
             stop.set()
             heartbeat.cancel()
@@ -110,53 +113,40 @@ class InferenceSyncWorker:
             await consumer.stop()
             await self.producer.stop()
 
-    async def _catch_up(self, consumer: AIOKafkaConsumer) -> None:
+    async def _catch_up(self, reader: TopicReader[PolicyVersion]) -> None:
         """Read the topic up to its current end; load only the newest valid version of our policy."""
-        from aiokafka import TopicPartition
-
-        partitions = await _wait_partitions(consumer, self.topics.policy_versions)
-        tps = [TopicPartition(self.topics.policy_versions, p) for p in partitions]
+        consumer = reader.consumer
+        tps = await wait_for_partitions(consumer, self.topics.policy_versions, timeout_s=30.0)
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
-        newest: list[tuple[PolicyVersion, ConsumerRecord]] = []
-        while await _behind(consumer, ends):
-            batches = await consumer.getmany(*tps, timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    version = await self._decode(record)
-                    if version is not None and version.policy == self.cfg.policy:
-                        newest.append((version, record))
-        newest.sort(key=lambda item: item[0].version, reverse=True)
-        for version, record in newest:  # newest first; fall back to an older one if it is refused
-            if version.version <= self.state.version:
+        newest: list[Decoded[PolicyVersion]] = []
+        while not await caught_up(consumer, ends):
+            newest.extend(item for item in await reader.fetch(*tps, timeout_ms=500)
+                          if item.event.policy == self.cfg.policy)
+        newest.sort(key=lambda item: item.event.version, reverse=True)
+        for item in newest:  # newest first; fall back to an older one if it is refused
+            if item.event.version <= self.state.version:
                 break
-            if await self.sync(version, record):
+            if await self.sync(item.event, item.source):
                 break
         await self._heartbeat()
         log.info("sync worker caught up", policy=self.cfg.policy, loaded_version=self.state.version,
                  name=self.state.name, seen=len(newest))
 
-    async def handle_record(self, record: ConsumerRecord) -> None:
-        version = await self._decode(record)
-        if version is None or version.policy != self.cfg.policy:
+    async def handle(self, item: Decoded[PolicyVersion]) -> None:
+        """Load one announced version when it is of our policy and newer than the loaded one."""
+        version = item.event
+        if version.policy != self.cfg.policy:
             return
         if version.version <= self.state.version:
             log.info("version not newer than the loaded one; skipped", version=version.version,
                      loaded=self.state.version)
             return
-        await self.sync(version, record)
-
-    async def _decode(self, record: ConsumerRecord) -> PolicyVersion | None:
-        try:
-            return self.codec.decode(record.value, PolicyVersion)
-        except CodecError as exc:
-            log.error("undecodable policy version; sent to dlq", offset=record.offset, error=str(exc))
-            await self._dead_letter(record, exc)
-            return None
+        await self.sync(version, item.source)
 
     # -- loading ----------------------------------------------------------------------------
-    async def sync(self, version: PolicyVersion, record: ConsumerRecord | None = None) -> bool:
+    async def sync(self, version: PolicyVersion, record: SourceRecord | None = None) -> bool:
         """Verify and load one version; True when it is now served. Failures are reported, not raised."""
         started = time.monotonic()
         try:
@@ -223,7 +213,7 @@ class InferenceSyncWorker:
             log.warning("could not unload an old adapter", name=name, error=str(exc))
 
     # -- reporting --------------------------------------------------------------------------
-    async def _report(self, version: PolicyVersion, record: ConsumerRecord | None, exc: Exception, refused: bool) -> None:
+    async def _report(self, version: PolicyVersion, record: SourceRecord | None, exc: Exception, refused: bool) -> None:
         self.failures += 1
         if refused:
             self.refused.append((version.version, str(exc)))
@@ -239,15 +229,7 @@ class InferenceSyncWorker:
         except Exception as redis_exc:  # the dlq and log still carry it
             log.warning("could not record the failure in redis", error=str(redis_exc))
         if record is not None:
-            await self._dead_letter(record, exc)
-
-    async def _dead_letter(self, record: ConsumerRecord, exc: Exception) -> None:
-        letter = dead_letter(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
-                             value=record.value, error=exc, service=f"inference:{self.icfg.worker_id}")
-        try:
-            await send_dead_letter(self.producer, self.codec, self.topics.dlq, letter)
-        except Exception as send_exc:
-            log.error("dead letter not sent", error=str(send_exc), offset=record.offset)
+            await self.dead_letters.send(record, exc)
 
     # -- heartbeat --------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -267,22 +249,3 @@ class InferenceSyncWorker:
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
 
-
-async def _behind(consumer: AIOKafkaConsumer, ends: dict) -> bool:  # type: ignore[type-arg]
-    """True while some partition's position is before the end offset taken at start."""
-    for tp, end in ends.items():
-        if await consumer.position(tp) < end:
-            return True
-    return False
-
-
-async def _wait_partitions(consumer: AIOKafkaConsumer, topic: str, timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        partitions = consumer.partitions_for_topic(topic)
-        if partitions:
-            return sorted(partitions)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"topic {topic} does not exist: run `rlstream topics create`")
-        await consumer.topics()  # refresh metadata
-        await asyncio.sleep(0.2)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from rlstream.learner.batch import BatchError, Sample, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
@@ -26,10 +26,11 @@ from rlstream.learner.publish import announce, write_version
 from rlstream.learner.step import GRPOTrainerStep, StepStats
 from rlstream.transport import metric_names
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
-from rlstream.transport.deadletter import dead_letter, send_dead_letter
+from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
 from rlstream.schemas.codec import AvroCodec, CodecError
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryGroup, TrajectorySource, WeightsKind
@@ -62,7 +63,7 @@ class Learner:
         self.output_dir = Path(self.lcfg.output_dir)
         self.store = CheckpointStore(self.output_dir / "checkpoints", keep=self.lcfg.keep_checkpoints)
         self.versions_root = self.output_dir / "versions"
-        self._buffer: deque[Any] = deque()
+        self._buffer: deque[ConsumerRecord] = deque()
         self._stop = asyncio.Event()
         self.lease: Lease | None = None
         self.lease_lost = False
@@ -94,10 +95,13 @@ class Learner:
             await self._finish_interrupted_publication(state, policy, producer, control)
             await consumer.start()
             await self._assign_and_seek(consumer, state)
+            # records that do not decode (or that no step can use, see _decode) go to dlq with the reason
+            reader = TopicReader(consumer, self.codec, TrajectoryGroup, errors=(CodecError, ValueError),
+                                 dead_letters=DeadLetterSink(producer, self.codec, self.topics.dlq, SERVICE))
             log.info("learner started", policy=self.cfg.policy, step=state.step, version=state.version,
                      offsets=state.offsets, holder=self.holder)
             while state.step < self.lcfg.total_steps and not self._stop.is_set() and not self.lease_lost:
-                taken = await self._take_groups(consumer, producer, self.lcfg.groups_per_step)
+                taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
                 await self._train_step(state, taken, policy, trainer, producer, control, metrics, consumer)
@@ -139,17 +143,7 @@ class Learner:
 
     # -- consuming ---------------------------------------------------------------------------------------
     async def _assign_and_seek(self, consumer: Any, state: LearnerState) -> None:
-        topic = self.topics.groups
-        partitions = None
-        for _ in range(50):
-            partitions = consumer.partitions_for_topic(topic)
-            if partitions:
-                break
-            await consumer.force_metadata_update() if hasattr(consumer, "force_metadata_update") else None
-            await asyncio.sleep(0.2)
-        if not partitions:
-            raise RuntimeError(f"topic {topic} does not exist: run `rlstream topics create` first")
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        tps = await wait_for_partitions(consumer, self.topics.groups, timeout_s=10.0)
         consumer.assign(tps)
         for tp in tps:
             if tp.partition in state.offsets:
@@ -157,7 +151,7 @@ class Learner:
             else:
                 await consumer.seek_to_beginning(tp)
 
-    async def _take_groups(self, consumer: Any, producer: Any, n: int) -> list[TakenGroup] | None:
+    async def _take_groups(self, reader: TopicReader[TrajectoryGroup], n: int) -> list[TakenGroup] | None:
         """The next ``n`` usable groups (bad records are dead-lettered and skipped but still consumed)."""
         taken: list[TakenGroup] = []
         usable = 0
@@ -165,36 +159,34 @@ class Learner:
             if self._stop.is_set() or self.lease_lost:
                 return None
             if not self._buffer:
-                batches = await consumer.getmany(timeout_ms=500, max_records=256)
-                for tp in sorted(batches, key=lambda t: t.partition):
-                    self._buffer.extend(batches[tp])
+                # decoded one at a time below: a record left in the buffer at a stop is not dead-lettered yet
+                self._buffer.extend(await fetch_batch(reader.consumer, timeout_ms=500, max_records=256))
                 continue
             record = self._buffer.popleft()
-            item = await self._decode(record, producer)
+            item = await self._decode(reader, record)
             taken.append(item)
             usable += item.group is not None
         return taken
 
-    async def _decode(self, record: Any, producer: Any) -> TakenGroup:
-        reason: BaseException | str
+    async def _decode(self, reader: TopicReader[TrajectoryGroup], record: ConsumerRecord) -> TakenGroup:
+        skipped = TakenGroup(record.partition, record.offset, None, [])
+        decoded = await reader.decode(record)
+        if decoded is None:  # already dead-lettered by the reader
+            return skipped
+        group = decoded.event
         try:
-            group = self.codec.decode(record.value, TrajectoryGroup)
             if group.policy != self.cfg.policy:
                 raise BatchError(f"group of policy {group.policy!r}, this learner trains {self.cfg.policy!r}")
             if any(t.source == TrajectorySource.validation for t in group.trajectories):
                 # held-out evaluation traffic: consumed, never trained on (not an error, so no dead letter)
                 self.validation_groups_skipped += 1
-                return TakenGroup(record.partition, record.offset, None, [])
+                return skipped
             samples = samples_from_groups([group], self._tokenizer, self.cfg.finetuning.target_functions,
                                           self.cfg.finetuning.target_model)
             return TakenGroup(record.partition, record.offset, group, samples)
-        except (CodecError, BatchError, ValueError) as exc:
-            reason = exc
-        log.warning("group rejected", partition=record.partition, offset=record.offset, error=str(reason))
-        letter = dead_letter(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
-                             value=record.value, error=reason, service=SERVICE)
-        await send_dead_letter(producer, self.codec, self.topics.dlq, letter)
-        return TakenGroup(record.partition, record.offset, None, [])
+        except (BatchError, ValueError) as exc:  # decoded, but no step can use it
+            await reader.reject(decoded.source, exc)
+        return skipped
 
     _tokenizer: Any = None
     validation_groups_skipped: int = 0

@@ -12,6 +12,7 @@ from rlstream.learner.batch import Sample, behaviour_rows, collate
 from rlstream.learner.grpo import LossConfig, group_advantages, grpo_loss, lr_factor, masked_mean
 from rlstream.learner.policy import Policy, completion_logprobs
 from rlstream.schemas.config import LearnerConfig
+from rlstream.transport import metric_names as mn
 
 
 def loss_config(cfg: LearnerConfig) -> LossConfig:
@@ -56,9 +57,34 @@ class StepStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def figures(self) -> dict[str, float]:
+        """Every figure by its field name (what a PolicyVersion's ``metrics`` hold)."""
         d = {k: float(v) for k, v in self.__dict__.items()}
         d["tokens_per_s"] = self.tokens_per_s
         return d
+
+
+#: The metric name of each figure of :meth:`StepStats.figures`.
+STEP_METRICS: dict[str, str] = {
+    "loss": mn.LEARNER_LOSS, "kl": mn.LEARNER_KL, "clip_fraction": mn.LEARNER_CLIP_FRACTION,
+    "is_ratio_mean": mn.LEARNER_IS_RATIO_MEAN, "is_ratio_min": mn.LEARNER_IS_RATIO_MIN,
+    "is_ratio_max": mn.LEARNER_IS_RATIO_MAX, "reward_mean": mn.LEARNER_REWARD_MEAN,
+    "reward_std": mn.LEARNER_REWARD_STD, "advantage_mean": mn.LEARNER_ADVANTAGE_MEAN,
+    "advantage_std": mn.LEARNER_ADVANTAGE_STD, "grad_norm": mn.LEARNER_GRAD_NORM,
+    "learning_rate": mn.LEARNER_LEARNING_RATE, "tokens": mn.LEARNER_TOKENS, "sequences": mn.LEARNER_SEQUENCES,
+    "seconds": mn.LEARNER_SECONDS, "tokens_per_s": mn.LEARNER_TOKENS_PER_S,
+}
+
+
+def step_figures(stats: StepStats | None, n_groups: int, policy_lag: Sequence[int]) -> dict[str, float]:
+    """The ``learner/*`` metrics of one learner step, keyed by their names in :mod:`metric_names`:
+    groups trained on, policy lag (when groups were), and the optimizer step's figures (when it ran)."""
+    out: dict[str, float] = {mn.LEARNER_GROUPS: float(n_groups)}
+    if policy_lag:
+        out[mn.LEARNER_POLICY_LAG_MEAN] = sum(policy_lag) / len(policy_lag)
+        out[mn.LEARNER_POLICY_LAG_MAX] = float(max(policy_lag))
+    if stats is not None:
+        out.update({STEP_METRICS[k]: v for k, v in stats.figures().items()})
+    return out
 
 
 class GRPOTrainerStep:

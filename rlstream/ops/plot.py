@@ -1,6 +1,6 @@
 """``rlstream plot --run RUN``: reward, validation and curriculum curves from the ``metrics`` topic.
 
-Reads the names of :mod:`ops.metric_names` (``reward_mean``, ``reward_mean_filtered``,
+Reads the names of :mod:`rlstream.transport.metric_names` (``reward_mean``, ``reward_mean_filtered``,
 ``validation/reward_mean``, ``curriculum/percentile``) for one run. The x axis is the event's
 ``step`` (policy version online, epoch in finetune); several events at one step are averaged,
 one line per (metric, source). An event without a step is placed after the last step seen.
@@ -14,8 +14,7 @@ from pathlib import Path
 
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import codec_for, open_reader, read_to_end
-from rlstream.schemas.codec import CodecError
+from rlstream.transport.topic_reader import TopicReader, codec_for, open_reader, read_to_end
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
@@ -64,11 +63,9 @@ async def load_run_metrics(cfg: RlstreamConfig, run_id: str) -> RunMetrics:
     events: list[MetricEvent] = []
     reader = await open_reader(cfg.kafka)
     try:
-        async for record in read_to_end(reader, topic):
-            try:
-                event = codec.decode(record.value, MetricEvent)
-            except CodecError:
-                continue
+        metrics = TopicReader(reader, codec, MetricEvent)  # read-only: an undecodable record is skipped
+        async for item in metrics.stream(read_to_end(reader, topic)):
+            event = item.event
             if event.run_id == run_id and event.name in mn.PLOTTED:
                 events.append(event)
     finally:

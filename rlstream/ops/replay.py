@@ -30,10 +30,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from pydantic import ValidationError
 
 from rlstream.transport import metric_names
-from rlstream.transport.deadletter import dead_letter, send_dead_letter
+from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import codec_for, open_reader, partitions_of, read_slice, read_to_end
+from rlstream.transport.topic_reader import TopicReader, codec_for, open_reader, partitions_of, read_slice, read_to_end
 from rlstream.schemas.codec import AvroCodec, CodecError
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent, RewardEvent, TrajectoryEvent, TrajectorySource
@@ -265,18 +265,10 @@ async def replay(
         pending: list[tuple[TrajectoryEvent, int, int]] = []
         starts = {tp: r[0] for tp, r in ranges.items()}
         stops = {tp: r[1] for tp, r in ranges.items()}
-        async for record in read_slice(consumer, starts, stops):
-            report.read += 1
-            try:
-                event = codec.decode(record.value, TrajectoryEvent)
-            except (CodecError, ValidationError) as exc:
-                letter = dead_letter(topic=record.topic, partition=record.partition, offset=record.offset,
-                                     key=record.key, value=record.value, error=exc, service=SERVICE)
-                await send_dead_letter(producer, codec, names.dlq, letter)
-                report.dead_lettered += 1
-                log.warning("undecodable trajectory sent to dlq", partition=record.partition,
-                            offset=record.offset, error=str(exc))
-                continue
+        reader = TopicReader(consumer, codec, TrajectoryEvent, errors=(CodecError, ValidationError),
+                             dead_letters=DeadLetterSink(producer, codec, names.dlq, SERVICE))
+        async for item in reader.stream(read_slice(consumer, starts, stops)):
+            event, record = item.event, item.source
             if not selection.accepts(event):
                 report.filtered += 1
                 continue
@@ -286,6 +278,7 @@ async def replay(
             await _send(producer, codec, target_names.trajectories,
                         rewrite(event, new_run_id, record.topic, record.partition, record.offset))
             report.published += 1
+        report.read, report.dead_lettered = reader.seen, reader.rejected
         if pending:
             rewards = await _rewards_for(consumer, codec, names.rewards, {e.trajectory_id for e, _, _ in pending})
             for event, partition, offset in pending:
@@ -315,11 +308,10 @@ async def _rewards_for(consumer: AIOKafkaConsumer, codec: AvroCodec, topic: str,
     """The latest reward event of each wanted trajectory id found on the rewards topic."""
     wanted = set(wanted)
     found: dict[str, RewardEvent] = {}
-    async for record in read_to_end(consumer, topic):
-        try:
-            reward = codec.decode(record.value, RewardEvent)
-        except (CodecError, ValidationError):
-            continue  # a bad reward event is the streams app's to dead-letter, not ours
+    # no sink: a bad reward event is the streams app's to dead-letter, not ours
+    rewards = TopicReader(consumer, codec, RewardEvent, errors=(CodecError, ValidationError))
+    async for item in rewards.stream(read_to_end(consumer, topic)):
+        reward = item.event
         if reward.trajectory_id in wanted:
             found[reward.trajectory_id] = reward
     return found

@@ -17,8 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import client_options
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import TopicMissingError, codec_for, open_reader, read_to_end
-from rlstream.schemas.codec import CodecError
+from rlstream.transport.topic_reader import TopicMissingError, TopicReader, codec_for, open_reader, read_to_end
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.models import MetricEvent, PolicyVersion
 from rlstream.schemas.topics import TopicNames
@@ -80,13 +79,10 @@ async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: in
     found: list[PolicyVersion] = []
     reader = await open_reader(kafka)
     try:
-        async for record in read_to_end(reader, topic, tail=max(50, limit * 10)):
-            try:
-                version = codec.decode(record.value, PolicyVersion)
-            except CodecError:
-                continue
-            if version.policy == policy:
-                found.append(version)
+        versions = TopicReader(reader, codec, PolicyVersion)  # read-only: an undecodable record is skipped
+        async for item in versions.stream(read_to_end(reader, topic, tail=max(50, limit * 10))):
+            if item.event.policy == policy:
+                found.append(item.event)
     finally:
         await reader.stop()
     found.sort(key=lambda v: (v.version, v.created_at), reverse=True)
@@ -99,11 +95,9 @@ async def latest_metrics(kafka: KafkaConfig, topic: str, run_id: str | None, tai
     last: dict[tuple[str, str], MetricEvent] = {}
     reader = await open_reader(kafka)
     try:
-        async for record in read_to_end(reader, topic, tail=tail):
-            try:
-                event = codec.decode(record.value, MetricEvent)
-            except CodecError:
-                continue
+        metrics = TopicReader(reader, codec, MetricEvent)  # read-only: an undecodable record is skipped
+        async for item in metrics.stream(read_to_end(reader, topic, tail=tail)):
+            event = item.event
             if run_id and event.run_id != run_id:
                 continue
             key = (event.source, event.name)

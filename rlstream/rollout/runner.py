@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_consumer
 from rlstream.transport.log import get_logger
@@ -25,17 +26,13 @@ from rlstream.rollout.admission import AdmissionPolicy
 from rlstream.rollout.capture import Recording, instrument, routing, to_message
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.routing import Route, VersionRouter
-from rlstream.rollout.workflows import example_messages
+from rlstream.rollout.sampling import SamplingSettings
+from rlstream.rollout.workflows import Workflow, check_workflow, example_messages
 from rlstream.schemas.config import RlstreamConfig
 
 log = get_logger(__name__)
 
-Workflow = Callable[[dict[str, Any], Any], Awaitable[Any]]
 RewardFn = Callable[[dict[str, Any], Any], Any]
-
-GENERATION_FAILED = "rollout/generation_failed"
-TRAJECTORIES_PUBLISHED = "rollout/published"
-ADMISSION_PAUSED = "rollout/admission_paused_s"
 
 
 @dataclass
@@ -84,15 +81,13 @@ class RolloutRunner:
     ) -> None:
         self.cfg = cfg
         self.rcfg = cfg.rollout
-        self.workflow = workflow
+        self.workflow = check_workflow(workflow)
+        self.sampling = SamplingSettings.from_config(self.rcfg)
         self.reward_fn = reward_fn
         self.publisher = publisher
         self.control = control
         self.metrics = metrics
         self.client = instrument(client, request_token_data=self.rcfg.request_token_data)
-        self.client.rlstream_model = self.rcfg.model  # type: ignore[attr-defined]
-        self.client.rlstream_temperature = self.rcfg.temperature  # type: ignore[attr-defined]
-        self.client.rlstream_max_tokens = self.rcfg.max_tokens  # type: ignore[attr-defined]
         self.router = VersionRouter(control, cfg.policy, self.rcfg.model, self.rcfg.route_worker_id)
         groups_per_version = self.rcfg.groups_per_version or cfg.learner.groups_per_step * cfg.learner.publish_every
         self.admission = AdmissionPolicy(self.rcfg.max_policy_lag, groups_per_version)
@@ -142,7 +137,7 @@ class RolloutRunner:
                     paused = time.monotonic() - started
                     self.stats.paused_s += paused
                     log.info("admission resumed", paused_s=round(paused, 2), learner_version=learner)
-                    await self._emit(ADMISSION_PAUSED, paused)
+                    await self._emit(mn.ROLLOUT_ADMISSION_PAUSED_S, paused)
                 return True
             if not waited:
                 waited = True
@@ -175,8 +170,8 @@ class RolloutRunner:
                 self.stats.failures.append(failure)
                 log.error("generation failed", example_id=failure.example_id, group_id=group_id,
                           generation_index=index, error=failure.error)
-                await self._emit(GENERATION_FAILED, 1.0, {"example_id": failure.example_id,
-                                                          "error": failure.error[:200]})
+                await self._emit(mn.ROLLOUT_GENERATION_FAILED, 1.0, {"example_id": failure.example_id,
+                                                                    "error": failure.error[:200]})
 
     async def _generate_and_publish(self, example: dict[str, Any], group_id: str, index: int, route: Route) -> None:
         recording = Recording(target_functions=list(self.cfg.finetuning.target_functions),
@@ -184,7 +179,7 @@ class RolloutRunner:
         policy_model = self.rcfg.model
         with routing(lambda model: route.model if model == policy_model else model):
             with recording:
-                output = await self.workflow(example, self.client)
+                output = await self.workflow(example, self.client, self.sampling)
         reward, components = None, {}
         if self.reward_fn is not None:
             result = self.reward_fn(example, output)
@@ -204,7 +199,7 @@ class RolloutRunner:
             fallback_messages=[to_message(m) for m in fallback],
         )
         await self.publisher.publish_trajectory(event)
-        await self._emit(TRAJECTORIES_PUBLISHED, 1.0, {"policy_version": str(route.version)})
+        await self._emit(mn.ROLLOUT_PUBLISHED, 1.0, {"policy_version": str(route.version)})
 
     async def _emit(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if self.metrics is not None:

@@ -182,7 +182,7 @@ class RolloutConfig(Section):
 
     dataset: Path | None = Field(None, description="JSON (list) or JSONL file of examples")
     example_id_field: str = Field("id", description="field holding an example's id (else its line number)")
-    workflow: str | None = Field(None, description="module:function, async (example, client) -> output")
+    workflow: str | None = Field(None, description="module:function, async (example, client, sampling) -> output")
     reward_function: str | None = Field(None, description="module:function (example, output) -> float; "
                                         "unset = rewards come later as RewardEvents")
     group_size: int = Field(4, ge=1)

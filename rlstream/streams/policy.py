@@ -7,13 +7,11 @@ caught up with the end offsets seen at start, so that no group is judged against
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
-from aiokafka import TopicPartition
 
 from rlstream.transport.kafka import make_consumer
 from rlstream.transport.log import get_logger
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
+from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion
 
@@ -64,40 +62,29 @@ class PolicyTracker:
 
     async def _read_topic(self) -> None:
         consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
+        reader = TopicReader(consumer, self.codec, PolicyVersion, on_reject=self._unreadable)
         await consumer.start()
         try:
-            parts = consumer.partitions_for_topic(self.topic) or set()
-            if not parts:
-                await consumer._client.force_metadata_update()  # noqa: SLF001 - topic created just before
-                parts = consumer.partitions_for_topic(self.topic) or set()
-            tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+            tps = await wait_for_partitions(consumer, self.topic, timeout_s=10.0)  # the topic may be brand new
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
-            ends = await consumer.end_offsets(tps) if tps else {}
+            ends = await consumer.end_offsets(tps)
             while True:
-                if not self.ready.is_set() and all([await self._position(consumer, tp) >= ends[tp] for tp in tps]):
+                if not self.ready.is_set() and await caught_up(consumer, ends):
                     self.ready.set()
                     log.info("policy versions caught up", latest=self.latest)
-                batch = await consumer.getmany(timeout_ms=500, max_records=500)
-                for records in batch.values():
-                    for record in records:
-                        self._apply(record.value, record.offset)
+                for item in await reader.fetch(timeout_ms=500, max_records=500):
+                    self._apply(item)
         finally:
             await consumer.stop()
 
     @staticmethod
-    async def _position(consumer: Any, tp: TopicPartition) -> int:
-        return int(await consumer.position(tp))
+    def _unreadable(source: SourceRecord, reason: BaseException | str) -> None:
+        if source.value is not None:  # a tombstone is no error
+            log.warning("unreadable policy version ignored", offset=source.offset, error=str(reason))
 
-    def _apply(self, value: bytes | None, offset: int) -> None:
-        if value is None:
-            return
-        try:
-            pv = self.codec.decode(value, PolicyVersion)
-        except CodecError as exc:
-            log.warning("unreadable policy version ignored", offset=offset, error=str(exc))
-            return
-        self.observe(pv.policy, pv.version)
+    def _apply(self, item: Decoded[PolicyVersion]) -> None:
+        self.observe(item.event.policy, item.event.version)
 
     async def _poll_redis(self) -> None:
         from rlstream.transport.control import ControlPlane

@@ -1,9 +1,15 @@
-"""The stream app's figures: counters, rates, assembly latency percentiles, consumer lag."""
+"""The stream app's figures: counters, rates, assembly latency percentiles, consumer lag.
+
+Every figure is named by a constant of :mod:`rlstream.transport.metric_names` (``STREAMS_*``), optionally
+followed by ``.<reason>`` (see :func:`~rlstream.transport.metric_names.split_streams_figure`).
+"""
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from rlstream.transport import metric_names as mn
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -11,6 +17,17 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
     return ordered[rank - 1]
+
+
+def counter_key(name: str, reason: str | None = None) -> str:
+    """The figure key of a counter: a ``STREAMS_*`` name, or a bare counter name (``events_in``, ``dlq.bad_key``:
+    what the assembler's ``Outcome.counts`` hold) that gets the ``streams.`` prefix; then ``.<reason>`` if given."""
+    key = name if name.startswith(mn.STREAMS_PREFIX) else mn.STREAMS_PREFIX + name
+    return f"{key}.{reason}" if reason else key
+
+
+#: The counters turned into per-second rates at each report, and the names of those rates.
+RATES = {mn.STREAMS_EVENTS_IN: mn.STREAMS_EVENTS_IN_PER_S, mn.STREAMS_EVENTS_OUT: mn.STREAMS_EVENTS_OUT_PER_S}
 
 
 @dataclass
@@ -23,8 +40,9 @@ class Telemetry:
     _last_counts: Counter[str] = field(default_factory=Counter)
     _last_report: float = field(default_factory=time.monotonic)
 
-    def count(self, name: str, n: int = 1) -> None:
-        self.counts[name] += n
+    def count(self, name: str, n: int = 1, reason: str | None = None) -> None:
+        """Add ``n`` to a counter (see :func:`counter_key` for ``name`` and ``reason``)."""
+        self.counts[counter_key(name, reason)] += n
 
     def observe_latency(self, seconds: float) -> None:
         self.latencies_s.append(max(0.0, seconds))
@@ -33,17 +51,17 @@ class Telemetry:
         self.positions[(topic, partition)] = offset + 1
 
     def report(self) -> dict[str, float]:
-        """Totals, per-second rates of the in/out counters since the last report, latency p50/p99."""
+        """Totals, per-second rates of the in/out counters since the last report, latency p50/p99,
+        keyed ``<STREAMS_* name>[.<reason>]``."""
         now = time.monotonic()
         elapsed = max(1e-6, now - self._last_report)
-        figures: dict[str, float] = {f"streams.{k}": float(v) for k, v in self.counts.items()}
-        for name in ("events_in", "events_out"):
-            delta = self.counts[name] - self._last_counts[name]
-            figures[f"streams.{name}_per_s"] = delta / elapsed
+        figures: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+        for counter, rate in RATES.items():
+            figures[rate] = (self.counts[counter] - self._last_counts[counter]) / elapsed
         if self.latencies_s:
             lat = list(self.latencies_s)
-            figures["streams.assembly_latency_p50_s"] = percentile(lat, 50)
-            figures["streams.assembly_latency_p99_s"] = percentile(lat, 99)
+            figures[mn.STREAMS_ASSEMBLY_LATENCY_P50_S] = percentile(lat, 50)
+            figures[mn.STREAMS_ASSEMBLY_LATENCY_P99_S] = percentile(lat, 99)
         self._last_counts = Counter(self.counts)
         self._last_report = now
         return figures

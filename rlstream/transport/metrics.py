@@ -3,8 +3,8 @@
 Every service reports through one :class:`MetricsPublisher`, so the topic and the
 Prometheus scrape show the same figures: each metric name becomes the gauge
 ``rlstream_<name>`` (non-alphanumerics replaced by ``_``) holding the last value, labelled by
-the event's tags plus ``source`` and ``run_id``. Metric names read by the operator tools are
-listed in :mod:`ops.metric_names`.
+the event's tags plus ``source`` and ``run_id``. Every metric name is a constant of
+:mod:`rlstream.transport.metric_names`.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from rlstream.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_
 from rlstream.transport.metric_names import (CURRICULUM_PERCENTILE, REWARD_MEAN, REWARD_MEAN_FILTERED, STEP_EPOCH, STEP_TAG,
                               VALIDATION_REWARD_MEAN)
 from rlstream.ops.toy import toy_dataset
+from rlstream.rollout.sampling import SamplingSettings
 from rlstream.transport.topic_reader import open_reader, partitions_of, read_to_end
 from rlstream.ops.vllm import VllmServer
 from rlstream.schemas.codec import AvroCodec
@@ -34,14 +35,14 @@ FLAKY_EXAMPLE = "toy-0-0"
 _failed: set[str] = set()
 
 
-async def flaky_single_turn(example: dict[str, Any], client: Any) -> str:
+async def flaky_single_turn(example: dict[str, Any], client: Any, sampling: SamplingSettings) -> str:
     """The reference workflow, except that the first generation of FLAKY_EXAMPLE fails (once per process)."""
     from rlstream.rollout.workflows import single_turn
 
     if example["id"] == FLAKY_EXAMPLE and FLAKY_EXAMPLE not in _failed:
         _failed.add(FLAKY_EXAMPLE)
         raise ConnectionError("simulated failed generation")
-    return await single_turn(example, client)
+    return await single_turn(example, client, sampling)
 
 
 EPOCHS = 3

@@ -16,6 +16,7 @@ from rlstream.rollout.capture import target_function
 from rlstream.rollout.loading import load_callable, load_examples
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.runner import RolloutRunner, dataset_examples
+from rlstream.rollout.sampling import SamplingSettings
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
@@ -25,24 +26,24 @@ from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture
 vllm = vllm_fixture()
 
 
-async def plan(client: Any, example: dict[str, Any]) -> str:
+async def plan(client: Any, example: dict[str, Any], sampling: SamplingSettings) -> str:
     response = await client.chat.completions.create(
-        model=client.rlstream_model, max_tokens=4, temperature=1.0,
+        model=sampling.model, max_tokens=4, temperature=1.0,
         messages=[{"role": "user", "content": f"Plan: {example['prompt']}"}])
     return response.choices[0].message.content or ""
 
 
 @target_function("solver")
-async def solve(client: Any, example: dict[str, Any], plan_text: str) -> str:
+async def solve(client: Any, example: dict[str, Any], sampling: SamplingSettings, plan_text: str) -> str:
     response = await client.chat.completions.create(
-        model=client.rlstream_model, max_tokens=6, temperature=1.0,
+        model=sampling.model, max_tokens=6, temperature=1.0,
         messages=[{"role": "user", "content": example["prompt"]}])
     return response.choices[0].message.content or ""
 
 
-async def two_step_workflow(example: dict[str, Any], client: Any) -> str:
+async def two_step_workflow(example: dict[str, Any], client: Any, sampling: SamplingSettings) -> str:
     """A planner (not trained) then a solver (the target function)."""
-    return await solve(client, example, await plan(client, example))
+    return await solve(client, example, sampling, await plan(client, example, sampling))
 
 
 def length_reward(example: dict[str, Any], output: str) -> dict[str, float]:
@@ -106,11 +107,11 @@ def test_runner_records_target_functions_scores_and_survives_a_failed_generation
     examples = load_examples(write_dataset(tmp_path / "data.jsonl", 3))
     workflow = load_callable("tests.e2e.test_vllm_runner:two_step_workflow")
 
-    async def flaky(example: dict[str, Any], client: Any) -> str:
+    async def flaky(example: dict[str, Any], client: Any, sampling: SamplingSettings) -> str:
         if example["id"] == "q1" and not getattr(flaky, "failed", False):
             flaky.failed = True  # type: ignore[attr-defined]
             raise RuntimeError("tool backend unavailable")
-        return await workflow(example, client)
+        return await workflow(example, client, sampling)
 
     async def scenario() -> tuple[RolloutRunner, list[TrajectoryEvent]]:
         await ControlPlane(cfg.redis.url).publish_latest(cfg.policy, 4, "file:///v4", "abc")

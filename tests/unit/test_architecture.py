@@ -1,0 +1,50 @@
+"""The import layers of pyproject.toml hold, and the check has teeth (negative controls on a copy)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(tree: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def copy_tree(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "rlstream", tmp_path / "rlstream", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_layer_contracts_are_kept() -> None:
+    proc = lint(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "BROKEN" not in proc.stdout and proc.stdout.count("KEPT") >= 3
+
+
+@pytest.mark.parametrize(
+    ("module", "statement", "contract"),
+    [
+        ("transport/log.py", "import rlstream.cli.app", "layers"),            # a lower layer importing the top
+        ("learner/batch.py", "import rlstream.rollout.runner", "layers"),     # one service importing another
+        ("ops/tail.py", "import faust", "Faust only in streams"),             # Faust outside streams/
+        ("rollout/capture.py", "import torch", "light SDK"),       # torch in the capture SDK
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, statement: str, contract: str) -> None:
+    tree = copy_tree(tmp_path)
+    target = tree / "rlstream" / module
+    target.write_text(target.read_text() + f"\n{statement}  # planted by the negative control\n")
+    proc = lint(tree)
+    assert proc.returncode != 0
+    broken = [line for line in proc.stdout.splitlines() if line.endswith("BROKEN")]
+    assert any(line.startswith(contract) for line in broken), proc.stdout
