@@ -1,4 +1,4 @@
 """``python -m rlstream.cli ...``: the same commands as the ``rlstream`` script."""
-from rlstream.cli.app import app
+from rlstream.cli.app import main
 
-app()
+main()

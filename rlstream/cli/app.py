@@ -173,5 +173,33 @@ def config_show(
         print(dump_config(cfg), end="")
 
 
+# --- entry point ------------------------------------------------------------------------------
+#: The extra that installs each optional top-level module (pyproject.toml, [project.optional-dependencies]).
+EXTRA_OF_MODULE = {
+    "faust": "streams", "mode": "streams",
+    "torch": "learner", "transformers": "learner", "peft": "learner", "safetensors": "learner",
+    "tokenizers": "learner",
+    "noida_db": "local", "matplotlib": "local", "platformdirs": "local",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The extra to install when ``exc`` is an optional dependency that is not installed, else None."""
+    return EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
+
+
+def main() -> None:
+    """The ``rlstream`` script: the typer app, with a clear message when a command needs an extra."""
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc)
+        if extra is None:
+            raise
+        typer.echo(f"this command needs the [{extra}] extra ({exc.name} is not installed): "
+                   f"pip install 'rlstream[{extra}]' (or 'rlstream[all]')", err=True)
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

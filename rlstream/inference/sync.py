@@ -25,6 +25,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane, worker_key
 from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
@@ -40,9 +41,6 @@ from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
 
-LOAD_FAILED = "inference/load_failed"
-LOADED_VERSION = "inference/loaded_version"
-LOAD_SECONDS = "inference/load_seconds"
 
 
 class LoadRefused(RuntimeError):
@@ -167,9 +165,10 @@ class InferenceSyncWorker:
                 await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
         await self._heartbeat()
         seconds = time.monotonic() - started
-        await self.metrics.emit(LOADED_VERSION, version.version, step=version.version,
+        await self.metrics.emit(mn.INFERENCE_LOADED_VERSION, version.version, step=version.version,
                                 tags={"worker": self.icfg.worker_id, "kind": version.kind.value})
-        await self.metrics.emit(LOAD_SECONDS, seconds, step=version.version, tags={"worker": self.icfg.worker_id})
+        await self.metrics.emit(mn.INFERENCE_LOAD_SECONDS, seconds, step=version.version,
+                                tags={"worker": self.icfg.worker_id})
         log.info("version loaded", policy=version.policy, version=version.version, kind=version.kind.value,
                  name=self.state.name, seconds=round(seconds, 3))
         self._loaded_event.set()
@@ -220,7 +219,7 @@ class InferenceSyncWorker:
         what = "refused" if refused else "failed"
         log.error(f"version {what}", policy=version.policy, version=version.version, error=str(exc),
                   loaded_version=self.state.version)
-        await self.metrics.emit(LOAD_FAILED, 1.0, step=version.version,
+        await self.metrics.emit(mn.INFERENCE_LOAD_FAILED, 1.0, step=version.version,
                                 tags={"worker": self.icfg.worker_id, "reason": type(exc).__name__})
         try:
             await self.control.redis.hset(worker_key(self.cfg.policy, self.icfg.worker_id), mapping={

@@ -23,7 +23,7 @@ from rlstream.learner.batch import BatchError, Sample, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy
 from rlstream.learner.publish import announce, write_version
-from rlstream.learner.step import GRPOTrainerStep, StepStats
+from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.transport import metric_names
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.deadletter import DeadLetterSink
@@ -228,14 +228,8 @@ class Learner:
 
     async def _report(self, state: LearnerState, stats: StepStats | None, lag: list[int],
                       metrics: MetricsPublisher, control: ControlPlane, n_groups: int) -> None:
-        tags = {metric_names.STEP_TAG: "step", "policy": self.cfg.policy}
-        figures: dict[str, float] = {"groups": float(n_groups)}
-        if lag:
-            figures["policy_lag_mean"] = sum(lag) / len(lag)
-            figures["policy_lag_max"] = float(max(lag))
-        if stats is not None:
-            figures.update(stats.figures())
-        await metrics.emit_many({f"learner/{k}": v for k, v in figures.items()}, step=state.step, tags=tags)
+        tags = {metric_names.STEP_TAG: metric_names.STEP_LEARNER, "policy": self.cfg.policy}
+        await metrics.emit_many(step_figures(stats, n_groups, lag), step=state.step, tags=tags)
         if stats is not None:
             await metrics.emit(metric_names.REWARD_MEAN, stats.reward_mean, step=state.version,
                                tags={metric_names.STEP_TAG: metric_names.STEP_VERSION, "policy": self.cfg.policy})

@@ -17,10 +17,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import client_options
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import TopicMissingError, TopicReader, codec_for, open_reader, read_to_end
+from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, codec_for, open_reader, partitions_of,
+                                             read_to_end)
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.models import MetricEvent, PolicyVersion
-from rlstream.schemas.topics import TopicNames
+from rlstream.schemas.topics import ALL_TOPICS, TopicNames
 
 log = get_logger(__name__)
 
@@ -71,6 +72,23 @@ async def consumer_group_lags(kafka: KafkaConfig, prefix: str = "", groups: list
         entry.lag += lag
         entry.per_partition[tp.partition] = lag
     return list(out.values())
+
+
+async def topic_end_offsets(kafka: KafkaConfig, names: TopicNames) -> dict[str, int]:
+    """Per rlstream topic (short name, e.g. ``groups``), the sum of its partitions' end offsets: how much was
+    written to it (transaction markers included). A topic that does not exist is left out."""
+    reader = await open_reader(kafka)
+    try:
+        out: dict[str, int] = {}
+        for short, topic in zip(ALL_TOPICS, names.all()):
+            try:
+                parts = await partitions_of(reader, topic)
+            except TopicMissingError:
+                continue
+            out[short] = sum((await reader.end_offsets(parts)).values())
+        return out
+    finally:
+        await reader.stop()
 
 
 async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: int = 5) -> list[PolicyVersion]:

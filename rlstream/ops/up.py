@@ -28,6 +28,7 @@ from rlstream.rollout.workflows import Workflow, check_workflow
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, overrides_to_dict, read_yaml
+from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
 
@@ -37,7 +38,7 @@ TOY_DEFAULTS: dict[str, Any] = {
     "topics": {"partitions": 4},
     "streams": {"group_timeout_s": 60.0, "min_group_size": 2, "max_policy_lag": 8, "min_reward_diff": 0.0,
                 "metrics_interval_s": 2.0},
-    "learner": {"lora": {"enabled": False}, "learning_rate": 3e-3, "groups_per_step": 4, "publish_every": 1,
+    "learner": {"lora": {"enabled": False}, "learning_rate": 1e-2, "groups_per_step": 8, "publish_every": 1,
                 "checkpoint_every": 5, "scale_rewards": "group"},
     "rollout": {"workflow": "rlstream.rollout.workflows:single_turn", "reward_function": "rlstream.ops.toy:toy_reward",
                 "group_size": 8, "concurrency": 8, "max_policy_lag": 2, "mode": "continuous",
@@ -240,7 +241,6 @@ class Watcher:
         from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch
         from rlstream.schemas.codec import AvroCodec
         from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup
-        from rlstream.schemas.topics import TopicNames
 
         def undecodable(source: SourceRecord, reason: BaseException | str) -> None:
             log.warning("undecodable record in live view", topic=source.topic, error=str(reason))
@@ -381,7 +381,8 @@ def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
     return out
 
 
-def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Path, plot: Path | None) -> dict[str, Any]:
+def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Path, plot: Path | None,
+              topic_ends: dict[str, int] | None = None) -> dict[str, Any]:
     scores = figures.heldout
     first = scores[0].reward_mean if scores else None
     best_last = scores[-1].reward_mean if scores else None
@@ -401,6 +402,7 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
         "heldout_last": best_last,
         "heldout_gain": (best_last - first) if scores else None,
         "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
+        "topic_end_offsets": topic_ends or {},
         "checkpoints": str(run_dir / "learner"),
         "logs": str(run_dir / "logs"),
     }
@@ -415,7 +417,6 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
     from rlstream.transport.kafka import make_producer
     from rlstream.transport.metrics import MetricsPublisher
     from rlstream.schemas.codec import AvroCodec
-    from rlstream.schemas.topics import TopicNames
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -477,6 +478,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     stack = LocalStack.start(run_dir / "infra")
     sup = Supervisor(run_dir / "logs")
     figures = LiveFigures()
+    cfg: RlstreamConfig | None = None
     config_path = run_dir / "config.yaml"
     try:
         model_dir, dataset, heldout = _task(opts, run_dir, user_cfg)
@@ -500,18 +502,30 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             pass
     finally:
         sup.stop_all()
+        topic_ends = _topic_end_offsets(cfg) if cfg is not None else {}
         stack.stop()
         plot = None
         try:
             plot = write_plot(figures, run_dir / "reward_per_version.png", run_id)
         except Exception as exc:
             log.warning("plot not written", error=str(exc))
-        summary = summarize(figures, run_id, run_dir, config_path, plot)
+        summary = summarize(figures, run_id, run_dir, config_path, plot, topic_ends)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"\nrun data and checkpoints: {run_dir}")
         print(f"plot:    {plot}")
         print(f"summary: {run_dir / 'summary.json'}")
     return summary
+
+
+def _topic_end_offsets(cfg: RlstreamConfig) -> dict[str, int]:
+    """What the run wrote to each topic, read before the broker stops (empty when it cannot be read)."""
+    from rlstream.ops.status import topic_end_offsets
+
+    try:
+        return asyncio.run(topic_end_offsets(cfg.kafka, TopicNames.from_config(cfg.topics)))
+    except Exception as exc:  # the summary must be written even when the broker is gone
+        log.warning("topic offsets not read", error=str(exc))
+        return {}
 
 
 def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tuple[Path, Path | None, list[dict[str, Any]]]:

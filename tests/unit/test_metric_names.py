@@ -28,8 +28,6 @@ IMPLEMENTATION = {"transport/metrics.py"}
 #: must still hold a violation (remove it once the file uses metric_names).
 PENDING = {
     "streams/app.py": "f'streams.{base}' over Telemetry.report() plus the literal 'streams.consumer_lag'",
-    "learner/service.py": "f'learner/{k}' over its figures: use learner.step.step_figures",
-    "inference/sync.py": "its own LOAD_FAILED / LOADED_VERSION / LOAD_SECONDS: use mn.INFERENCE_*",
 }
 
 

@@ -17,11 +17,11 @@ def _stack() -> LocalStack:
 
 
 def test_toy_defaults_then_overrides(tmp_path: Path) -> None:
-    opts = UpOptions(overrides=[("learner.learning_rate", "0.01"), ("rollout.group_size", "4")])
+    opts = UpOptions(overrides=[("learner.learning_rate", "0.02"), ("rollout.group_size", "4")])
     cfg, path = compose_config(opts, "run-x", tmp_path, _stack(), tmp_path / "model", "http://127.0.0.1:9", None)
     assert path.exists() and load_config(path) == cfg
     assert cfg.run_id == "run-x" and cfg.policy == "toy"
-    assert cfg.learner.learning_rate == 0.01 and cfg.rollout.group_size == 4      # overrides win
+    assert cfg.learner.learning_rate == 0.02 and cfg.rollout.group_size == 4      # overrides win
     assert cfg.learner.lora.enabled is False and cfg.rollout.reward_function == "rlstream.ops.toy:toy_reward"  # toy defaults
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:1" and cfg.redis.url == "redis://127.0.0.1:2/0"
     assert cfg.rollout.base_url == "http://127.0.0.1:9/v1" and cfg.learner.model == str(tmp_path / "model")
