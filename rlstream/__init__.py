@@ -42,12 +42,12 @@ _PUBLIC: dict[str, str] = {
 
 __all__ = ["__version__", *_PUBLIC]
 
-if TYPE_CHECKING:
-    from rlstream.rollout.capture import Recording, instrument, routing, target_function
-    from rlstream.rollout.publisher import PublishError, TrajectoryPublisher
-    from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config
-    from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, Turn
-    from rlstream.schemas.topics import TopicNames
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
+    from rlstream.rollout.capture import Recording, instrument, routing, target_function  # noqa: F401
+    from rlstream.rollout.publisher import PublishError, TrajectoryPublisher  # noqa: F401
+    from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config  # noqa: F401
+    from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, Turn  # noqa: F401
+    from rlstream.schemas.topics import TopicNames  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -53,7 +53,7 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(
+def global_options(
     log_format: LogFormat = typer.Option(LogFormat.auto, "--log-format",
                                          help="auto (console on a terminal, else json) | json | console"),
     log_level: LogLevel = typer.Option(LogLevel.INFO, "--log-level", case_sensitive=False,

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import random
 import shutil
@@ -199,9 +201,20 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
-def smollm2_model_dir(out_dir: Path | str) -> Path:
+def load_smollm2_gguf() -> Any:
+    """The packaged SmolLM2-135M-Instruct GGUF as a float32 transformers model (dequantized: ~20 s on 2 cores)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+
+
+def smollm2_model_dir(out_dir: Path | str, loaded: Any | None = None) -> Path:
     """Convert (once) the packaged SmolLM2-135M-Instruct GGUF into a float32 transformers directory with
-    untied embeddings (vLLM's full-weight reload needs them untied). About 40 s on 2 CPU cores."""
+    untied embeddings (vLLM's full-weight reload needs them untied). About 40 s on 2 CPU cores.
+
+    ``loaded``: the GGUF already loaded with :func:`load_smollm2_gguf` (left unchanged), to skip a second load."""
     out = Path(out_dir)
     gguf = smollm2_gguf()
     params = {"source": gguf.name, "size": gguf.stat().st_size, "version": 1}
@@ -212,10 +225,10 @@ def smollm2_model_dir(out_dir: Path | str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    loaded = loaded if loaded is not None else load_smollm2_gguf()
     # The GGUF loader dequantizes to float32 but marks the model "quantized", which blocks saving: copy the
     # weights into a plain model of the same architecture, with its own (untied) output layer.
-    config = loaded.config
+    config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.tie_word_embeddings = False

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlstream.ops.infra import free_port, start_kafka
-from rlstream.transport.kafka import create_topics, make_consumer
+from rlstream.transport.kafka import create_topics
+from rlstream.transport.topic_reader import open_reader, read_to_end
 from rlstream.rollout.publisher import PublishError, TrajectoryPublisher
 from rlstream.schemas.codec import AvroCodec, PayloadTooLargeError
 from rlstream.schemas.config import RlstreamConfig
@@ -16,18 +17,13 @@ from rlstream.schemas.topics import TopicNames
 from tests.factories import make_reward, make_trajectory
 
 
-async def read_all(cfg: RlstreamConfig, topic: str, expected: int, timeout_s: float = 30.0) -> list[tuple[bytes, bytes]]:
-    consumer = make_consumer(cfg.kafka, topic, group_id=None)
-    await consumer.start()
-    out: list[tuple[bytes, bytes]] = []
+async def read_all(cfg: RlstreamConfig, topic: str) -> list[tuple[bytes, bytes]]:
+    """Every (key, value) on ``topic`` up to its end offsets of now (the publisher waited for its acks)."""
+    reader = await open_reader(cfg.kafka)
     try:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(out) < expected and asyncio.get_running_loop().time() < deadline:
-            for records in (await consumer.getmany(timeout_ms=300)).values():
-                out.extend((r.key, r.value) for r in records)
+        return [(r.key, r.value) async for r in read_to_end(reader, topic)]
     finally:
-        await consumer.stop()
-    return out
+        await reader.stop()
 
 
 def test_acknowledged_events_are_on_the_topic_keyed_by_example(rl_config: RlstreamConfig,
@@ -51,7 +47,7 @@ def test_acknowledged_events_are_on_the_topic_keyed_by_example(rl_config: Rlstre
                 parts.setdefault(e.example_id, set()).add(m.partition)
             assert all(len(p) == 1 for p in parts.values())
             assert reward.topic == created_topics.rewards
-        return await read_all(rl_config, created_topics.trajectories, 12)
+        return await read_all(rl_config, created_topics.trajectories)
 
     records = asyncio.run(scenario())
     assert len(records) == 12
@@ -103,7 +99,7 @@ def test_unacknowledged_delivery_reaches_the_caller(tmp_path: Path, rl_config: R
 
     try:
         asyncio.run(scenario())
-        records = asyncio.run(read_all(cfg, topics.trajectories, 3, timeout_s=8))
+        records = asyncio.run(read_all(cfg, topics.trajectories))
     finally:
         broker.stop()
     ids = [AvroCodec().decode(v, TrajectoryEvent).example_id for _, v in records]
@@ -150,7 +146,7 @@ def test_no_acknowledged_event_is_lost_across_a_broker_restart(tmp_path: Path, r
 
     try:
         asyncio.run(scenario())
-        records = asyncio.run(read_all(cfg, topics.trajectories, len(acked) + 20, timeout_s=15))
+        records = asyncio.run(read_all(cfg, topics.trajectories))
     finally:
         broker.stop()
     on_topic = {codec.decode(v, TrajectoryEvent).trajectory_id for _, v in records}
