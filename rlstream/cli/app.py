@@ -23,6 +23,7 @@ app.add_typer(infra_app, name="infra")
 app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
 from rlstream.cli.ops import register as register_ops; register_ops(app)  # noqa: E402,E702
+from rlstream.cli.lineage import register as register_lineage; register_lineage(app)  # noqa: E402,E702
 from rlstream.cli.streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
 from rlstream.cli.rollout import rollout_app; app.add_typer(rollout_app, name="rollout")  # noqa: E402,E702
 from rlstream.cli.inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702
@@ -72,58 +73,70 @@ def infra_up(
     kafka_port: Optional[int] = typer.Option(None, help="broker port (default: a free one)"),
     redis_port: Optional[int] = typer.Option(None, help="Redis port (default: a free one)"),
 ) -> None:
-    """Start noida-db and redis-server in the background and print their addresses."""
-    from rlstream.ops.infra import InfraError, LocalStack, pid_alive
+    """Start noida-db and redis-server in the background and print their addresses.
 
-    state_file = state_dir / "infra.json"
+    A small supervisor process owns them (they die with it, however it ends); it lives until `infra down`.
+    Interrupted before the services answer, `infra up` takes them down with it."""
+    from rlstream.ops.infra import STATE_FILE, InfraError, LocalStack, start_background
+
+    state_file = state_dir / STATE_FILE
     if state_file.exists():
         stack = LocalStack.load(state_file)
-        if any(s.pid and pid_alive(s.pid) for s in (stack.kafka, stack.redis)):
+        if stack.running():  # PIDs checked against their recorded start times: a reused PID does not count
             err_console.print(f"already running (state {state_file}); `rlstream infra down` first")
             _print_addresses(stack)
             raise typer.Exit(code=1)
     try:
-        stack = LocalStack.start(state_dir, kafka_port, redis_port, detach=True)
+        stack = start_background(state_dir, kafka_port, redis_port)
     except InfraError as exc:
-        err_console.print(f"[red]{exc}[/red]")
+        err_console.print(f"[red]{exc}[/red]", markup=False, highlight=False)
         raise typer.Exit(code=1) from None
-    stack.save(state_file)
     _print_addresses(stack)
 
 
 def _print_addresses(stack) -> None:  # type: ignore[no-untyped-def]
+    from rlstream.schemas.masking import mask_url
+
     console.print(f"RLSTREAM_KAFKA_BOOTSTRAP={stack.bootstrap}")
-    console.print(f"RLSTREAM_REDIS_URL={stack.redis_url}")
+    console.print(f"RLSTREAM_REDIS_URL={mask_url(stack.redis_url)}")  # a password (external Redis) is not printed
 
 
 @infra_app.command("down")
 def infra_down(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
-    """Stop the services started by ``infra up`` (by PID)."""
-    from rlstream.ops.infra import LocalStack
+    """Stop the services started by ``infra up`` (by PID, only when the process with that PID is still the one
+    that was started: its start time must match the state file)."""
+    from rlstream.ops.infra import STATE_FILE, LocalStack
 
-    state_file = state_dir / "infra.json"
+    state_file = state_dir / STATE_FILE
     if not state_file.exists():
         console.print("nothing running (no state file)")
         return
     stack = LocalStack.load(state_file)
-    stack.stop()
-    state_file.unlink()
-    console.print(f"stopped kafka (pid {stack.kafka.pid}) and redis (pid {stack.redis.pid})")
+    outcome = stack.stop()
+    state_file.unlink(missing_ok=True)  # what it names is stopped, or gone
+    pids = {svc.name: svc.pid for svc in (stack.supervisor, *stack.services()) if svc is not None}
+    for name, what in outcome.items():
+        if what == "refused":
+            err_console.print(f"{name}: pid {pids.get(name)} now belongs to another process (its start time "
+                              "differs from the state file): not signalled", markup=False, highlight=False)
+        elif what != "external":
+            console.print(f"{name} (pid {pids.get(name)}): {what}", highlight=False)
 
 
 @infra_app.command("status")
 def infra_status(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
     """Show whether the embedded services run, and where."""
-    from rlstream.ops.infra import LocalStack
+    from rlstream.ops.infra import STATE_FILE, LocalStack
+    from rlstream.schemas.masking import mask_url
 
-    state_file = state_dir / "infra.json"
+    state_file = state_dir / STATE_FILE
     if not state_file.exists():
         console.print("not running")
         raise typer.Exit(code=1)
     stack = LocalStack.load(state_file)
     table = Table("service", "address", "pid", "alive")
     for name, info in stack.status().items():
-        table.add_row(name, str(info["address"]), str(info["pid"]), str(info["alive"]))
+        table.add_row(name, mask_url(str(info["address"])), str(info["pid"]), str(info["alive"]))
     console.print(table)
 
 
@@ -165,7 +178,8 @@ def config_show(
     override: Optional[list[str]] = OverrideOption,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Print the effective config after YAML, environment and overrides."""
+    """Print the effective config after YAML, environment and overrides (secrets masked: passwords show as
+    ********** and so does the password part of a URL)."""
     cfg = load_or_exit(config, override)
     if as_json:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from rlstream.cli.common import ConfigOption, OverrideOption, console, load_or_exit
+from rlstream.cli.common import ConfigOption, OverrideOption, console, err_console, load_or_exit
 
 learner_app = typer.Typer(help="The GRPO learner: consumes groups, publishes weight versions.", no_args_is_help=True)
 
@@ -27,10 +27,15 @@ def run(
                                                   help="fault injection for tests: SIGKILL itself after this step"),
 ) -> None:
     """Train from `groups` until learner.total_steps (SIGINT/SIGTERM stop cleanly after the current step)."""
+    from rlstream.learner.reporting import ReportingError
     from rlstream.learner.service import Learner
 
     cfg = load_or_exit(config, override)
-    learner = Learner(cfg, holder=holder, kill_after_step=kill_after_step)
+    try:
+        learner = Learner(cfg, holder=holder, kill_after_step=kill_after_step)
+    except ReportingError as exc:  # e.g. learner.report_to names a tracker whose package is not installed
+        err_console.print(f"[red]{exc}[/red]", highlight=False)
+        raise typer.Exit(code=1) from None
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

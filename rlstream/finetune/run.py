@@ -18,6 +18,7 @@ from rlstream.finetune.runtime import FinetuneContext, Infrastructure, fresh_run
 from rlstream.transport.log import get_logger
 from rlstream.ops.up import deep_merge
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, read_yaml
+from rlstream.schemas.masking import REVEAL
 
 log = get_logger(__name__)
 
@@ -71,7 +72,7 @@ def validation_config(cfg: RlstreamConfig) -> RlstreamConfig | None:
     path = cfg.finetuning.validation_config_file
     if path is None:
         return None
-    merged = deep_merge(cfg.model_dump(mode="json"), read_yaml(Path(path)))
+    merged = deep_merge(cfg.model_dump(mode="json", context=REVEAL), read_yaml(Path(path)))  # secrets kept (in memory)
     try:
         return RlstreamConfig.model_validate(merged)
     except ValueError as exc:

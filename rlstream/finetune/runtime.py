@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-import yaml
 from aiokafka import AIOKafkaProducer
 
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.deadletter import DeadLetterSink
-from rlstream.ops.infra import LocalStack
+from rlstream.ops.infra import LocalStack, terminate_as_interrupt
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
@@ -28,6 +27,7 @@ from rlstream.ops.up import Supervisor, rlstream_command
 from rlstream.ops.vllm import VllmServer, start_vllm_server
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.masking import public_config_text, secret_env
 from rlstream.schemas.models import TrajectoryGroup, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 
@@ -135,12 +135,13 @@ def streams_child_config(cfg: RlstreamConfig, output_dir: Path) -> RlstreamConfi
 
 
 def start_streams_worker(cfg: RlstreamConfig, output_dir: Path, supervisor: Supervisor) -> Path:
-    """Write the child's config and start ``rlstream streams worker`` on it."""
+    """Write the child's config (without secrets: they reach the child through its environment) and start
+    ``rlstream streams worker`` on it."""
     child = streams_child_config(cfg, output_dir)
     path = output_dir / "streams-config.yaml"
-    path.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
+    path.write_text(public_config_text(child))
     supervisor.spawn("streams", rlstream_command("streams", "worker", "-c", str(path),
-                                                 "--worker-id", f"finetune-{cfg.run_id}"))
+                                                 "--worker-id", f"finetune-{cfg.run_id}"), env=secret_env(child))
     return path
 
 
@@ -148,16 +149,19 @@ def prepare(cfg: RlstreamConfig, endpoint: str | None, endpoint_timeout_s: float
     """Everything outside this process: services, topics, vLLM, the streams worker."""
     output_dir = Path(cfg.finetuning.output_dir).resolve()
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cfg, stack = provide_services(cfg, output_dir)
-    infra = Infrastructure(cfg=cfg, server_url="", stack=stack)
-    try:
-        asyncio.run(create_topics(cfg.kafka, cfg.topics))
-        infra.server_url, infra.vllm = provide_vllm(cfg, endpoint, output_dir / "vllm", endpoint_timeout_s)
-        infra.supervisor = Supervisor(output_dir / "logs")
-        start_streams_worker(cfg, output_dir, infra.supervisor)
-    except BaseException:
-        infra.stop()
-        raise
+    # every process started here dies with this one however it ends (rlstream.ops.infra.spawn); a SIGTERM
+    # while starting stops them in order, as Ctrl-C does
+    with terminate_as_interrupt():
+        cfg, stack = provide_services(cfg, output_dir)
+        infra = Infrastructure(cfg=cfg, server_url="", stack=stack)
+        try:
+            asyncio.run(create_topics(cfg.kafka, cfg.topics))
+            infra.server_url, infra.vllm = provide_vllm(cfg, endpoint, output_dir / "vllm", endpoint_timeout_s)
+            infra.supervisor = Supervisor(output_dir / "logs")
+            start_streams_worker(cfg, output_dir, infra.supervisor)
+        except BaseException:
+            infra.stop()
+            raise
     return infra
 
 

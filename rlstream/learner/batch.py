@@ -7,6 +7,7 @@ completion occupies the last ``T`` positions of every row.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -23,7 +24,12 @@ class BatchError(ValueError):
 
 @dataclass
 class Sample:
-    """One trainable turn."""
+    """One trainable turn.
+
+    ``group`` numbers the sample's group in the step; ``trajectory`` names its trajectory (its id), so that the
+    turns of one trajectory share one advantage and count once in the group statistics. ``None`` = a
+    trajectory of its own (one turn).
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -32,6 +38,7 @@ class Sample:
     group: int
     policy_version: int
     advantage: float = 0.0
+    trajectory: str | None = None
 
 
 @dataclass
@@ -113,11 +120,28 @@ def _implicit_turns(traj: TrajectoryEvent) -> list[Turn]:
     return [Turn(message_index=i, function=traj.target) for i, m in enumerate(traj.messages) if m.role == "assistant"]
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, what: str) -> None:
+    """Raise :class:`BatchError` for a token id outside ``[0, vocab_size)`` (an embedding look-up would fail:
+    an IndexError on CPU, a device-side assert that kills the process on CUDA)."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise BatchError(f"{what}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+
+
 def samples_from_trajectory(traj: TrajectoryEvent, group: int, tokenizer: Any, target_functions: Sequence[str],
-                            target_model: str | None) -> list[Sample]:
-    """The samples of one trajectory (its trainable turns of the target)."""
+                            target_model: str | None, vocab_size: int | None = None) -> list[Sample]:
+    """The samples of one trajectory (its trainable turns of the target).
+
+    Raises :class:`BatchError` when the trajectory cannot be trained on: no or a non-finite reward, token ids
+    outside ``[0, vocab_size)``, logprobs that do not match the completion or are not finite.
+    """
     if traj.reward is None:
         raise BatchError(f"trajectory {traj.trajectory_id} has no reward")
+    if not math.isfinite(traj.reward):
+        raise BatchError(f"trajectory {traj.trajectory_id} has a non-finite reward {traj.reward}")
     samples = []
     for turn in traj.turns or _implicit_turns(traj):
         if not turn_is_target(turn, target_functions, target_model):
@@ -128,22 +152,28 @@ def samples_from_trajectory(traj: TrajectoryEvent, group: int, tokenizer: Any, t
             if logprobs is not None and len(logprobs) != len(completion):
                 raise BatchError(f"trajectory {traj.trajectory_id}: {len(logprobs)} logprobs for "
                                  f"{len(completion)} completion tokens")
+            if logprobs is not None and not all(math.isfinite(lp) for lp in logprobs):
+                raise BatchError(f"trajectory {traj.trajectory_id}: non-finite behaviour logprobs")
         else:
             if turn.message_index is None:
                 raise BatchError(f"trajectory {traj.trajectory_id}: turn without token ids nor message_index")
             prompt, completion = tokens_from_messages(tokenizer, traj.messages, turn.message_index)
             logprobs = None
-        samples.append(Sample(prompt, completion, logprobs, float(traj.reward), group, traj.policy_version))
+        where = f"trajectory {traj.trajectory_id}"
+        check_token_ids(prompt, vocab_size, f"{where} prompt")
+        check_token_ids(completion, vocab_size, f"{where} completion")
+        samples.append(Sample(prompt, completion, logprobs, float(traj.reward), group, traj.policy_version,
+                              trajectory=traj.trajectory_id))
     return samples
 
 
 def samples_from_groups(groups: Sequence[TrajectoryGroup], tokenizer: Any, target_functions: Sequence[str],
-                        target_model: str | None) -> list[Sample]:
+                        target_model: str | None, vocab_size: int | None = None) -> list[Sample]:
     """Samples of every group, numbered by group (advantages are filled in later)."""
     out: list[Sample] = []
     for g, group in enumerate(groups):
         for traj in group.trajectories:
-            out.extend(samples_from_trajectory(traj, g, tokenizer, target_functions, target_model))
+            out.extend(samples_from_trajectory(traj, g, tokenizer, target_functions, target_model, vocab_size))
     return out
 
 

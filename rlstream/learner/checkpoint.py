@@ -29,32 +29,54 @@ PREFIX = "step-"
 
 @dataclass
 class LearnerState:
-    """What a checkpoint records besides tensors."""
+    """What a checkpoint records besides tensors.
+
+    Lineage is exact: ``pending_offsets`` lists, per partition of ``groups``, the offsets of the groups trained
+    into the weights since the last publication (records that were skipped, dead-lettered, or whose step was not
+    applied are consumed, in ``offsets``, but never listed).
+    """
 
     step: int = 0
     version: int = 0  # last version number assigned to a publication (0 = the base model)
     offsets: dict[int, int] = field(default_factory=dict)  # partition -> next offset of `groups` to read
-    pending_ranges: dict[int, list[int]] = field(default_factory=dict)  # partition -> [first, last] unpublished
+    pending_offsets: dict[int, list[int]] = field(default_factory=dict)  # partition -> offsets trained, unpublished
     pending_groups: int = 0
-    publishing_ranges: dict[int, list[int]] = field(default_factory=dict)  # ranges of the version being announced
+    publishing_offsets: dict[int, list[int]] = field(default_factory=dict)  # of the version being announced
     publishing_groups: int = 0
     groups_trained: int = 0
+
+    def record_trained(self, partition: int, offset: int) -> None:
+        """A group at ``partition``/``offset`` was trained into the weights (pending publication)."""
+        self.pending_offsets.setdefault(partition, []).append(offset)
+        self.pending_groups += 1
+        self.groups_trained += 1
+
+    def start_publication(self) -> None:
+        """Move the pending lineage to the version being published."""
+        self.publishing_offsets = {p: sorted(o) for p, o in self.pending_offsets.items()}
+        self.publishing_groups = self.pending_groups
+        self.pending_offsets, self.pending_groups = {}, 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["offsets"] = {str(k): v for k, v in self.offsets.items()}
-        d["pending_ranges"] = {str(k): v for k, v in self.pending_ranges.items()}
-        d["publishing_ranges"] = {str(k): v for k, v in self.publishing_ranges.items()}
+        d["pending_offsets"] = {str(k): v for k, v in self.pending_offsets.items()}
+        d["publishing_offsets"] = {str(k): v for k, v in self.publishing_offsets.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "LearnerState":
+        def offsets_of(key: str, ranges_key: str) -> dict[int, list[int]]:
+            if key in d:
+                return {int(k): [int(o) for o in v] for k, v in d[key].items()}
+            # checkpoints written before exact lineage: [first, last] ranges (what those versions announced)
+            return {int(k): list(range(int(v[0]), int(v[1]) + 1)) for k, v in d.get(ranges_key, {}).items()}
+
         return cls(step=int(d["step"]), version=int(d["version"]),
                    offsets={int(k): int(v) for k, v in d["offsets"].items()},
-                   pending_ranges={int(k): [int(v[0]), int(v[1])] for k, v in d.get("pending_ranges", {}).items()},
+                   pending_offsets=offsets_of("pending_offsets", "pending_ranges"),
                    pending_groups=int(d.get("pending_groups", 0)),
-                   publishing_ranges={int(k): [int(v[0]), int(v[1])]
-                                      for k, v in d.get("publishing_ranges", {}).items()},
+                   publishing_offsets=offsets_of("publishing_offsets", "publishing_ranges"),
                    publishing_groups=int(d.get("publishing_groups", 0)),
                    groups_trained=int(d.get("groups_trained", 0)))
 

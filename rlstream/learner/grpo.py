@@ -1,30 +1,60 @@
 """GRPO, one small function per concept (pure torch; no model, no Kafka).
 
-Shapes: ``B`` sequences (one per trainable turn), ``T`` completion positions; ``mask`` is 1 on the
-completion tokens that carry loss and 0 on padding.
+Shapes: ``B`` sequences (one per trainable *turn*: one LLM call of the target), ``T`` completion positions,
+``V`` the vocabulary; ``N`` trajectories (one agent run: one or more turns sharing one reward) and ``G`` groups
+(the trajectories of one prompt). ``mask`` is 1 on the completion tokens that carry loss and 0 on padding.
+
+References:
+- GRPO: Shao et al. 2024, *DeepSeekMath* (arXiv:2402.03300): group-relative advantages, clipped objective.
+- PPO: Schulman et al. 2017 (arXiv:1707.06347): the clipped surrogate and several epochs (``num_iterations``) per batch.
+- DAPO: Yu et al. 2025 (arXiv:2503.14476): clip-higher (separate low/high epsilon) and the token-level mean.
+- Dr. GRPO: Liu et al. 2025, *Understanding R1-Zero-Like Training* (arXiv:2503.20783): no std scaling, a constant
+  normaliser instead of the sequence length.
+- k3: Schulman 2020, *Approximating KL Divergence* (joschu.net/blog/kl-approx.html).
+- Truncated importance sampling against the sampler's logprobs: Yao et al. 2025, *Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training* (the fix TRL applies as ``vllm_importance_sampling_correction``).
+- Multi-turn: advantages per trajectory, not per turn (the turn-count bias of agent-lightning#444/#445).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
 ScaleRewards = Literal["none", "group", "batch"]
-LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
+LossAggregation = Literal["token_mean", "sequence_mean", "trajectory_mean", "constant"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 #: Added to the reward std before dividing (the value TRL uses, so that both agree).
 STD_EPS = 1e-4
+#: Tokens whose full-vocabulary log-softmax :func:`token_logprobs` holds in float32 at once.
+DEFAULT_LOGPROB_CHUNK = 1024
 
 
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scale: ScaleRewards = "group",
                      eps: float = STD_EPS) -> torch.Tensor:
-    """Advantage of each trajectory: reward minus its group's mean, optionally divided by a std.
+    r"""
+    Group-relative advantage of each *trajectory* (GRPO, Shao et al. 2024; Dr. GRPO, Liu et al. 2025).
 
-    ``group_index[i]`` numbers the group of trajectory ``i`` (0..G-1). ``scale``: ``none`` (Dr. GRPO),
-    ``group`` (std of the trajectory's group), ``batch`` (std of all rewards). Stds are unbiased (n-1),
-    0 for a group of one.
+    $$A_i = \frac{r_i - \operatorname{mean}_{j \in g(i)} r_j}{\sigma + \epsilon}$$
+
+    The statistics are over the trajectories of a group: one entry per trajectory, whatever its number of turns
+    (give per-trajectory rewards here and spread the result over turns with :func:`turn_advantages`).
+
+    Args:
+        rewards (`torch.Tensor`):
+            Reward of each trajectory, shape `(N,)`.
+        group_index (`torch.Tensor`):
+            Group of each trajectory, numbered `0..G-1`, shape `(N,)`, long.
+        scale (`str`, *optional*, defaults to `"group"`):
+            The $\sigma$: `"none"` (no division: Dr. GRPO), `"group"` (std of the trajectory's group) or `"batch"`
+            (std of all `N` rewards). Stds are unbiased (n-1), 0 for a group of one.
+        eps (`float`, *optional*, defaults to `1e-4`):
+            Added to $\sigma$ (TRL's value).
+
+    Returns:
+        `torch.Tensor`: advantages, shape `(N,)`, float32.
     """
     rewards = rewards.to(torch.float64)
     n_groups = int(group_index.max().item()) + 1 if group_index.numel() else 0
@@ -44,19 +74,131 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scale: Sc
     return (centred / (std + eps)).to(torch.float32)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each token under ``logits`` (same leading shape), in float32."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def turn_advantages(trajectory_advantages: torch.Tensor, trajectory_index: torch.Tensor) -> torch.Tensor:
+    r"""
+    The advantage of each turn: its trajectory's, $A_b = A_{\tau(b)}$ (every turn of a trajectory shares it).
+
+    Args:
+        trajectory_advantages (`torch.Tensor`):
+            Advantage of each trajectory (:func:`group_advantages`), shape `(N,)`.
+        trajectory_index (`torch.Tensor`):
+            Trajectory $\tau(b)$ of each turn, shape `(B,)`, long, values in `0..N-1`.
+
+    Returns:
+        `torch.Tensor`: advantages, shape `(B,)`.
+    """
+    return trajectory_advantages[trajectory_index]
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """``log_softmax(logits / T)[token]`` computed and differentiated one chunk of positions at a time.
+
+    Saves only the logits (in their own dtype), the tokens and a float32 logsumexp per position; the backward pass
+    recomputes each chunk's softmax, so no full-vocabulary float32 tensor of the whole batch ever exists.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                chunk: int) -> torch.Tensor:
+        out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for block in _position_blocks(tuple(tokens.shape), chunk):
+            x = logits[block].float()
+            if temperature != 1.0:
+                x = x / temperature
+            block_lse = torch.logsumexp(x, dim=-1)
+            lse[block] = block_lse
+            out[block] = x.gather(-1, tokens[block].unsqueeze(-1)).squeeze(-1) - block_lse
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for block in _position_blocks(tuple(tokens.shape), ctx.chunk):
+            x = logits[block].float()
+            if ctx.temperature != 1.0:
+                x = x / ctx.temperature
+            g_out = grad_out[block].unsqueeze(-1).float()
+            # d/dx log softmax(x)[k] = onehot(k) - softmax(x); chain through x = logits / T
+            g = torch.exp(x - lse[block].unsqueeze(-1)).mul_(g_out.neg())
+            g.scatter_add_(-1, tokens[block].unsqueeze(-1), g_out)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            grad[block] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
+def _position_blocks(shape: tuple[int, ...], chunk: int) -> Iterator[tuple[Any, ...]]:
+    """Index tuples that cover a tensor of leading ``shape`` in blocks of at most ``chunk`` positions (blocks are
+    basic slices: views, never copies, also of non-contiguous logits such as ``logits[:, -T-1:-1]``)."""
+    if not shape:
+        yield (Ellipsis,)
+        return
+    per_row = math.prod(shape[1:])
+    if per_row <= chunk:
+        rows = max(1, chunk // max(per_row, 1))
+        for start in range(0, shape[0], rows):
+            yield (slice(start, start + rows),)
+        return
+    per_col = math.prod(shape[2:])
+    cols = max(1, chunk // max(per_col, 1))
+    for row in range(shape[0]):
+        for start in range(0, shape[1], cols):
+            yield (row, slice(start, start + cols))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
+    r"""
+    Log-probability of each token, a chunked *selective* log-softmax.
+
+    $$\log \pi(y_t) = z_{t, y_t} / \tau - \operatorname{logsumexp}_v (z_{t, v} / \tau)$$
+
+    computed `chunk_size` positions at a time: the logsumexp of a chunk is taken in float32 and the token's logit
+    gathered, so the float32 log-softmax of the whole batch, `(B, T, V)`, is never materialised (the backward
+    pass recomputes each chunk's softmax from the saved logits). Equal to
+    `torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[..., None])[..., 0]`.
+
+    Args:
+        logits (`torch.Tensor`):
+            Logits, shape `(B, T, V)` (any leading shape), any float dtype; may be a non-contiguous view.
+        tokens (`torch.Tensor`):
+            Token ids, shape `(B, T)` (the leading shape of `logits`), long.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            The sampling temperature $\tau$ the logits are divided by.
+        chunk_size (`int`, *optional*, defaults to `1024`):
+            Positions per chunk (peak extra memory about `2 * chunk_size * V * 4` bytes).
+
+    Returns:
+        `torch.Tensor`: log-probabilities, shape `(B, T)`, float32.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _SelectiveLogSoftmax.apply(logits, tokens, float(temperature), int(chunk_size))
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
                                  cap: float) -> torch.Tensor | None:
-    """Truncated importance sampling: ``min(pi_old / pi_behaviour, cap)`` per token, without gradient.
+    r"""
+    Truncated importance sampling weight of each token against the rollout's sampler (Yao et al. 2025).
 
-    ``behaviour_logprobs`` are what the rollout's sampler recorded; None (on-policy data) gives None.
+    $$w_t = \min\left(\frac{\pi_{\theta_\text{old}}(y_t)}{\mu(y_t)}, C\right)$$
+
+    where $\mu$ is the behaviour policy (the inference engine's recorded logprobs). No gradient.
+
+    Args:
+        old_logprobs (`torch.Tensor`):
+            $\log \pi_{\theta_\text{old}}$, the batch-start policy, shape `(B, T)`.
+        behaviour_logprobs (`torch.Tensor` or `None`):
+            $\log \mu$, shape `(B, T)`; `None` for on-policy data.
+        cap (`float`):
+            The truncation $C$.
+
+    Returns:
+        `torch.Tensor` or `None`: weights, shape `(B, T)`; `None` when `behaviour_logprobs` is `None`.
     """
     if behaviour_logprobs is None:
         return None
@@ -64,15 +206,45 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs:
 
 
 def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """``pi_theta / pi_old`` per token (1 in value at the first iteration, with the gradient of logprobs)."""
+    r"""
+    Probability ratio of each token between the current and the batch-start policy (PPO).
+
+    $$\rho_t(\theta) = \frac{\pi_\theta(y_t)}{\pi_{\theta_\text{old}}(y_t)} = \exp(\log\pi_\theta - \log\pi_{\theta_\text{old}})$$
+
+    1 in value at the first of `num_iterations` optimizer steps, with the gradient of `logprobs`.
+
+    Args:
+        logprobs (`torch.Tensor`):
+            $\log \pi_\theta$, shape `(B, T)`, with gradient.
+        old_logprobs (`torch.Tensor`):
+            $\log \pi_{\theta_\text{old}}$, shape `(B, T)` (detached here).
+
+    Returns:
+        `torch.Tensor`: ratios, shape `(B, T)`.
+    """
     return torch.exp(logprobs - old_logprobs.detach())
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped objective as a per-token loss, and the mask of tokens where the clip was active.
+    r"""
+    PPO's clipped objective as a per-token loss, with DAPO's separate clip bounds (clip-higher).
 
-    ``advantages`` is (B,) or (B, T); clip range is ``[1 - eps_low, 1 + eps_high]``.
+    $$\ell_t = -\min\left(\rho_t A,\ \operatorname{clip}(\rho_t, 1 - \epsilon_\text{low}, 1 + \epsilon_\text{high}) A\right)$$
+
+    Args:
+        ratio (`torch.Tensor`):
+            $\rho_t$ (:func:`policy_ratio`), shape `(B, T)`.
+        advantages (`torch.Tensor`):
+            $A$, shape `(B,)` (one per turn) or `(B, T)`.
+        eps_low (`float`):
+            $\epsilon_\text{low}$.
+        eps_high (`float`):
+            $\epsilon_\text{high}$.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: the per-token loss `(B, T)`, and the mask `(B, T)` of tokens where the
+        clipped term was the one taken (the clip was active: no gradient flows through them).
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     unclipped = ratio * adv
@@ -83,20 +255,64 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: ``exp(r - l) - (r - l) - 1`` (>= 0)."""
+    r"""
+    Schulman's k3 estimator of $\mathrm{KL}(\pi_\theta \,\|\, \pi_\text{ref})$ per token (always >= 0).
+
+    $$k_3 = \exp(\log\pi_\text{ref} - \log\pi_\theta) - (\log\pi_\text{ref} - \log\pi_\theta) - 1$$
+
+    Args:
+        logprobs (`torch.Tensor`):
+            $\log \pi_\theta$, shape `(B, T)`.
+        ref_logprobs (`torch.Tensor`):
+            $\log \pi_\text{ref}$, shape `(B, T)`.
+
+    Returns:
+        `torch.Tensor`: the estimate, shape `(B, T)`.
+    """
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation = "token_mean", *,
                    constant: float = 1024.0, total_tokens: float | None = None,
-                   total_sequences: float | None = None) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar.
+                   total_sequences: float | None = None, trajectory_tokens: torch.Tensor | None = None,
+                   total_trajectories: float | None = None) -> torch.Tensor:
+    r"""
+    Reduce a per-token loss to the scalar that is differentiated.
 
-    ``token_mean``: sum over all loss tokens / their count; ``sequence_mean``: mean over sequences of each
-    sequence's token mean; ``constant``: sum / (sequences * constant) (Dr. GRPO). With gradient accumulation
-    pass the whole step's ``total_tokens`` / ``total_sequences`` so that micro-batch losses add up to the
-    full-batch loss.
+    With $m$ the mask, $b$ a turn (row), $\tau(b)$ its trajectory and $|\cdot|$ counts of loss tokens:
+
+    - `"token_mean"` (DAPO; TRL's `"bnpo"`): $\sum_{b,t} \ell m / \sum_{b,t} m$: every token weighs the same.
+    - `"sequence_mean"` (GRPO; TRL's `"grpo"`): $\frac{1}{B} \sum_b \frac{\sum_t \ell m}{|b|}$: every turn weighs the same.
+    - `"trajectory_mean"`: $\frac{1}{N} \sum_b \frac{\sum_t \ell m}{|\tau(b)|}$: each trajectory's token mean over all of
+      its turns, averaged over trajectories; every trajectory weighs the same, however many turns (LLM calls) it has.
+    - `"constant"` (Dr. GRPO; TRL's `"dr_grpo"`): $\sum_{b,t} \ell m / (B \cdot L)$ with the constant $L$.
+
+    With gradient accumulation pass the whole step's totals, so that the micro-batch losses add up to the loss of
+    the full batch.
+
+    Args:
+        per_token (`torch.Tensor`):
+            $\ell$, shape `(B, T)`.
+        mask (`torch.Tensor`):
+            $m$, shape `(B, T)`.
+        mode (`str`, *optional*, defaults to `"token_mean"`):
+            One of the four above.
+        constant (`float`, *optional*, defaults to `1024.0`):
+            $L$ of `"constant"`.
+        total_tokens (`float`, *optional*):
+            `"token_mean"`: loss tokens of the whole step (default: of this batch).
+        total_sequences (`float`, *optional*):
+            `"sequence_mean"`, `"constant"`: turns of the whole step (default: `B`).
+        trajectory_tokens (`torch.Tensor`, *optional*):
+            `"trajectory_mean"`: $|\tau(b)|$ for each row, the loss tokens of its trajectory over the whole step,
+            shape `(B,)` (default: each row is a trajectory of its own).
+        total_trajectories (`float`, *optional*):
+            `"trajectory_mean"`: $N$ of the whole step (default: the trajectories this batch holds entirely,
+            $\sum_b |b| / |\tau(b)|$).
+
+    Returns:
+        `torch.Tensor`: the loss, a scalar.
     """
     mask = mask.to(per_token.dtype)
     if mode == "token_mean":
@@ -106,6 +322,12 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggreg
         per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         denom = total_sequences if total_sequences is not None else per_token.size(0)
         return per_seq.sum() / denom
+    if mode == "trajectory_mean":
+        row_tokens = mask.sum(-1)
+        traj_tokens = (row_tokens if trajectory_tokens is None
+                       else trajectory_tokens.to(per_token.dtype)).clamp(min=1.0)
+        n_traj = total_trajectories if total_trajectories is not None else (row_tokens / traj_tokens).sum()
+        return ((per_token * mask).sum(-1) / traj_tokens).sum() / n_traj
     if mode == "constant":
         denom = (total_sequences if total_sequences is not None else per_token.size(0)) * constant
         return (per_token * mask).sum() / denom
@@ -138,10 +360,35 @@ class LossParts:
 def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, *,
               old_logprobs: torch.Tensor | None = None, behaviour_logprobs: torch.Tensor | None = None,
               ref_logprobs: torch.Tensor | None = None, total_tokens: float | None = None,
-              total_sequences: float | None = None) -> LossParts:
-    """GRPO loss of one (micro-)batch: clipped surrogate x truncated IS weight + beta * k3 KL, aggregated.
+              total_sequences: float | None = None, trajectory_tokens: torch.Tensor | None = None,
+              total_trajectories: float | None = None) -> LossParts:
+    r"""
+    The GRPO loss of one (micro-)batch: clipped surrogate x truncated IS weight + beta * k3 KL, aggregated.
 
-    ``old_logprobs`` default to the detached current logprobs (one optimizer step per batch).
+    $$\ell_t = -\min\left(\rho_t A, \operatorname{clip}(\rho_t, 1-\epsilon_\text{low}, 1+\epsilon_\text{high}) A\right) w_t
+    + \beta\, k_3, \qquad \mathcal{L} = \operatorname{aggregate}(\ell, m)$$
+
+    Args:
+        logprobs (`torch.Tensor`):
+            $\log\pi_\theta$, shape `(B, T)`, with gradient.
+        advantages (`torch.Tensor`):
+            Per turn, shape `(B,)` (:func:`turn_advantages`).
+        mask (`torch.Tensor`):
+            Loss mask, shape `(B, T)`.
+        cfg (`LossConfig`):
+            Clip bounds, IS cap, beta, aggregation.
+        old_logprobs (`torch.Tensor`, *optional*):
+            $\log\pi_{\theta_\text{old}}$ of the batch-start policy, shape `(B, T)`; defaults to the detached
+            `logprobs` (right for the first optimizer step of a batch only).
+        behaviour_logprobs (`torch.Tensor`, *optional*):
+            The rollout sampler's logprobs, shape `(B, T)`, for truncated importance sampling.
+        ref_logprobs (`torch.Tensor`, *optional*):
+            $\log\pi_\text{ref}$, shape `(B, T)`; needed when `cfg.beta > 0`.
+        total_tokens, total_sequences, trajectory_tokens, total_trajectories:
+            Step totals for :func:`aggregate_loss`.
+
+    Returns:
+        `LossParts`: the loss and its detached parts.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     ratio = policy_ratio(logprobs, old)
@@ -156,7 +403,8 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
         kl = k3_kl(logprobs, ref_logprobs)
         per_token = per_token + cfg.beta * kl
     loss = aggregate_loss(per_token, mask, cfg.aggregation, constant=cfg.loss_constant, total_tokens=total_tokens,
-                          total_sequences=total_sequences)
+                          total_sequences=total_sequences, trajectory_tokens=trajectory_tokens,
+                          total_trajectories=total_trajectories)
     return LossParts(loss=loss, per_token=per_token.detach(), kl=None if kl is None else kl.detach(),
                      clipped=clipped, is_weights=weights)
 

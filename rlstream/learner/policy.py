@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from rlstream.learner.batch import Batch
-from rlstream.learner.grpo import token_logprobs
+from rlstream.learner.grpo import DEFAULT_LOGPROB_CHUNK, token_logprobs
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import LearnerConfig
 
@@ -51,8 +51,18 @@ class Policy:
             pad = self.tokenizer.eos_token_id if self.tokenizer is not None else 0
         return int(pad)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the input embedding: token ids must lie in ``[0, vocab_size)``."""
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        return int(embeddings.num_embeddings) if embeddings is not None else None
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the trainable parameters holding a NaN or an infinity (the only ones training changes)."""
+        return nonfinite_parameters(self.model)
 
     @contextlib.contextmanager
     def reference_mode(self) -> Iterator[Any]:
@@ -101,10 +111,18 @@ def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, wit
                   base_model=path, reference=reference)
 
 
-def completion_logprobs(model: Any, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """Logprobs (B, T) of the completion tokens of ``batch`` under ``model`` (float32)."""
+def nonfinite_parameters(model: Any) -> list[str]:
+    """Names of the trainable parameters of ``model`` that hold a NaN or an infinity."""
+    with torch.no_grad():
+        return [name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+
+
+def completion_logprobs(model: Any, batch: Batch, temperature: float = 1.0,
+                        chunk_size: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
+    """Logprobs (B, T) of the completion tokens of ``batch`` under ``model`` (float32), by the chunked selective
+    log-softmax of :func:`grpo.token_logprobs` (``chunk_size`` positions at a time)."""
     t = batch.completion_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=t + 1)
     logits = out.logits[:, -t - 1:-1, :]
-    return token_logprobs(logits, batch.completion_ids, temperature)
+    return token_logprobs(logits, batch.completion_ids, temperature, chunk_size)

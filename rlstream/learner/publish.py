@@ -12,7 +12,7 @@ import copy
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -49,8 +49,23 @@ def _save_full(policy: Policy, out: Path) -> None:
         policy.tokenizer.save_pretrained(str(out))
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """The weights hold a NaN or an infinity: they are never written as a version."""
+
+
+def check_finite(policy: Policy) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the trainable parameters that are not finite."""
+    bad = policy.nonfinite_parameters()
+    if bad:
+        raise NonFiniteWeightsError(f"{len(bad)} parameter(s) hold NaN or inf, e.g. {bad[:3]}; not published")
+
+
 def write_version(policy: Policy, root: Path, policy_name: str, version: int) -> tuple[Path, dict[str, Any]]:
-    """Write version ``version`` atomically (temporary directory, fsync, rename); returns (dir, manifest)."""
+    """Write version ``version`` atomically (temporary directory, fsync, rename); returns (dir, manifest).
+
+    Raises :class:`NonFiniteWeightsError` (and writes nothing) when a trainable parameter is not finite.
+    """
+    check_finite(policy)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
@@ -77,23 +92,48 @@ def manifest_digest(directory: Path) -> str:
 
 
 def offset_ranges(topic: str, ranges: dict[int, list[int]]) -> list[OffsetRange]:
+    """One inclusive range per partition from ``{partition: [first, last]}``."""
     return [OffsetRange(topic=topic, partition=p, first=r[0], last=r[1]) for p, r in sorted(ranges.items())]
+
+
+def exact_ranges(topic: str, offsets: Mapping[int, Iterable[int]]) -> list[OffsetRange]:
+    """The inclusive ranges that hold exactly ``offsets`` (per partition): consecutive offsets merge, any gap
+    (a skipped or dead-lettered record, a transaction marker) splits."""
+    out: list[OffsetRange] = []
+    for partition in sorted(offsets):
+        run: list[int] = []
+        for offset in sorted(set(offsets[partition])):
+            if run and offset == run[1] + 1:
+                run[1] = offset
+                continue
+            if run:
+                out.append(OffsetRange(topic=topic, partition=partition, first=run[0], last=run[1]))
+            run = [offset, offset]
+        if run:
+            out.append(OffsetRange(topic=topic, partition=partition, first=run[0], last=run[1]))
+    return out
 
 
 async def announce(
     *, producer: Any, codec: AvroCodec, control: ControlPlane, lease: Lease, topic: str, groups_topic: str,
     policy_name: str, run_id: str, directory: Path, manifest: dict[str, Any], version: int, step: int,
-    kind: WeightsKind, base_model: str, ranges: dict[int, list[int]], group_count: int, metrics: dict[str, float],
-    lease_ttl_s: float,
+    kind: WeightsKind, base_model: str, group_count: int, metrics: dict[str, float], lease_ttl_s: float,
+    ranges: dict[int, list[int]] | None = None, offsets: Mapping[int, Iterable[int]] | None = None,
 ) -> PolicyVersion:
     """Announce a written version: renew (check) the lease, PolicyVersion on ``policy-versions``, then move the
-    Redis pointer by CAS under the lease. Raises :class:`ops.control.LeaseLost` when the lease is gone."""
+    Redis pointer by CAS under the lease. Raises :class:`ops.control.LeaseLost` when the lease is gone.
+
+    Lineage (``trained_on``): ``offsets`` (per partition, the exact offsets of the groups trained) become the
+    ranges that hold exactly them; ``ranges`` (``{partition: [first, last]}``) are announced as given.
+    """
     verify_manifest(directory)
     await control.renew_lease(policy_name, lease, lease_ttl_s)
+    trained_on = exact_ranges(groups_topic, offsets) if offsets is not None else \
+        offset_ranges(groups_topic, ranges or {})
     event = PolicyVersion(
         policy=policy_name, version=version, base_model=base_model, kind=kind, uri=str(Path(directory).resolve()),
         files=[FileDigest(path=f["path"], sha256=f["sha256"], size=f["size"]) for f in manifest["files"]],
-        learner_step=step, group_count=group_count, trained_on=offset_ranges(groups_topic, ranges),
+        learner_step=step, group_count=group_count, trained_on=trained_on,
         metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,
     )
     await producer.send_and_wait(topic, codec.encode(event), key=policy_name.encode())

@@ -5,6 +5,13 @@ learner seeks there (Kafka's committed offsets are written for lag monitoring on
 also a checkpoint step, written *before* the version is announced, so a published version's lineage
 (``trained_on``) is always backed by a checkpoint and no group is trained twice into a published lineage;
 a crash between the checkpoint and the announcement is repaired on restart (the version is announced then).
+
+Lineage is exact: ``trained_on`` holds the offsets of the groups trained into the version and no other record.
+Records that are consumed but not trained on: groups of another policy, of a run outside ``learner.run_ids``, and
+validation groups are skipped and counted (``learner/groups_skipped``, tag ``reason``); records that do not
+decode, and groups that cannot be tokenised or batched (e.g. a token id outside the vocabulary), go to ``dlq``
+with the reason. A step whose loss or gradient is not finite changes nothing (``learner/nonfinite_skipped``), and
+weights that are not finite are never checkpointed nor published (``learner/publish_refused``).
 """
 from __future__ import annotations
 
@@ -12,17 +19,18 @@ import asyncio
 import os
 import signal
 import socket
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from rlstream.learner.batch import BatchError, Sample, samples_from_groups
+from rlstream.learner.batch import Sample, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy
 from rlstream.learner.publish import announce, write_version
+from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.transport import metric_names
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
@@ -38,6 +46,8 @@ from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
 SERVICE = "learner"
+#: Why a group was consumed without training (the ``reason`` tag of ``learner/groups_skipped``).
+SKIP_OTHER_POLICY, SKIP_OTHER_RUN, SKIP_VALIDATION = "other_policy", "other_run", "validation"
 
 
 @dataclass
@@ -59,6 +69,7 @@ class Learner:
         self.topics = TopicNames.from_config(cfg.topics)
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
         self.kill_after_step = kill_after_step  # fault injection for tests: SIGKILL self after this step
+        check_report_to(self.lcfg.report_to)  # a missing tracker package fails now, not after the first step
         self.codec = AvroCodec()
         self.output_dir = Path(self.lcfg.output_dir)
         self.store = CheckpointStore(self.output_dir / "checkpoints", keep=self.lcfg.keep_checkpoints)
@@ -68,6 +79,12 @@ class Learner:
         self.lease: Lease | None = None
         self.lease_lost = False
         self.policy: Policy | None = None  # the trained model, once loaded
+        self.skipped: Counter[str] = Counter()  # groups consumed without training, by reason (since start)
+        self.validation_groups_skipped = 0
+        self._tokenizer: Any = None
+        self._vocab_size: int | None = None
+        self._reader: TopicReader[TrajectoryGroup] | None = None
+        self._reporters = Reporters([])
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -86,6 +103,10 @@ class Learner:
                 return LearnerState()
             renew_task = asyncio.create_task(self._renew_loop(control))
             policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg)
+            self._tokenizer, self._vocab_size = policy.tokenizer, policy.vocab_size
+            self._reporters = Reporters.open(
+                self.lcfg.report_to, log_dir=self.lcfg.logging_dir or self.output_dir / "logs",
+                run_name=f"{self.cfg.run_id}-{self.cfg.policy}", config=self.lcfg.model_dump(mode="json"))
             trainer = GRPOTrainerStep(policy, self.lcfg)
             state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
                                             trainer.scheduler) or LearnerState()
@@ -96,8 +117,9 @@ class Learner:
             await consumer.start()
             await self._assign_and_seek(consumer, state)
             # records that do not decode (or that no step can use, see _decode) go to dlq with the reason
-            reader = TopicReader(consumer, self.codec, TrajectoryGroup, errors=(CodecError, ValueError),
-                                 dead_letters=DeadLetterSink(producer, self.codec, self.topics.dlq, SERVICE))
+            reader = self._reader = TopicReader(
+                consumer, self.codec, TrajectoryGroup, errors=(CodecError, ValueError),
+                dead_letters=DeadLetterSink(producer, self.codec, self.topics.dlq, SERVICE))
             log.info("learner started", policy=self.cfg.policy, step=state.step, version=state.version,
                      offsets=state.offsets, holder=self.holder)
             while state.step < self.lcfg.total_steps and not self._stop.is_set() and not self.lease_lost:
@@ -109,6 +131,7 @@ class Learner:
         finally:
             if renew_task:
                 renew_task.cancel()
+            self._reporters.close()
             await consumer.stop()
             await producer.stop()
             if self.lease and not self.lease_lost:
@@ -174,22 +197,33 @@ class Learner:
         if decoded is None:  # already dead-lettered by the reader
             return skipped
         group = decoded.event
-        try:
-            if group.policy != self.cfg.policy:
-                raise BatchError(f"group of policy {group.policy!r}, this learner trains {self.cfg.policy!r}")
-            if any(t.source == TrajectorySource.validation for t in group.trajectories):
-                # held-out evaluation traffic: consumed, never trained on (not an error, so no dead letter)
+        reason = self._skip_reason(group)
+        if reason is not None:  # consumed, never trained on, not an error: counted, no dead letter
+            self.skipped[reason] += 1
+            if reason == SKIP_VALIDATION:
                 self.validation_groups_skipped += 1
-                return skipped
+            log.debug("group skipped", reason=reason, group_id=group.group_id, policy=group.policy,
+                      run_id=group.run_id, partition=record.partition, offset=record.offset)
+            return skipped
+        try:
             samples = samples_from_groups([group], self._tokenizer, self.cfg.finetuning.target_functions,
-                                          self.cfg.finetuning.target_model)
+                                          self.cfg.finetuning.target_model, vocab_size=self._vocab_size)
+            if samples:
+                collate(samples, pad_id=0)  # batchable on its own (padding values do not matter here)
             return TakenGroup(record.partition, record.offset, group, samples)
-        except (BatchError, ValueError) as exc:  # decoded, but no step can use it
+        except Exception as exc:  # noqa: BLE001 - decoded, but it cannot be tokenised or batched: no step can use it
             await reader.reject(decoded.source, exc)
         return skipped
 
-    _tokenizer: Any = None
-    validation_groups_skipped: int = 0
+    def _skip_reason(self, group: TrajectoryGroup) -> str | None:
+        """Why a decoded group is not for this learner (None when it is)."""
+        if group.policy != self.cfg.policy:
+            return SKIP_OTHER_POLICY
+        if self.lcfg.run_ids and group.run_id not in self.lcfg.run_ids:
+            return SKIP_OTHER_RUN
+        if any(t.source == TrajectorySource.validation for t in group.trajectories):
+            return SKIP_VALIDATION  # held-out evaluation traffic
+        return None
 
     # -- training ----------------------------------------------------------------------------------------
     async def _train_step(self, state: LearnerState, taken: list[TakenGroup], policy: Policy,
@@ -205,22 +239,30 @@ class Learner:
         state.step += 1
         for t in taken:
             state.offsets[t.partition] = t.offset + 1
-            first_last = state.pending_ranges.setdefault(t.partition, [t.offset, t.offset])
-            first_last[1] = t.offset
-        state.pending_groups += len(groups)
-        state.groups_trained += len(groups)
+        # exact lineage: the groups whose samples went into an applied optimizer step, nothing else
+        trained = [t for t in groups if t.samples] if stats is not None and stats.trained else []
+        for t in trained:
+            state.record_trained(t.partition, t.offset)
         lag = [state.version - g.group.max_policy_version for g in groups if g.group is not None]
-        await self._report(state, stats, lag, metrics, control, len(groups))
+        await self._report(state, stats, lag, metrics, control, len(trained))
         if self.kill_after_step is not None and state.step == self.kill_after_step:
             log.warning("fault injection: SIGKILL after step", step=state.step)
             os.kill(os.getpid(), signal.SIGKILL)
         publish_due = state.step % self.lcfg.publish_every == 0
+        checkpoint_due = publish_due or state.step % self.lcfg.checkpoint_every == 0
+        if checkpoint_due:
+            bad = await asyncio.to_thread(policy.nonfinite_parameters)
+            if bad:
+                log.error("weights are not finite: no checkpoint and no publication (restart the learner to resume "
+                          "from its last checkpoint)", step=state.step, parameters=bad[:5], count=len(bad))
+                if publish_due:
+                    await metrics.emit(metric_names.LEARNER_PUBLISH_REFUSED, 1.0, step=state.step,
+                                       tags={"reason": "nonfinite_weights", "policy": self.cfg.policy})
+                publish_due = checkpoint_due = False
         if publish_due:
             state.version += 1
-            state.publishing_ranges = dict(state.pending_ranges)
-            state.publishing_groups = state.pending_groups
-            state.pending_ranges, state.pending_groups = {}, 0
-        if publish_due or state.step % self.lcfg.checkpoint_every == 0:
+            state.start_publication()
+        if checkpoint_due:
             await asyncio.to_thread(self.store.save, state, policy.model, trainer.optimizer, trainer.scheduler)
         if publish_due:
             await self._publish(state, policy, producer, control, stats.figures() if stats else {})
@@ -230,6 +272,15 @@ class Learner:
                       metrics: MetricsPublisher, control: ControlPlane, n_groups: int) -> None:
         tags = {metric_names.STEP_TAG: metric_names.STEP_LEARNER, "policy": self.cfg.policy}
         await metrics.emit_many(step_figures(stats, n_groups, lag), step=state.step, tags=tags)
+        figures = step_figures(stats, n_groups, lag)  # and for the trackers of learner.report_to
+        for reason, count in sorted(self.skipped.items()):
+            await metrics.emit(metric_names.LEARNER_GROUPS_SKIPPED, float(count), step=state.step,
+                               tags={**tags, "reason": reason})
+            figures[f"{metric_names.LEARNER_GROUPS_SKIPPED}/{reason}"] = float(count)
+        dead_lettered = float(self._reader.rejected if self._reader is not None else 0)
+        await metrics.emit(metric_names.LEARNER_DLQ_TOTAL, dead_lettered, step=state.step, tags=tags)
+        figures[metric_names.LEARNER_DLQ_TOTAL] = dead_lettered
+        self._reporters.log(figures, state.step)
         if stats is not None:
             await metrics.emit(metric_names.REWARD_MEAN, stats.reward_mean, step=state.version,
                                tags={metric_names.STEP_TAG: metric_names.STEP_VERSION, "policy": self.cfg.policy})
@@ -250,20 +301,19 @@ class Learner:
             topic=self.topics.policy_versions, groups_topic=self.topics.groups, policy_name=self.cfg.policy,
             run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=state.version, step=state.step,
             kind=WeightsKind.lora if policy.lora else WeightsKind.full, base_model=policy.base_model,
-            ranges=state.publishing_ranges, group_count=state.publishing_groups, metrics=figures,
+            offsets=state.publishing_offsets, group_count=state.publishing_groups, metrics=figures,
             lease_ttl_s=self.lcfg.lease_ttl_s)
-        state.publishing_ranges, state.publishing_groups = {}, 0
+        state.publishing_offsets, state.publishing_groups = {}, 0
 
     async def _finish_interrupted_publication(self, state: LearnerState, policy: Policy, producer: Any,
                                               control: ControlPlane) -> None:
         """A checkpoint written for a publication that was never announced: announce it now."""
-        self._tokenizer = policy.tokenizer
-        if not state.publishing_ranges and not state.publishing_groups:
+        if not state.publishing_offsets and not state.publishing_groups:
             return
         if state.version > await control.latest_version(self.cfg.policy):
             log.warning("announcing a version whose publication was interrupted", version=state.version)
             await self._publish(state, policy, producer, control, {})
-        state.publishing_ranges, state.publishing_groups = {}, 0
+        state.publishing_offsets, state.publishing_groups = {}, 0
 
     async def _commit_for_monitoring(self, consumer: Any, state: LearnerState) -> None:
         try:

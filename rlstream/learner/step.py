@@ -1,18 +1,24 @@
-"""One GRPO optimizer step over a list of samples: advantages, micro-batches with gradient accumulation,
-gradient clipping, optimizer and LR schedule."""
+"""One GRPO learner step over a list of samples: trajectory-level advantages, ``num_iterations`` optimizer steps
+against the batch-start policy, micro-batches with gradient accumulation, gradient clipping, a non-finite guard,
+optimizer and LR schedule."""
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from rlstream.learner.batch import Sample, behaviour_rows, collate
-from rlstream.learner.grpo import LossConfig, group_advantages, grpo_loss, lr_factor, masked_mean
+from rlstream.learner.batch import Batch, Sample, behaviour_rows, collate
+from rlstream.learner.grpo import (LossConfig, group_advantages, grpo_loss, lr_factor, masked_mean,
+                                   turn_advantages)
 from rlstream.learner.policy import Policy, completion_logprobs
 from rlstream.schemas.config import LearnerConfig
 from rlstream.transport import metric_names as mn
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
 
 
 def loss_config(cfg: LearnerConfig) -> LossConfig:
@@ -20,21 +26,84 @@ def loss_config(cfg: LearnerConfig) -> LossConfig:
                       beta=cfg.beta, aggregation=cfg.loss_aggregation, loss_constant=float(cfg.loss_constant))
 
 
-def assign_advantages(samples: Sequence[Sample], scale: str) -> None:
-    """Fill ``sample.advantage`` from the rewards of its group (per trajectory: every turn of a trajectory
-    shares its reward, so the statistics are over the group's samples)."""
+@dataclass(frozen=True)
+class Trajectories:
+    """The trajectories behind a list of samples (turns): one entry per trajectory, in order of first turn."""
+
+    rewards: torch.Tensor  # (N,) float64
+    group_index: torch.Tensor  # (N,) long
+    tokens: torch.Tensor  # (N,) float64: completion (loss) tokens over all the trajectory's turns
+    of_sample: torch.Tensor  # (B,) long: the trajectory of each sample
+
+    @property
+    def count(self) -> int:
+        return int(self.rewards.numel())
+
+
+def trajectories_of(samples: Sequence[Sample]) -> Trajectories:
+    """Number the trajectories of ``samples``: the turns of one trajectory (same group and ``trajectory`` id)
+    map to one entry; a sample without a trajectory id is a trajectory of its own."""
+    index: dict[tuple[int, str] | int, int] = {}
+    rewards: list[float] = []
+    groups: list[int] = []
+    tokens: list[float] = []
+    of_sample: list[int] = []
+    for i, s in enumerate(samples):
+        key: tuple[int, str] | int = (s.group, s.trajectory) if s.trajectory is not None else i
+        t = index.get(key)
+        if t is None:
+            t = index[key] = len(rewards)
+            rewards.append(s.reward)
+            groups.append(s.group)
+            tokens.append(0.0)
+        tokens[t] += len(s.completion_ids)
+        of_sample.append(t)
+    return Trajectories(rewards=torch.tensor(rewards, dtype=torch.float64),
+                        group_index=torch.tensor(groups, dtype=torch.long),
+                        tokens=torch.tensor(tokens, dtype=torch.float64),
+                        of_sample=torch.tensor(of_sample, dtype=torch.long))
+
+
+def assign_advantages(samples: Sequence[Sample], scale: str) -> Trajectories | None:
+    """Fill ``sample.advantage``: group statistics over *trajectories* (a trajectory of five turns counts once,
+    like one of a single turn), and every turn of a trajectory gets its trajectory's advantage."""
     if not samples:
-        return
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    index = torch.tensor([s.group for s in samples], dtype=torch.long)
-    adv = group_advantages(rewards, index, scale)  # type: ignore[arg-type]
-    for s, a in zip(samples, adv.tolist()):
+        return None
+    trajs = trajectories_of(samples)
+    adv = group_advantages(trajs.rewards, trajs.group_index, scale)  # type: ignore[arg-type]
+    for s, a in zip(samples, turn_advantages(adv, trajs.of_sample).tolist()):
         s.advantage = a
+    return trajs
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device, with what stays fixed over the ``num_iterations`` optimizer steps."""
+
+    batch: Batch
+    trajectory_tokens: torch.Tensor  # (b,) loss tokens of each row's trajectory over the whole step
+    old_logprobs: torch.Tensor | None = None  # the batch-start policy's, set by the first pass
+    behaviour: torch.Tensor | None = None  # recorded logprobs (rows without them: old_logprobs)
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class PreparedStep:
+    """A step's samples cut into micro-batches, with the step totals the loss is normalised by."""
+
+    micro_batches: list[MicroBatch]
+    total_tokens: float
+    total_sequences: float
+    total_trajectories: float
+    trajectories: Trajectories
+    samples: list[Sample] = field(default_factory=list)
 
 
 @dataclass
 class StepStats:
-    """Figures of one optimizer step (reported as MetricEvents)."""
+    """Figures of one learner step (reported as MetricEvents). Loss, KL, clip and IS figures and the gradient norm
+    are means over the optimizer steps applied (the last attempt's when none was); reward and advantage figures are
+    over trajectories."""
 
     loss: float
     kl: float
@@ -50,11 +119,19 @@ class StepStats:
     learning_rate: float
     tokens: int
     sequences: int
+    trajectories: int
+    optimizer_steps: int
+    nonfinite_skipped: int
     seconds: float
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def trained(self) -> bool:
+        """True when at least one optimizer step changed the weights."""
+        return self.optimizer_steps > 0
 
     def figures(self) -> dict[str, float]:
         """Every figure by its field name (what a PolicyVersion's ``metrics`` hold)."""
@@ -71,7 +148,9 @@ STEP_METRICS: dict[str, str] = {
     "reward_std": mn.LEARNER_REWARD_STD, "advantage_mean": mn.LEARNER_ADVANTAGE_MEAN,
     "advantage_std": mn.LEARNER_ADVANTAGE_STD, "grad_norm": mn.LEARNER_GRAD_NORM,
     "learning_rate": mn.LEARNER_LEARNING_RATE, "tokens": mn.LEARNER_TOKENS, "sequences": mn.LEARNER_SEQUENCES,
-    "seconds": mn.LEARNER_SECONDS, "tokens_per_s": mn.LEARNER_TOKENS_PER_S,
+    "trajectories": mn.LEARNER_TRAJECTORIES, "optimizer_steps": mn.LEARNER_OPTIMIZER_STEPS,
+    "nonfinite_skipped": mn.LEARNER_NONFINITE_SKIPPED, "seconds": mn.LEARNER_SECONDS,
+    "tokens_per_s": mn.LEARNER_TOKENS_PER_S,
 }
 
 
@@ -87,8 +166,12 @@ def step_figures(stats: StepStats | None, n_groups: int, policy_lag: Sequence[in
     return out
 
 
+def _std(values: torch.Tensor) -> float:
+    return float(values.std()) if values.numel() > 1 else 0.0
+
+
 class GRPOTrainerStep:
-    """Owns the optimizer and scheduler of a :class:`Policy` and runs optimizer steps."""
+    """Owns the optimizer and scheduler of a :class:`Policy` and runs learner steps."""
 
     def __init__(self, policy: Policy, cfg: LearnerConfig) -> None:
         self.policy = policy
@@ -96,32 +179,50 @@ class GRPOTrainerStep:
         self.loss_cfg = loss_config(cfg)
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay)
+        total_optimizer_steps = cfg.total_steps * cfg.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.total_steps, cfg.lr_schedule))
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_optimizer_steps, cfg.lr_schedule))
 
-    def accumulate(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """Forward and backward of every micro-batch (gradients accumulate); returns loss figures."""
-        cfg, policy = self.cfg, self.policy
-        total_tokens = float(sum(len(s.completion_ids) for s in samples))
-        total_seqs = float(len(samples))
+    def prepare(self, samples: Sequence[Sample]) -> PreparedStep:
+        """Cut ``samples`` (advantages assigned) into collated micro-batches on the device, with step totals."""
+        trajs = trajectories_of(samples)
+        row_traj_tokens = trajs.tokens[trajs.of_sample].to(torch.float32)
+        size = self.cfg.micro_batch_size
+        micro = []
+        for start in range(0, len(samples), size):
+            batch = collate(samples[start:start + size], self.policy.pad_id).to(self.policy.device)
+            micro.append(MicroBatch(batch, row_traj_tokens[start:start + size].to(self.policy.device)))
+        return PreparedStep(micro_batches=micro, total_tokens=float(sum(len(s.completion_ids) for s in samples)),
+                            total_sequences=float(len(samples)), total_trajectories=float(trajs.count),
+                            trajectories=trajs, samples=list(samples))
+
+    def accumulate(self, samples: Sequence[Sample] | PreparedStep) -> dict[str, float]:
+        """Forward and backward of every micro-batch (gradients accumulate); returns loss figures.
+
+        The first pass over a :class:`PreparedStep` records each micro-batch's logprobs as the batch-start
+        policy's (``old_logprobs``; computed once, before any optimizer step of the batch), and the reference
+        logprobs when ``beta > 0``; later passes reuse them, so the ratio measures how far the policy moved.
+        """
+        prepared = samples if isinstance(samples, PreparedStep) else self.prepare(samples)
+        policy, chunk = self.policy, self.cfg.logprob_chunk_size
         loss_sum, kl_sum, clip_sum, n_tok = 0.0, 0.0, 0.0, 0.0
         is_vals: list[torch.Tensor] = []
-        for start in range(0, len(samples), cfg.micro_batch_size):
-            batch = collate(samples[start:start + cfg.micro_batch_size], policy.pad_id).to(policy.device)
+        for mb in prepared.micro_batches:
+            batch = mb.batch
             mask = batch.completion_mask
-            logprobs = completion_logprobs(policy.model, batch)
-            old = logprobs.detach()
-            behaviour = None
-            if batch.behaviour_logprobs is not None:
-                rows = behaviour_rows(batch).to(policy.device)
-                behaviour = torch.where(rows[:, None], batch.behaviour_logprobs, old)
-            ref = None
-            if self.loss_cfg.beta > 0:
-                with torch.no_grad(), policy.reference_mode() as ref_model:
-                    ref = completion_logprobs(ref_model, batch)
-            parts = grpo_loss(logprobs, batch.advantages, mask, self.loss_cfg, old_logprobs=old,
-                              behaviour_logprobs=behaviour, ref_logprobs=ref, total_tokens=total_tokens,
-                              total_sequences=total_seqs)
+            logprobs = completion_logprobs(policy.model, batch, chunk_size=chunk)
+            if mb.old_logprobs is None:
+                mb.old_logprobs = logprobs.detach()
+                if batch.behaviour_logprobs is not None:
+                    rows = behaviour_rows(batch).to(policy.device)
+                    mb.behaviour = torch.where(rows[:, None], batch.behaviour_logprobs, mb.old_logprobs)
+                if self.loss_cfg.beta > 0:
+                    with torch.no_grad(), policy.reference_mode() as ref_model:
+                        mb.ref_logprobs = completion_logprobs(ref_model, batch, chunk_size=chunk)
+            parts = grpo_loss(logprobs, batch.advantages, mask, self.loss_cfg, old_logprobs=mb.old_logprobs,
+                              behaviour_logprobs=mb.behaviour, ref_logprobs=mb.ref_logprobs,
+                              total_tokens=prepared.total_tokens, total_sequences=prepared.total_sequences,
+                              trajectory_tokens=mb.trajectory_tokens, total_trajectories=prepared.total_trajectories)
             parts.loss.backward()
             tokens = float(mask.sum())
             loss_sum += float(parts.loss.detach())
@@ -136,24 +237,56 @@ class GRPOTrainerStep:
                 "is_ratio_mean": float(is_all.mean()), "is_ratio_min": float(is_all.min()),
                 "is_ratio_max": float(is_all.max()), "tokens": n_tok}
 
-    def step(self, samples: Sequence[Sample]) -> StepStats:
-        """Advantages, accumulate gradients over micro-batches, clip, optimizer and scheduler step."""
-        started = time.perf_counter()
-        assign_advantages(samples, self.cfg.scale_rewards)
+    def optimizer_step(self, prepared: PreparedStep, iteration: int = 0) -> tuple[dict[str, float], bool]:
+        """One optimizer step on ``prepared``: accumulate, clip, then step optimizer and scheduler, unless the
+        loss or the gradient norm is not finite (then the gradients are dropped and nothing changes).
+
+        Returns the figures (with ``grad_norm`` and ``learning_rate``) and whether the step was applied.
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        figures = self.accumulate(samples)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.cfg.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        figures = self.accumulate(prepared)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.cfg.max_grad_norm))
+        figures["grad_norm"] = grad_norm
+        figures["learning_rate"] = float(self.scheduler.get_last_lr()[0])
+        if not (math.isfinite(figures["loss"]) and math.isfinite(grad_norm)):
+            log.warning("non-finite loss or gradient: optimizer step skipped", loss=figures["loss"],
+                        grad_norm=grad_norm, iteration=iteration, sequences=len(prepared.samples))
+            self.optimizer.zero_grad(set_to_none=True)
+            return figures, False
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        rewards = torch.tensor([s.reward for s in samples] or [0.0])
-        adv = torch.tensor([s.advantage for s in samples] or [0.0])
+        return figures, True
+
+    def step(self, samples: Sequence[Sample]) -> StepStats:
+        """One learner step: trajectory-level advantages, then ``num_iterations`` optimizer steps on the same
+        batch against the batch-start policy (stopping at the first non-finite loss or gradient)."""
+        started = time.perf_counter()
+        trajs = assign_advantages(samples, self.cfg.scale_rewards)
+        prepared = self.prepare(samples)
+        applied: list[dict[str, float]] = []
+        last: dict[str, float] = {}
+        skipped = 0
+        for iteration in range(self.cfg.num_iterations):
+            last, ok = self.optimizer_step(prepared, iteration)
+            if not ok:
+                skipped += 1
+                break
+            applied.append(last)
+        reported = applied or [last]
+
+        def mean(key: str) -> float:
+            return sum(f[key] for f in reported) / len(reported)
+
+        rewards = trajs.rewards if trajs is not None else torch.zeros(1, dtype=torch.float64)
+        adv = (group_advantages(trajs.rewards, trajs.group_index, self.cfg.scale_rewards)  # type: ignore[arg-type]
+               if trajs is not None else torch.zeros(1))
         return StepStats(
-            loss=figures["loss"], kl=figures["kl"], clip_fraction=figures["clip_fraction"],
-            is_ratio_mean=figures["is_ratio_mean"], is_ratio_min=figures["is_ratio_min"],
-            is_ratio_max=figures["is_ratio_max"], reward_mean=float(rewards.mean()),
-            reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0, advantage_mean=float(adv.mean()),
-            advantage_std=float(adv.std()) if adv.numel() > 1 else 0.0, grad_norm=float(grad_norm),
-            learning_rate=float(lr), tokens=int(figures["tokens"]), sequences=len(samples),
-            seconds=time.perf_counter() - started)
+            loss=mean("loss"), kl=mean("kl"), clip_fraction=mean("clip_fraction"),
+            is_ratio_mean=mean("is_ratio_mean"), is_ratio_min=min(f["is_ratio_min"] for f in reported),
+            is_ratio_max=max(f["is_ratio_max"] for f in reported), reward_mean=float(rewards.mean()),
+            reward_std=_std(rewards), advantage_mean=float(adv.mean()), advantage_std=_std(adv),
+            grad_norm=mean("grad_norm"), learning_rate=reported[0]["learning_rate"],
+            tokens=int(reported[0]["tokens"]), sequences=len(samples),
+            trajectories=trajs.count if trajs is not None else 0, optimizer_steps=len(applied),
+            nonfinite_skipped=skipped, seconds=time.perf_counter() - started)

@@ -20,6 +20,7 @@ from rlstream.transport.log import get_logger
 from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, codec_for, open_reader, partitions_of,
                                              read_to_end)
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
+from rlstream.schemas.masking import mask_data, mask_url
 from rlstream.schemas.models import MetricEvent, PolicyVersion
 from rlstream.schemas.topics import ALL_TOPICS, TopicNames
 
@@ -146,7 +147,8 @@ async def control_plane_status(url: str, policy: str, run_id: str) -> dict[str, 
 
 
 async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, versions: int = 5) -> dict[str, Any]:
-    """Everything ``rlstream status`` shows, as JSON-ready data; an unreachable part is reported, not raised."""
+    """Everything ``rlstream status`` shows, as JSON-ready data; an unreachable part is reported, not raised.
+    Secrets (a password in the Redis URL, any configured secret quoted in an error) come out masked."""
     run_id = run_id or cfg.run_id
     names = TopicNames.from_config(cfg.topics)
     status: dict[str, Any] = {"policy": cfg.policy, "run_id": run_id, "errors": []}
@@ -154,7 +156,7 @@ async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, version
         try:
             status.update(await control_plane_status(cfg.redis.url, cfg.policy, run_id))
         except Exception as exc:  # a down Redis must not hide what Kafka can tell
-            status["errors"].append(f"redis {cfg.redis.url}: {exc}")
+            status["errors"].append(f"redis {mask_url(cfg.redis.url)}: {exc}")
     else:
         status["errors"].append("redis.url is not set: no control-plane figures")
     for key, call in (
@@ -171,7 +173,7 @@ async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, version
             status["errors"].append(f"{key}: {type(exc).__name__}: {exc}")
             value = []
         status[key] = [v.model_dump(mode="json") if hasattr(v, "model_dump") else asdict(v) for v in value]
-    return status
+    return mask_data(status)
 
 
 def render_status(status: dict[str, Any], console: Any) -> None:

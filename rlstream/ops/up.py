@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from pydantic import ValidationError
 
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
-from rlstream.ops.infra import LocalStack, stop_pid
+from rlstream.ops.infra import LocalStack, spawn, stop_pid, terminate_as_interrupt
 from rlstream.rollout.sampling import SamplingSettings
 from rlstream.rollout.workflows import Workflow, check_workflow
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
-from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, overrides_to_dict, read_yaml
+from rlstream.schemas.config import (ConfigError, RlstreamConfig, format_validation_error, load_config,
+                                     overrides_to_dict, read_yaml)
+from rlstream.schemas.masking import public_config_text, secret_env
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -75,18 +77,22 @@ class Child:
 
 
 class Supervisor:
-    """Starts children in their own process sessions and stops them by PID, newest first."""
+    """Starts children as process-group leaders that die with this process however it ends (PDEATHSIG and the
+    group reaper of :func:`rlstream.ops.infra.spawn`) and stops them by process group, newest first.
 
-    def __init__(self, log_dir: Path) -> None:
+    ``env`` is added to every child's environment: the run's secrets travel there (:func:`secret_env`), never in
+    the config files the children are started with."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self.env: dict[str, str] = dict(env or {})
         self.children: list[Child] = []
         self.extra_pids: dict[str, int] = {}
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log_file = self.log_dir / f"{name}.log"
         with open(log_file, "ab") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, **(env or {})})
+            proc = spawn(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(env or {})})
         child = Child(name, proc, log_file)
         self.children.append(child)
         log.info("started", service=name, pid=proc.pid, log=str(log_file))
@@ -118,7 +124,8 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStack, model_dir: Path | None,
                    vllm_url: str, dataset: Path | None) -> tuple[RlstreamConfig, Path]:
-    """The effective config of the run (toy defaults < user file < overrides), written to ``run_dir``."""
+    """The effective config of the run (toy defaults < user file < environment < overrides), written to
+    ``run_dir`` without its secrets (see :func:`rlstream.schemas.masking.public_config_text`)."""
     user = read_yaml(opts.config) if opts.config else {}
     toy = opts.config is None
     base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
@@ -137,9 +144,14 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
         plumbing["rollout"]["dataset"] = str(dataset)
     merged = deep_merge(deep_merge(base, plumbing), user)
     merged = deep_merge(merged, overrides_to_dict(opts.overrides))
+    try:
+        cfg = RlstreamConfig(**merged)  # the environment applies as it does to a file
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, opts.config, {})) from None
+    # the file holds no secret (the services get them through the environment: Supervisor(env=secret_env(cfg)))
     path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(merged, sort_keys=False))
-    return load_config(path), path
+    path.write_text(public_config_text(cfg))
+    return cfg, path
 
 
 # --- held-out evaluation -------------------------------------------------------------------------------
@@ -475,6 +487,9 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (opts.runs_dir / run_id).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    # SIGTERM/SIGHUP stop the run as Ctrl-C does; every child dies with this process even when it is SIGKILLed
+    signals = terminate_as_interrupt()
+    signals.install()
     stack = LocalStack.start(run_dir / "infra")
     sup = Supervisor(run_dir / "logs")
     figures = LiveFigures()
@@ -490,6 +505,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         sup.extra_pids["vllm"] = vllm.pid
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset)
+        sup.env.update(secret_env(cfg))
         asyncio.run(create_topics(cfg.kafka, cfg.topics))
         c = ["-c", str(config_path)]
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
@@ -500,6 +516,9 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
         except KeyboardInterrupt:
             pass
+        signals.install()  # asyncio.run reset SIGTERM to its default
+    except KeyboardInterrupt:
+        log.warning("interrupted; stopping the services")
     finally:
         sup.stop_all()
         topic_ends = _topic_end_offsets(cfg) if cfg is not None else {}
@@ -514,6 +533,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         print(f"\nrun data and checkpoints: {run_dir}")
         print(f"plot:    {plot}")
         print(f"summary: {run_dir / 'summary.json'}")
+        signals.restore()
     return summary
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from rlstream.ops.infra import LOOPBACK, InfraError, free_port, pid_alive, stop_pid
+from rlstream.ops.infra import LOOPBACK, InfraError, free_port, pid_alive, spawn, stop_pid
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -88,7 +88,12 @@ def ensure_vllm_venv(venv_dir: Path | None = None, log_file: Path | None = None,
             remaining = max(60.0, timeout_s - (time.monotonic() - started))
             out.write(f"$ {' '.join(cmd)}\n".encode())
             out.flush()
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=remaining)
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT)  # pip dies with us too (e.g. `up` killed)
+            try:
+                proc.wait(timeout=remaining)
+            except BaseException:  # a timeout, Ctrl-C
+                stop_pid(proc.pid, timeout_s=5.0)
+                raise
             if proc.returncode != 0:
                 raise VllmError(f"`{' '.join(cmd)}` failed with code {proc.returncode}; log {log_file}")
 
@@ -182,9 +187,8 @@ def start_vllm_server(
         "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
         "--max-loras", str(max_loras), "--seed", "0", *(extra_args or []),
     ]
-    with open(log_file, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(workdir / "cache"), cwd=str(workdir), start_new_session=True)
+    with open(log_file, "ab") as out:  # its own process group (its engine and workers too); dies with this process
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(workdir / "cache"), cwd=str(workdir))
     url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

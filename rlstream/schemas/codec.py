@@ -4,17 +4,23 @@ Two framings, both read by :meth:`AvroCodec.decode`:
 
 * single-object encoding (no registry): ``C3 01`` + 8-byte little-endian CRC-64-AVRO
   fingerprint of the writer schema + Avro body; the reader finds the writer schema by
-  fingerprint among the schemas it knows.
+  fingerprint among the schemas it knows (by the specification's fingerprint, and by the one the
+  Apache ``avro`` Python package computes, which differs for schemas with logical types).
 * Confluent wire format (registry configured): ``00`` + 4-byte big-endian schema id + body;
   the writer schema comes from the registry.
 
 Every failure raises a :class:`CodecError` subclass with a message a person can act on.
+
+Speed: each schema version is parsed and fingerprinted once per process; a payload written with the
+reader's own schema version (same fingerprint) is read with the reader schema alone, without
+writer-to-reader resolution, so decoding costs what bare fastavro costs.
 """
 from __future__ import annotations
 
 import io
 import json
 import struct
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -103,21 +109,107 @@ def schema_fingerprint(schema: dict[str, Any] | str) -> bytes:
     return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
 
 
+def apache_avro_fingerprint(schema: dict[str, Any] | list[Any] | str) -> bytes:
+    """The CRC-64-AVRO fingerprint that the Apache ``avro`` Python package (1.12) computes for a schema,
+    in the same byte order as :func:`schema_fingerprint`.
+
+    Its parsing canonical form departs from the specification in two places: a primitive written as an
+    object with an attribute other than ``type``/``doc`` (a logical type such as
+    ``{"type": "long", "logicalType": "timestamp-millis"}``) stays ``{"type":"long"}`` instead of ``"long"``,
+    and a ``fixed`` type is written out in full at every use. For schemas with neither it equals
+    :func:`schema_fingerprint`.
+    """
+    raw = json.loads(schema) if isinstance(schema, str) else schema
+    canonical = json.dumps(_apache_canonical(raw, None, set(), {}), separators=(",", ":"))
+    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+
+
+# the avro package's SCHEMA_RESERVED_PROPS: any other attribute makes a primitive keep its object form
+_APACHE_RESERVED = frozenset({"type", "name", "namespace", "fields", "items", "size", "symbols", "values", "doc"})
+_PRIMITIVES = frozenset({"null", "boolean", "int", "long", "float", "double", "bytes", "string"})
+
+
+def _fullname(name: str, namespace: str | None) -> str:
+    return name if "." in name or not namespace else f"{namespace}.{name}"
+
+
+def _apache_canonical(node: Any, namespace: str | None, defined: set[str], fixed: dict[str, dict[str, Any]]) -> Any:
+    """The avro package's ``Schema.to_canonical_json`` of a schema's JSON (see :func:`apache_avro_fingerprint`)."""
+    if isinstance(node, str):
+        if node in _PRIMITIVES:
+            return node
+        full = _fullname(node, namespace)
+        return dict(fixed[full]) if full in fixed else full
+    if isinstance(node, list):
+        return [_apache_canonical(n, namespace, defined, fixed) for n in node]
+    if not isinstance(node, dict):
+        raise TypeError(f"not an Avro schema: {node!r}")
+    type_ = node["type"]
+    if type_ in _PRIMITIVES:
+        return {"type": type_} if any(k not in _APACHE_RESERVED for k in node) else type_
+    if type_ == "array":
+        return {"type": "array", "items": _apache_canonical(node["items"], namespace, defined, fixed)}
+    if type_ == "map":
+        return {"type": "map", "values": _apache_canonical(node["values"], namespace, defined, fixed)}
+    if type_ not in ("record", "error", "enum", "fixed"):
+        raise ValueError(f"unknown Avro type {type_!r}")
+    full = _fullname(node["name"], node.get("namespace") or namespace)  # the avro package reads "" as unset
+    if type_ == "fixed":
+        fixed[full] = {"name": full, "type": "fixed", "size": node["size"]}
+        return dict(fixed[full])
+    if full in defined:
+        return full
+    defined.add(full)
+    if type_ == "enum":
+        return {"name": full, "type": "enum", "symbols": list(node["symbols"])}
+    inner = full.rpartition(".")[0] or None
+    fields = [{"name": f["name"], "type": _apache_canonical(f["type"], inner, defined, fixed)} for f in node["fields"]]
+    return {"name": full, "type": type_, "fields": fields}
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """One schema version, compiled once: everything encoding and decoding need of it."""
+
+    name: str  # full name (of the top-level record)
+    parsed: Any  # fastavro's parsed schema, with its parse marker so fastavro does not parse it again per call
+    json: str  # what a schema registry is given
+    fingerprint: bytes  # CRC-64-AVRO of the specification's parsing canonical form
+    apache_fingerprint: bytes | None  # the avro package's fingerprint, where it differs (logical types)
+    header: bytes  # single-object header: C3 01 + fingerprint
+
+
+@lru_cache(maxsize=512)
+def _compile(schema_str: str) -> _Known:
+    """Parse and fingerprint a schema's JSON once per process (codecs share the result; nothing mutates it).
+    Raises what ``json``/fastavro raise on an invalid schema."""
+    raw = json.loads(schema_str)
+    parsed = fastavro.parse_schema(raw)
+    fp = schema_fingerprint(raw)
+    try:
+        apache: bytes | None = apache_avro_fingerprint(raw)
+    except (ValueError, TypeError, KeyError, AttributeError):  # fastavro accepted it; the avro package may not
+        apache = None
+    return _Known(name=_name_of(parsed), parsed=parsed, json=json.dumps(raw), fingerprint=fp,
+                  apache_fingerprint=None if apache == fp else apache, header=SINGLE_OBJECT_MAGIC + fp)
+
+
 class AvroCodec:
     """Encodes :class:`WireModel` events to Avro bytes and back.
 
     ``registry`` switches encoding to the Confluent wire format. ``max_bytes`` bounds both
-    what is written and what is read.
+    what is written and what is read. Schemas are parsed and fingerprinted once; a payload whose
+    writer schema has the reader's fingerprint is read with the reader schema alone (no resolution).
     """
 
     def __init__(self, registry: SchemaRegistry | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.registry = registry
         self.max_bytes = max_bytes
-        self._by_fingerprint: dict[bytes, Any] = {}
-        self._by_registry_id: dict[int, Any] = {}
-        self._registry_ids: dict[str, int] = {}
-        self._schemas: dict[str, Any] = {}
-        self._schema_jsons: dict[str, str] = {}
+        self._by_fingerprint: dict[bytes, _Known] = {}  # both fingerprints of every known version
+        self._spec_fingerprints: set[bytes] = set()  # those that are a schema's specification fingerprint
+        self._by_registry_id: dict[int, _Known] = {}
+        self._confluent_headers: dict[str, bytes] = {}  # schema JSON -> 00 + its registry id
+        self._schemas: dict[str, _Known] = {}  # full name -> the version this codec reads and writes
         for name in EVENT_MODELS:
             self.add_schema(schema_json(name), reader=True)
 
@@ -131,31 +223,42 @@ class AvroCodec:
     # -- schemas -----------------------------------------------------------------
     def add_schema(self, schema: dict[str, Any] | str, *, reader: bool = False) -> Any:
         """Make a schema version known by fingerprint, so payloads written with it decode
-        (e.g. an older or newer version of an event).
+        (e.g. an older or newer version of an event). Both its specification fingerprint and the one
+        the Apache ``avro`` package computes (they differ for schemas with logical types) map to it.
 
         With ``reader=True`` it also becomes the schema that ``decode_record(data, name)`` and
         ``encode_record(record, name)`` use for its full name (this codec then reads and writes
         that version). Raises :class:`IncompatibleSchemaError` when the schema is not valid Avro.
         """
-        try:
-            raw = json.loads(schema) if isinstance(schema, str) else schema
-            parsed = fastavro.parse_schema(raw, _write_hint=False)
-            fp = schema_fingerprint(raw)
-        except (ValueError, TypeError, KeyError, AttributeError, fastavro.schema.SchemaParseException) as exc:
-            raise IncompatibleSchemaError(f"not a valid Avro schema: {type(exc).__name__}: {exc}") from exc
-        self._by_fingerprint[fp] = parsed
+        return self._add(schema, reader).parsed
+
+    def _add(self, schema: dict[str, Any] | str, reader: bool) -> _Known:
+        known = self._compiled(schema)
+        self._by_fingerprint[known.fingerprint] = known
+        self._spec_fingerprints.add(known.fingerprint)
+        alias = known.apache_fingerprint
+        if alias is not None and alias not in self._spec_fingerprints:
+            self._by_fingerprint[alias] = known
         if reader:
-            name = _name_of(parsed)
-            self._schemas[name] = parsed
-            self._schema_jsons[name] = json.dumps(raw)
-            self._registry_ids.pop(name, None)
-        return parsed
+            self._schemas[known.name] = known
+        return known
 
     def parsed_schema(self, full_name: str) -> Any:
+        """fastavro's parsed schema of the version this codec reads and writes for ``full_name``."""
+        return self._reader(full_name).parsed
+
+    def _reader(self, full_name: str) -> _Known:
         try:
             return self._schemas[full_name]
         except KeyError:
             raise UnknownSchemaError(f"no schema named {full_name!r}; known: {sorted(self._schemas)}") from None
+
+    @staticmethod
+    def _compiled(schema: dict[str, Any] | str) -> _Known:
+        try:
+            return _compile(schema if isinstance(schema, str) else json.dumps(schema))
+        except (ValueError, TypeError, KeyError, AttributeError, fastavro.schema.SchemaParseException) as exc:
+            raise IncompatibleSchemaError(f"not a valid Avro schema: {type(exc).__name__}: {exc}") from exc
 
     # -- encoding ------------------------------------------------------------------
     def encode(self, event: WireModel) -> bytes:
@@ -164,37 +267,31 @@ class AvroCodec:
 
     def encode_record(self, record: dict[str, Any], schema: str | dict[str, Any]) -> bytes:
         """Encode a plain dict with a schema given by full name or as a schema dict."""
-        if isinstance(schema, str):
-            parsed = self.parsed_schema(schema)
-            raw_json = self._schema_jsons[schema]
-        else:
-            parsed = self.add_schema(schema)
-            raw_json = json.dumps(schema)
+        known = self._reader(schema) if isinstance(schema, str) else self._add(schema, reader=False)
         body = io.BytesIO()
         try:
-            fastavro.schemaless_writer(body, parsed, record)
+            fastavro.schemaless_writer(body, known.parsed, record)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-            raise CorruptPayloadError(f"record does not match schema {_name_of(parsed)}: {exc}") from exc
-        header = self._header(parsed, raw_json)
+            raise CorruptPayloadError(f"record does not match schema {known.name}: {exc}") from exc
+        header = self._header(known)
         size = len(header) + body.tell()
         if size > self.max_bytes:
             raise PayloadTooLargeError(
-                f"encoded {_name_of(parsed)} is {size} bytes, over the limit of {self.max_bytes} bytes "
+                f"encoded {known.name} is {size} bytes, over the limit of {self.max_bytes} bytes "
                 "(codec max_bytes; keep it under the broker's message.max.bytes); "
                 "split the trajectory or drop token data from it"
             )
         return header + body.getvalue()
 
-    def _header(self, parsed: Any, raw_json: str) -> bytes:
+    def _header(self, known: _Known) -> bytes:
         if self.registry is None:
-            return SINGLE_OBJECT_MAGIC + schema_fingerprint(raw_json)
-        name = _name_of(parsed)
-        schema_id = self._registry_ids.get(name)
-        if schema_id is None:
-            schema_id = self.registry.register(name, raw_json)
-            self._registry_ids[name] = schema_id
-            self._by_registry_id[schema_id] = parsed
-        return CONFLUENT_MAGIC + struct.pack(">I", schema_id)
+            return known.header
+        header = self._confluent_headers.get(known.json)
+        if header is None:  # registered once per schema version (subject: the full name)
+            schema_id = self.registry.register(known.name, known.json)
+            self._by_registry_id[schema_id] = known
+            header = self._confluent_headers[known.json] = CONFLUENT_MAGIC + struct.pack(">I", schema_id)
+        return header
 
     # -- decoding ------------------------------------------------------------------
     def decode(self, data: bytes, model: type[T]) -> T:
@@ -206,25 +303,32 @@ class AvroCodec:
             raise CorruptPayloadError(f"decoded {model.avro_name} is not valid: {exc}") from exc
 
     def decode_record(self, data: bytes, reader_schema: str | None = None) -> dict[str, Any]:
-        """Decode bytes into a dict; with ``reader_schema`` (full name) the writer is resolved to it."""
+        """Decode bytes into a dict; with ``reader_schema`` (full name) the writer is resolved to it,
+        or, when the writer has the reader's fingerprint, the body is read with the reader schema alone."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise CorruptPayloadError(f"expected bytes, got {type(data).__name__}")
         data = bytes(data)
         if len(data) > self.max_bytes:
             raise PayloadTooLargeError(f"payload is {len(data)} bytes, over the limit of {self.max_bytes} bytes")
         writer, body_start = self._writer_schema(data)
-        reader = self.parsed_schema(reader_schema) if reader_schema else writer
-        if reader_schema and _name_of(writer) != reader_schema:
-            raise IncompatibleSchemaError(
-                f"payload was written as {_name_of(writer)}, cannot be read as {reader_schema}"
-            )
+        schema, resolve_to = writer.parsed, None
+        if reader_schema:
+            reader = self._reader(reader_schema)
+            if writer.name != reader_schema:
+                raise IncompatibleSchemaError(
+                    f"payload was written as {writer.name}, cannot be read as {reader_schema}"
+                )
+            if writer.fingerprint == reader.fingerprint:
+                schema = reader.parsed  # same layout: no resolution, and the reader's logical types
+            else:
+                resolve_to = reader.parsed
         buf = io.BytesIO(data)
         buf.seek(body_start)
         try:
-            record = fastavro.schemaless_reader(buf, writer, reader if reader is not writer else None)
+            record = fastavro.schemaless_reader(buf, schema, resolve_to)
         except fastavro.read.SchemaResolutionError as exc:
             raise IncompatibleSchemaError(
-                f"writer schema {_name_of(writer)} cannot be resolved to the reader's: {exc}"
+                f"writer schema {writer.name} cannot be resolved to the reader's: {exc}"
             ) from exc
         except (MemoryError, RecursionError) as exc:
             raise CorruptPayloadError(f"payload body is corrupt ({type(exc).__name__})") from exc
@@ -236,7 +340,7 @@ class AvroCodec:
             raise CorruptPayloadError("payload body is not an Avro record")
         return record
 
-    def _writer_schema(self, data: bytes) -> tuple[Any, int]:
+    def _writer_schema(self, data: bytes) -> tuple[_Known, int]:
         if data[:2] == SINGLE_OBJECT_MAGIC:
             if len(data) < 10:
                 raise CorruptPayloadError(f"single-object payload truncated in its header ({len(data)} bytes)")
@@ -259,9 +363,10 @@ class AvroCodec:
             "or 00 (Confluent wire format)"
         )
 
-    def _schema_by_registry_id(self, schema_id: int) -> Any:
-        if schema_id in self._by_registry_id:
-            return self._by_registry_id[schema_id]
+    def _schema_by_registry_id(self, schema_id: int) -> _Known:
+        known = self._by_registry_id.get(schema_id)
+        if known is not None:
+            return known
         if self.registry is None:
             raise UnknownSchemaError(
                 f"payload uses Confluent wire format (schema id {schema_id}) but no schema registry is configured"
@@ -271,13 +376,13 @@ class AvroCodec:
         except Exception as exc:
             raise UnknownSchemaError(f"schema id {schema_id} not found in the registry: {exc}") from exc
         try:
-            parsed = fastavro.parse_schema(json.loads(schema_str), _write_hint=False)
+            known = _compile(schema_str)
         except Exception as exc:  # a registry answer that is not an Avro schema
             raise UnknownSchemaError(
                 f"schema id {schema_id} from the registry is not a usable Avro schema: {type(exc).__name__}: {exc}"
             ) from exc
-        self._by_registry_id[schema_id] = parsed
-        return parsed
+        self._by_registry_id[schema_id] = known
+        return known
 
 
 def _name_of(parsed: Any) -> str:

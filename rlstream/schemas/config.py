@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import types
 from pathlib import Path, PurePath
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from rlstream.schemas.masking import Secret, SecretUrl
 
 ENV_PREFIX = "RLSTREAM_"
 #: Shortcut environment variables that point everything at external services.
@@ -80,11 +82,14 @@ class KafkaConfig(Section):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] | None = None
     sasl_plain_username: str | None = None
-    sasl_plain_password: str | None = None
+    sasl_plain_password: Secret | None = Field(None, description="a secret: masked in every output; env form "
+                                               "RLSTREAM_KAFKA__SASL_PLAIN_PASSWORD")
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
-    schema_registry_url: str | None = None
+    ssl_password: Secret | None = Field(None, description="password of ssl_keyfile (a secret)")
+    schema_registry_url: SecretUrl | None = Field(None, description="Confluent schema registry; a password in "
+                                                  "the URL (https://user:pw@host) is masked in every output")
     max_message_bytes: int = Field(1_000_000, ge=1024)
     request_timeout_ms: int = Field(30_000, ge=1000)
     session_timeout_ms: int = Field(10_000, ge=6000)
@@ -97,7 +102,8 @@ class KafkaConfig(Section):
 
 
 class RedisConfig(Section):
-    url: str = Field("", description="redis://host:port/db; empty = embedded redis-server")
+    url: SecretUrl = Field("", description="redis://[:password@]host:port/db; empty = embedded redis-server; "
+                           "the password is masked in every output")
     retry_max_s: float = Field(30.0, gt=0)
 
 
@@ -150,31 +156,67 @@ class LoraConfig(Section):
 
 
 class LearnerConfig(Section):
-    model: str = Field("", description="path of a transformers model directory")
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    learning_rate: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int = Field(1000, ge=1)
-    groups_per_step: int = Field(4, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
-    max_grad_norm: float = Field(1.0, gt=0)
-    scale_rewards: Literal["none", "group", "batch"] = "group"
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """The GRPO learner (``rlstream learner run``; ``rlstream finetune`` trains with the same knobs).
+
+    Names follow TRL's ``GRPOConfig`` where both have the knob (``num_iterations``, ``beta``, ``epsilon_high``,
+    ``scale_rewards``, ``report_to``); ``loss_aggregation`` maps to TRL's ``loss_type``.
+    """
+
+    model: str = Field("", description="path of a transformers model directory (never downloaded at run time)")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA (peft) adapter; disabled = full "
+                             "fine-tuning")
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate (peak, after warmup)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps (num_iterations per "
+                              "learner step)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warmup: constant, or linear/cosine decay to 0 at total_steps * num_iterations "
+        "optimizer steps")
+    total_steps: int = Field(1000, ge=1, description="learner steps (batches of groups_per_step groups) before the "
+                             "learner stops")
+    groups_per_step: int = Field(4, ge=1, description="usable groups in one learner step (skipped and "
+                                 "dead-lettered records are consumed on top of them)")
+    micro_batch_size: int = Field(8, ge=1, description="turns (sequences) per forward/backward; gradients "
+                                  "accumulate over the micro-batches of a step")
+    num_iterations: int = Field(1, ge=1, description="optimizer steps per batch (TRL's num_iterations, the mu of "
+                                "GRPO): every step trains on the same batch against the batch-start policy, so the "
+                                "clip (epsilon_low/epsilon_high) acts from the second one on")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (total L2 norm)")
+    scale_rewards: Literal["none", "group", "batch"] = Field(
+        "group", description="advantage = reward - group mean over trajectories, divided by: none (Dr. GRPO), the "
+        "group's reward std (group), or the std of the step's trajectory rewards (batch)")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "trajectory_mean", "constant"] = Field(
+        "token_mean", description="how per-token losses become the loss: token_mean (every token weighs the same; "
+        "TRL bnpo/DAPO), sequence_mean (every turn; TRL grpo), trajectory_mean (every trajectory, however many turns "
+        "it has: its token mean over all its turns, averaged over trajectories), constant (sum / (turns * "
+        "loss_constant); TRL dr_grpo)")
     loss_constant: int = Field(1024, ge=1, description="normaliser of the Dr. GRPO constant aggregation")
-    epsilon_low: float = Field(0.2, ge=0)
-    epsilon_high: float = Field(0.28, ge=0)
-    importance_cap: float = Field(2.0, ge=1.0)
-    beta: float = Field(0.0, ge=0)
-    checkpoint_every: int = Field(10, ge=1)
-    publish_every: int = Field(1, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
-    output_dir: Path = Path("runs/learner")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    lease_ttl_s: float = Field(30.0, gt=0)
-    prometheus_port: int | None = None
+    epsilon_low: float = Field(0.2, ge=0, description="PPO clip: ratio lower bound 1 - epsilon_low")
+    epsilon_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound 1 + epsilon_high (DAPO "
+                                "clip-higher)")
+    importance_cap: float = Field(2.0, ge=1.0, description="truncated importance sampling: cap of the ratio of "
+                                  "the batch-start policy to the rollout's recorded (behaviour) logprobs")
+    beta: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference (the base model); 0 = no "
+                        "reference model")
+    logprob_chunk_size: int = Field(1024, ge=1, description="positions whose full-vocabulary log-softmax is held in "
+                                    "float32 at once (chunked selective log-softmax; lower it to save memory)")
+    run_ids: list[str] = Field(default_factory=list, description="train only on groups of these runs (empty = "
+                               "every run); groups of other runs are consumed, skipped and counted "
+                               "(learner/groups_skipped, reason other_run)")
+    checkpoint_every: int = Field(10, ge=1, description="learner steps between checkpoints (every publication "
+                                  "also checkpoints)")
+    publish_every: int = Field(1, ge=1, description="learner steps between published weight versions")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
+    output_dir: Path = Field(Path("runs/learner"), description="checkpoints/ and versions/ (and logs/) live here")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    seed: int = Field(0, description="random seed")
+    lease_ttl_s: float = Field(30.0, gt=0, description="the learner lease in Redis (one active learner per "
+                               "policy) expires this long after the last renewal")
+    prometheus_port: int | None = Field(None, description="serve the learner's metrics to Prometheus on this port")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="also write each learner step's figures to these trackers (transformers' "
+        "names); the learner fails at start-up when a tracker's package is not installed")
+    logging_dir: Path | None = Field(None, description="TensorBoard event files (default <output_dir>/logs)")
 
 
 class RolloutConfig(Section):
@@ -194,7 +236,7 @@ class RolloutConfig(Section):
     epochs: int = Field(1, ge=1, description="passes over the dataset in epoch mode")
     prompts_topic: str | None = Field(None, description="continuous mode: read examples (JSON) from this topic")
     max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = no limit)")
-    base_url: str = "http://127.0.0.1:8000/v1"
+    base_url: SecretUrl = "http://127.0.0.1:8000/v1"  # a password in it is masked in every output
     api_key: str = "EMPTY"
     model: str = Field("policy", description="the served base model name; requests for it are routed to the "
                        "newest loaded version")
@@ -213,7 +255,7 @@ class InferenceConfig(Section):
     """The inference sync worker (``rlstream inference sync``) and the vLLM launcher."""
 
     backend: Literal["vllm"] = "vllm"
-    url: str = "http://127.0.0.1:8000"
+    url: SecretUrl = "http://127.0.0.1:8000"  # a password in it is masked in every output
     served_model: str = Field("policy", description="the base model name the server was started with")
     worker_id: str = "worker-0"
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
@@ -319,7 +361,10 @@ def _takes_text(annotation: Any) -> bool:
         if get_origin(member) is Literal:
             if not all(isinstance(v, str) for v in get_args(member)):
                 return False
-        elif not (isinstance(member, type) and issubclass(member, (str, PurePath))):
+        elif get_origin(member) is Annotated:  # Secret, SecretUrl: text underneath
+            if not _takes_text(get_args(member)[0]):
+                return False
+        elif not (isinstance(member, type) and issubclass(member, (str, PurePath, SecretStr))):
             return False
     return True
 

@@ -27,7 +27,7 @@ import faust
 
 from rlstream.transport.deadletter import dead_letter
 from rlstream.transport.kafka import make_consumer, make_producer
-from rlstream.transport.log import get_logger
+from rlstream.transport.log import get_logger, logging_dict_config
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
@@ -40,7 +40,7 @@ from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.telemetry import Telemetry
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
-from rlstream.streams.exactly_once.transactions import BufferTracker, SourcePartitionTransactionManager
+from rlstream.streams.exactly_once.transactions import BufferTracker, SourcePartitionApp, TransactionSettings
 
 log = get_logger(__name__)
 SERVICE = "streams"
@@ -83,7 +83,8 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
     )
     if cfg.kafka.sasl_mechanism:
         settings["broker_credentials"] = faust.SASLCredentials(
-            username=cfg.kafka.sasl_plain_username, password=cfg.kafka.sasl_plain_password,
+            username=cfg.kafka.sasl_plain_username,
+            password=cfg.kafka.sasl_plain_password.get_secret_value() if cfg.kafka.sasl_plain_password else None,
             mechanism=cfg.kafka.sasl_mechanism)
     elif cfg.kafka.security_protocol == "SSL":
         from aiokafka.helpers import create_ssl_context
@@ -91,7 +92,8 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
         settings["broker_credentials"] = create_ssl_context(
             cafile=str(cfg.kafka.ssl_cafile) if cfg.kafka.ssl_cafile else None,
             certfile=str(cfg.kafka.ssl_certfile) if cfg.kafka.ssl_certfile else None,
-            keyfile=str(cfg.kafka.ssl_keyfile) if cfg.kafka.ssl_keyfile else None)
+            keyfile=str(cfg.kafka.ssl_keyfile) if cfg.kafka.ssl_keyfile else None,
+            password=cfg.kafka.ssl_password.get_secret_value() if cfg.kafka.ssl_password else None)
     return settings
 
 
@@ -190,14 +192,9 @@ class StreamsApp:
         self.ticks = ticks_topic_name(self.cfg)
         settings = faust_settings(self.cfg, self.worker_id)
         Path(settings["datadir"]).mkdir(parents=True, exist_ok=True)
-        self.app = faust.App(self.cfg.streams.app_id, **settings)
-        # outputs join the transaction of the source partition (see streams/transactions.py)
-        self.app.transport.TransactionManager = SourcePartitionTransactionManager
-        self.app.rlstream_source_topic = self.names.trajectories  # type: ignore[attr-defined]
-        self.app.rlstream_buffer_tracker = BufferTracker(self.app.producer.buffer)  # type: ignore[attr-defined]
+        # outputs join the transaction of the source partition (see streams/exactly_once/transactions.py)
+        self.app = SourcePartitionApp(self.cfg.streams.app_id, **settings)
         self.processing_lock = asyncio.Lock()
-        if self.cfg.streams.processing_guarantee == "exactly_once":
-            self.app.rlstream_processing_lock = self.processing_lock  # type: ignore[attr-defined]
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.ticks, **raw)
         self.groups_out = self.app.topic(self.names.groups, **raw)
@@ -214,6 +211,10 @@ class StreamsApp:
         self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
         install_full_recovery(self.app, self.settled)
         self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards})
+        exactly_once = self.cfg.streams.processing_guarantee == "exactly_once"
+        self.app.transaction_manager().configure(TransactionSettings(
+            source_topic=self.names.trajectories, buffer_tracker=BufferTracker(self.app.producer.buffer),
+            processing_lock=self.processing_lock if exactly_once else None))
         rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
                               min_group_size=self.cfg.streams.min_group_size,
                               closed_retention_s=self.cfg.streams.closed_retention_s)
@@ -478,5 +479,8 @@ def run_worker(cfg: RlstreamConfig, worker_id: str, loglevel: str = "WARNING") -
     streams = StreamsApp(cfg, worker_id)
     log.info("streams worker starting", app_id=cfg.streams.app_id, worker=worker_id,
              guarantee=cfg.streams.processing_guarantee, store=cfg.streams.store)
-    worker = faust.Worker(streams.app, loop=loop, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    # logging_config: Faust replaces the root handlers at start; this keeps rlstream's one log pipeline (JSON lines)
+    worker = faust.Worker(streams.app, loop=loop, loglevel=loglevel, quiet=True, redirect_stdouts=False,
+                          logging_config=logging_dict_config(loglevel))
+    worker.spinner = None  # its cursor escapes would be the only lines on stdout that are not JSON
     worker.execute_from_commandline()

@@ -1,9 +1,10 @@
 """Group assembly as a state machine over two key-value stores (no Kafka, no Faust).
 
-``groups`` maps group_id -> a JSON-able state (members, their rewards and source offsets, rewards
-waiting for their trajectory, timestamps); ``members`` maps trajectory_id -> the member's Avro bytes.
-The Faust app passes changelog-backed tables; tests pass dicts. Every call returns what must go out:
-finished groups (:class:`Finished`) and rejected records (:class:`Reject`), plus counters.
+``groups`` maps group_id -> the group's state as JSON (:class:`OpenGroup` or :class:`ClosedGroup`,
+written with ``to_json()`` and read back with :func:`group_state_from_json`; the short keys are the
+changelog layout, so existing changelogs recover unchanged); ``members`` maps trajectory_id -> the
+member's Avro bytes. The Faust app passes changelog-backed tables; tests pass dicts. Every call returns
+what must go out: finished groups (:class:`Finished`) and rejected records (:class:`Reject`), plus counters.
 
 Rules: a trajectory_id already held (or already emitted) is ignored; a reward before its trajectory is
 held; a group completes when ``group_size`` members have rewards; after ``group_timeout_s`` since its
@@ -37,6 +38,134 @@ class SourceRef:
     @classmethod
     def from_list(cls, data: list[Any]) -> "SourceRef":
         return cls(str(data[0]), int(data[1]), int(data[2]))
+
+    def as_offset(self) -> SourceOffset:
+        return SourceOffset(topic=self.topic, partition=self.partition, offset=self.offset)
+
+
+# -- stored state ------------------------------------------------------------------------------
+# JSON keys (the changelog layout): group "g" group_id, "e" example_id, "r" run_id, "pol" policy,
+# "n" group_size, "p" partition, "t0" opened_at, "t1" last_record_ts, "m" members, "pr" pending rewards;
+# member "src" source, "rw" reward, "comp" reward components, "rsrc" reward source, "v" policy version,
+# "k" record key; closed group "g", "p", "closed", "closed_at", "ids" member ids.
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass
+class MemberState:
+    """A trajectory held in an open group: its lineage, its reward once known, and its record key."""
+
+    source: SourceRef
+    reward: float | None
+    reward_components: dict[str, float]
+    reward_source: SourceRef | None  # the reward record, when the reward came separately
+    policy_version: int
+    key: str | None  # the record key as text (dead letters carry it back as bytes)
+
+    @property
+    def rewarded(self) -> bool:
+        return self.reward is not None
+
+    def key_bytes(self) -> bytes | None:
+        return self.key.encode() if self.key is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"src": self.source.as_list(), "rw": self.reward, "comp": dict(self.reward_components),
+                "rsrc": self.reward_source.as_list() if self.reward_source is not None else None,
+                "v": self.policy_version, "k": self.key}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MemberState":
+        rsrc = data.get("rsrc")
+        return cls(source=SourceRef.from_list(data["src"]), reward=_optional_float(data.get("rw")),
+                   reward_components=dict(data.get("comp") or {}),
+                   reward_source=SourceRef.from_list(rsrc) if rsrc is not None else None,
+                   policy_version=int(data.get("v") or 0), key=data.get("k"))
+
+
+@dataclass
+class PendingReward:
+    """A reward that arrived before its trajectory."""
+
+    reward: float
+    reward_components: dict[str, float]
+    source: SourceRef
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rw": self.reward, "comp": dict(self.reward_components), "src": self.source.as_list()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PendingReward":
+        return cls(reward=float(data["rw"]), reward_components=dict(data.get("comp") or {}),
+                   source=SourceRef.from_list(data["src"]))
+
+
+@dataclass
+class OpenGroup:
+    """A group still collecting members and rewards."""
+
+    group_id: str
+    example_id: str
+    partition: int  # the source partition that owns it (ticks time it out there)
+    opened_at: float  # wall clock of its first record: the timeout counts from here
+    run_id: str = ""
+    policy: str = ""
+    group_size: int | None = None  # known once its first trajectory arrived
+    last_record_ts: float = 0.0  # latest record timestamp of a member or a joined reward
+    members: dict[str, MemberState] = field(default_factory=dict)  # trajectory_id -> member, in arrival order
+    pending_rewards: dict[str, PendingReward] = field(default_factory=dict)  # trajectory_id -> early reward
+
+    def rewarded_ids(self) -> list[str]:
+        return [tid for tid, m in self.members.items() if m.rewarded]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"g": self.group_id, "e": self.example_id, "r": self.run_id, "pol": self.policy, "n": self.group_size,
+                "p": self.partition, "t0": self.opened_at, "t1": self.last_record_ts,
+                "m": {tid: m.to_json() for tid, m in self.members.items()},
+                "pr": {tid: p.to_json() for tid, p in self.pending_rewards.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "OpenGroup":
+        n = data.get("n")
+        return cls(group_id=data["g"], example_id=data["e"], partition=int(data["p"]), opened_at=float(data["t0"]),
+                   run_id=data.get("r", ""), policy=data.get("pol", ""), group_size=int(n) if n is not None else None,
+                   last_record_ts=float(data.get("t1", 0.0)),
+                   members={tid: MemberState.from_json(m) for tid, m in data.get("m", {}).items()},
+                   pending_rewards={tid: PendingReward.from_json(p) for tid, p in data.get("pr", {}).items()})
+
+
+@dataclass
+class ClosedGroup:
+    """A group already emitted or expired, remembered for a while so that late duplicates are recognised."""
+
+    group_id: str
+    partition: int
+    closed_at: float
+    member_ids: list[str]  # sorted trajectory ids it held
+
+    def to_json(self) -> dict[str, Any]:
+        return {"g": self.group_id, "p": self.partition, "closed": True, "closed_at": self.closed_at,
+                "ids": list(self.member_ids)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ClosedGroup":
+        return cls(group_id=data["g"], partition=int(data["p"]), closed_at=float(data["closed_at"]),
+                   member_ids=list(data.get("ids", [])))
+
+
+GroupState = OpenGroup | ClosedGroup
+
+
+def group_state_from_json(data: dict[str, Any]) -> GroupState:
+    """The stored JSON of a group (either kind) as its dataclass."""
+    return ClosedGroup.from_json(data) if data.get("closed") else OpenGroup.from_json(data)
+
+
+def stored_partition(data: Any) -> int | None:
+    """The partition of a stored group state without decoding all of it (None for a foreign value)."""
+    return data.get("p") if isinstance(data, dict) else None
 
 
 @dataclass(frozen=True)
@@ -90,7 +219,7 @@ class GroupAssembler:
 
     def __init__(self, groups: MutableMapping[str, Any], members: MutableMapping[str, bytes], codec: AvroCodec,
                  rules: AssemblyRules) -> None:
-        self.groups = groups
+        self.groups = groups  # group_id -> GroupState.to_json()
         self.members = members
         self.codec = codec
         self.rules = rules
@@ -100,186 +229,190 @@ class GroupAssembler:
                       record_ts: float, now: float) -> Outcome:
         out = Outcome()
         state = self._open_state(event, src, now)
-        if state.get("closed"):
+        if isinstance(state, ClosedGroup):
             self._on_closed(state, event.trajectory_id, "duplicate_trajectory",
                             f"group {event.group_id} was already emitted or expired; "
                             f"member {event.trajectory_id} came too late", out, src, key, raw)
             return out
-        if event.trajectory_id in state["m"]:
+        if event.trajectory_id in state.members:
             out.counts["duplicate_trajectory"] += 1
             return out
-        if state["n"] is not None and state["n"] != event.group_size:
+        if state.group_size is not None and state.group_size != event.group_size:
             out.rejects.append(Reject(v.GROUP_SIZE_MISMATCH, f"group_size {event.group_size} differs from the "
-                                      f"group's {state['n']}", src, key, raw))
+                                      f"group's {state.group_size}", src, key, raw))
             return out
-        if state["e"] != event.example_id:
+        if state.example_id != event.example_id:
             out.rejects.append(Reject(v.REWARD_GROUP_MISMATCH, f"example_id {event.example_id!r} differs from the "
-                                      f"group's {state['e']!r}", src, key, raw))
+                                      f"group's {state.example_id!r}", src, key, raw))
             return out
-        state.update(n=event.group_size, r=event.run_id, pol=event.policy)
-        member = {"src": src.as_list(), "rw": event.reward, "comp": dict(event.reward_components), "rsrc": None,
-                  "v": event.policy_version, "k": key.decode("utf-8", "replace") if key is not None else None}
-        pending = state["pr"].pop(event.trajectory_id, None)
+        state.group_size, state.run_id, state.policy = event.group_size, event.run_id, event.policy
+        member = MemberState(source=src, reward=event.reward, reward_components=dict(event.reward_components),
+                             reward_source=None, policy_version=event.policy_version,
+                             key=key.decode("utf-8", "replace") if key is not None else None)
+        pending = state.pending_rewards.pop(event.trajectory_id, None)
         if pending is not None:
-            if member["rw"] is None:
-                member.update(rw=pending["rw"], comp={**member["comp"], **pending["comp"]}, rsrc=pending["src"])
+            if member.reward is None:
+                member.reward = pending.reward
+                member.reward_components = {**member.reward_components, **pending.reward_components}
+                member.reward_source = pending.source
             else:
                 out.counts["duplicate_reward"] += 1
-        state["m"][event.trajectory_id] = member
-        state["t1"] = max(state["t1"], record_ts)
+        state.members[event.trajectory_id] = member
+        state.last_record_ts = max(state.last_record_ts, record_ts)
         self.members[event.trajectory_id] = raw
         out.counts["trajectories_accepted"] += 1
-        out.extend(self._maybe_complete(event.group_id, state, now))
+        out.extend(self._maybe_complete(state, now))
         return out
 
     def on_reward(self, event: RewardEvent, raw: bytes, key: bytes | None, src: SourceRef, record_ts: float,
                   now: float) -> Outcome:
         out = Outcome()
         state = self._open_state(event, src, now)
-        if state.get("closed"):
+        if isinstance(state, ClosedGroup):
             self._on_closed(state, event.trajectory_id, "duplicate_reward",
                             f"reward for {event.trajectory_id} came after group "
                             f"{event.group_id} was emitted or expired", out, src, key, raw)
             return out
-        if state["e"] != event.example_id:
+        if state.example_id != event.example_id:
             out.rejects.append(Reject(v.REWARD_GROUP_MISMATCH, f"reward names example {event.example_id!r} but group "
-                                      f"{event.group_id} belongs to {state['e']!r}", src, key, raw))
+                                      f"{event.group_id} belongs to {state.example_id!r}", src, key, raw))
             return out
-        member = state["m"].get(event.trajectory_id)
+        member = state.members.get(event.trajectory_id)
         if member is None:
-            if event.trajectory_id in state["pr"]:
+            if event.trajectory_id in state.pending_rewards:
                 out.counts["duplicate_reward"] += 1
                 return out
-            state["pr"][event.trajectory_id] = {"rw": event.reward, "comp": dict(event.components),
-                                                "src": src.as_list()}
+            state.pending_rewards[event.trajectory_id] = PendingReward(
+                reward=event.reward, reward_components=dict(event.components), source=src)
             out.counts["rewards_held"] += 1
-            self.groups[event.group_id] = state
+            self._store(state)
             return out
-        if member["rw"] is not None:
+        if member.rewarded:
             out.counts["duplicate_reward"] += 1
             return out
-        member.update(rw=event.reward, comp={**member["comp"], **event.components}, rsrc=src.as_list())
-        state["t1"] = max(state["t1"], record_ts)
+        member.reward = event.reward
+        member.reward_components = {**member.reward_components, **event.components}
+        member.reward_source = src
+        state.last_record_ts = max(state.last_record_ts, record_ts)
         out.counts["rewards_joined"] += 1
-        out.extend(self._maybe_complete(event.group_id, state, now))
+        out.extend(self._maybe_complete(state, now))
         return out
 
     def on_tick(self, partition: int, now: float) -> Outcome:
         """Time out, expire and forget groups of ``partition`` whose time has come."""
         out = Outcome()
-        due = []
-        for group_id, state in list(self.groups.items()):
-            if not isinstance(state, dict) or state.get("p") != partition:
+        due: list[tuple[str, OpenGroup | None]] = []
+        for group_id, data in list(self.groups.items()):
+            if stored_partition(data) != partition:
                 continue
-            if state.get("closed"):
-                if now - state["closed_at"] >= self.rules.closed_retention_s:
+            state = group_state_from_json(data)
+            if isinstance(state, ClosedGroup):
+                if now - state.closed_at >= self.rules.closed_retention_s:
                     due.append((group_id, None))
-            elif now - state["t0"] >= self.rules.group_timeout_s:
+            elif now - state.opened_at >= self.rules.group_timeout_s:
                 due.append((group_id, state))
-        for group_id, state in due:
-            if state is None:
+        for group_id, open_state in due:
+            if open_state is None:
                 del self.groups[group_id]
                 out.counts["closed_forgotten"] += 1
             else:
-                out.extend(self._time_out(group_id, state, now))
+                out.extend(self._time_out(open_state, now))
         return out
 
     # -- internals -----------------------------------------------------------------------
-    def _open_state(self, event: TrajectoryEvent | RewardEvent, src: SourceRef, now: float) -> dict[str, Any]:
+    def _open_state(self, event: TrajectoryEvent | RewardEvent, src: SourceRef, now: float) -> GroupState:
         """The group's state, or a fresh one for a group seen for the first time."""
-        state = self.groups.get(event.group_id)
-        return state if state is not None else self._new_state(event.group_id, event.example_id, src.partition, now)
+        data = self.groups.get(event.group_id)
+        if data is not None:
+            return group_state_from_json(data)
+        return OpenGroup(group_id=event.group_id, example_id=event.example_id, partition=src.partition, opened_at=now)
+
+    def _store(self, state: GroupState) -> None:
+        self.groups[state.group_id] = state.to_json()
 
     @staticmethod
-    def _on_closed(state: dict[str, Any], trajectory_id: str, duplicate_counter: str, late_message: str,
+    def _on_closed(state: ClosedGroup, trajectory_id: str, duplicate_counter: str, late_message: str,
                    out: Outcome, src: SourceRef, key: bytes | None, raw: bytes) -> None:
         """A record for a group already emitted or expired: a member's duplicate is counted, else dead-lettered."""
-        if trajectory_id in state["ids"]:
+        if trajectory_id in state.member_ids:
             out.counts[duplicate_counter] += 1
         else:
             out.rejects.append(Reject("group_closed", late_message, src, key, raw))
 
-    @staticmethod
-    def _new_state(group_id: str, example_id: str, partition: int, now: float) -> dict[str, Any]:
-        return {"g": group_id, "e": example_id, "r": "", "pol": "", "n": None, "p": partition, "t0": now,
-                "t1": 0.0, "m": {}, "pr": {}}
-
-    def _rewarded(self, state: dict[str, Any]) -> list[str]:
-        return [tid for tid, m in state["m"].items() if m["rw"] is not None]
-
-    def _maybe_complete(self, group_id: str, state: dict[str, Any], now: float) -> Outcome:
-        rewarded = self._rewarded(state)
-        if state["n"] is not None and len(rewarded) >= state["n"]:
-            out = self._finish(group_id, state, rewarded, GroupCompletion.full, now)
+    def _maybe_complete(self, state: OpenGroup, now: float) -> Outcome:
+        rewarded = state.rewarded_ids()
+        if state.group_size is not None and len(rewarded) >= state.group_size:
+            out = self._finish(state, rewarded, GroupCompletion.full, now)
             out.counts["groups_completed"] += 1
             return out
-        self.groups[group_id] = state
+        self._store(state)
         return Outcome()
 
-    def _time_out(self, group_id: str, state: dict[str, Any], now: float) -> Outcome:
-        rewarded = self._rewarded(state)
+    def _time_out(self, state: OpenGroup, now: float) -> Outcome:
+        rewarded = state.rewarded_ids()
         if rewarded and len(rewarded) >= self.rules.min_group_size:
-            out = self._finish(group_id, state, rewarded, GroupCompletion.timeout, now)
+            out = self._finish(state, rewarded, GroupCompletion.timeout, now)
             out.counts["groups_timed_out"] += 1
             return out
         out = Outcome()
-        for tid in list(state["m"]):
+        for tid in list(state.members):
             out.rejects.append(self._member_reject(state, tid, v.GROUP_EXPIRED,
-                                                   f"group {group_id} expired after {self.rules.group_timeout_s}s "
-                                                   f"with {len(rewarded)} rewarded of {state['n']} "
+                                                   f"group {state.group_id} expired after {self.rules.group_timeout_s}s "
+                                                   f"with {len(rewarded)} rewarded of {state.group_size} "
                                                    f"(min_group_size {self.rules.min_group_size})"))
         out.rejects += self._orphans(state)
         out.counts["groups_expired"] += 1
-        self._close(group_id, state, now)
+        self._close(state, now)
         return out
 
-    def _finish(self, group_id: str, state: dict[str, Any], rewarded: list[str], completion: GroupCompletion,
-                now: float) -> Outcome:
+    def _finish(self, state: OpenGroup, rewarded: list[str], completion: GroupCompletion, now: float) -> Outcome:
         out = Outcome()
         members: list[TrajectoryEvent] = []
         offsets: list[SourceOffset] = []
         for tid in rewarded:
-            m = state["m"][tid]
+            m = state.members[tid]
             event = self.codec.decode(self.members[tid], TrajectoryEvent)
-            event = event.model_copy(update={"reward": float(m["rw"]), "reward_components": m["comp"]})
+            event = event.model_copy(update={"reward": float(m.reward),  # type: ignore[arg-type]
+                                             "reward_components": m.reward_components})
             members.append(event)
-            offsets.append(SourceOffset(topic=m["src"][0], partition=m["src"][1], offset=m["src"][2]))
-            if m["rsrc"] is not None:
-                offsets.append(SourceOffset(topic=m["rsrc"][0], partition=m["rsrc"][1], offset=m["rsrc"][2]))
+            offsets.append(m.source.as_offset())
+            if m.reward_source is not None:
+                offsets.append(m.reward_source.as_offset())
         members.sort(key=lambda e: (e.generation_index, e.trajectory_id))
-        for tid in state["m"]:
+        for tid in state.members:
             if tid not in rewarded:
                 out.rejects.append(self._member_reject(state, tid, v.REWARD_TIMEOUT,
                                                        f"no reward within {self.rules.group_timeout_s}s; group "
-                                                       f"{group_id} was emitted without this member"))
+                                                       f"{state.group_id} was emitted without this member"))
         out.rejects += self._orphans(state)
         rewards = [float(e.reward) for e in members]  # type: ignore[arg-type]
         mean, std, lo, hi = group_stats(rewards)
         versions = [e.policy_version for e in members]
         first = members[0]
         group = TrajectoryGroup(
-            group_id=group_id, run_id=first.run_id, example_id=first.example_id, policy=first.policy,
-            min_policy_version=min(versions), max_policy_version=max(versions), expected_size=int(state["n"]),
+            group_id=state.group_id, run_id=first.run_id, example_id=first.example_id, policy=first.policy,
+            min_policy_version=min(versions), max_policy_version=max(versions),
+            expected_size=int(state.group_size),  # type: ignore[arg-type]
             trajectories=members, reward_mean=mean, reward_std=std, reward_min=lo, reward_max=hi,
             completion=completion, assembled_at=utc_now(), source_offsets=offsets,
         )
-        out.finished.append(Finished(group=group, last_member_ts=float(state["t1"])))
-        self._close(group_id, state, now)
+        out.finished.append(Finished(group=group, last_member_ts=state.last_record_ts))
+        self._close(state, now)
         return out
 
-    def _member_reject(self, state: dict[str, Any], tid: str, reason: str, message: str) -> Reject:
-        m = state["m"][tid]
-        key = m["k"].encode() if m.get("k") is not None else None
-        return Reject(reason, message, SourceRef.from_list(m["src"]), key, self.members.get(tid))
+    def _member_reject(self, state: OpenGroup, tid: str, reason: str, message: str) -> Reject:
+        m = state.members[tid]
+        return Reject(reason, message, m.source, m.key_bytes(), self.members.get(tid))
 
-    def _orphans(self, state: dict[str, Any]) -> list[Reject]:
-        return [Reject(v.ORPHAN_REWARD, f"reward {p['rw']} for trajectory {tid} of group {state['g']}: the "
-                       "trajectory never arrived", SourceRef.from_list(p["src"]), state["e"].encode(), None)
-                for tid, p in state["pr"].items()]
+    @staticmethod
+    def _orphans(state: OpenGroup) -> list[Reject]:
+        return [Reject(v.ORPHAN_REWARD, f"reward {p.reward} for trajectory {tid} of group {state.group_id}: the "
+                       "trajectory never arrived", p.source, state.example_id.encode(), None)
+                for tid, p in state.pending_rewards.items()]
 
-    def _close(self, group_id: str, state: dict[str, Any], now: float) -> None:
-        for tid in state["m"]:
+    def _close(self, state: OpenGroup, now: float) -> None:
+        for tid in state.members:
             if tid in self.members:
                 del self.members[tid]
-        self.groups[group_id] = {"g": group_id, "p": state["p"], "closed": True, "closed_at": now,
-                                 "ids": sorted(state["m"])}
+        self._store(ClosedGroup(group_id=state.group_id, partition=state.partition, closed_at=now,
+                                member_ids=sorted(state.members)))

@@ -35,11 +35,14 @@ def client_options(kafka: KafkaConfig) -> dict[str, Any]:
             cafile=str(kafka.ssl_cafile) if kafka.ssl_cafile else None,
             certfile=str(kafka.ssl_certfile) if kafka.ssl_certfile else None,
             keyfile=str(kafka.ssl_keyfile) if kafka.ssl_keyfile else None,
+            password=kafka.ssl_password.get_secret_value() if kafka.ssl_password else None,
         )
     if kafka.sasl_mechanism:
         opts["sasl_mechanism"] = kafka.sasl_mechanism
         opts["sasl_plain_username"] = kafka.sasl_plain_username
-        opts["sasl_plain_password"] = kafka.sasl_plain_password
+        # the one place the password is read in clear (it is a SecretStr everywhere else)
+        opts["sasl_plain_password"] = (kafka.sasl_plain_password.get_secret_value()
+                                       if kafka.sasl_plain_password is not None else None)
     return opts
 
 

@@ -68,8 +68,21 @@ LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_LEARNING_RATE = "learner/learning_rate"
 LEARNER_TOKENS = "learner/tokens"
 LEARNER_SEQUENCES = "learner/sequences"
+#: Trajectories in the step (a trajectory of several turns is several sequences).
+LEARNER_TRAJECTORIES = "learner/trajectories"
+#: Optimizer steps applied in the step (``learner.num_iterations``, fewer after a non-finite one).
+LEARNER_OPTIMIZER_STEPS = "learner/optimizer_steps"
+#: Optimizer steps skipped because the loss or the gradient was not finite (logged as a warning too).
+LEARNER_NONFINITE_SKIPPED = "learner/nonfinite_skipped"
 LEARNER_SECONDS = "learner/seconds"
 LEARNER_TOKENS_PER_S = "learner/tokens_per_s"
+#: Groups consumed but not trained on, totals since the learner started (tag ``reason``: ``other_policy``,
+#: ``other_run`` (``learner.run_ids``), ``validation``); never dead-lettered.
+LEARNER_GROUPS_SKIPPED = "learner/groups_skipped"
+#: Records of ``groups`` the learner dead-lettered (undecodable, or a group no step can use), total since start.
+LEARNER_DLQ_TOTAL = "learner/dlq_total"
+#: 1 per publication refused (tag ``reason``: ``nonfinite_weights``); the version is neither written nor announced.
+LEARNER_PUBLISH_REFUSED = "learner/publish_refused"
 
 # --- stream app (source ``streams:<worker>``, tag ``worker``; counters are totals since the worker started) --------
 #: The prefix of every stream-app name. A counter may carry a reason after one more dot
@@ -115,7 +128,10 @@ INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FA
 LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEARNER_LOSS, LEARNER_KL,
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
            LEARNER_REWARD_MEAN, LEARNER_REWARD_STD, LEARNER_ADVANTAGE_MEAN, LEARNER_ADVANTAGE_STD, LEARNER_GRAD_NORM,
-           LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
+           LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES, LEARNER_OPTIMIZER_STEPS,
+           LEARNER_NONFINITE_SKIPPED, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
+#: The learner's counters outside a step's figures.
+LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
            STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_CONSUMER_LAG,
            STREAMS_RECORDS_DEFERRED, STREAMS_RECORDS_SKIPPED, STREAMS_DLQ, STREAMS_DLQ_TOTAL, STREAMS_GROUPS_EMITTED,
@@ -123,7 +139,7 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN)
 #: Every name rlstream emits (a name in several groups appears once).
-ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + STREAMS))
+ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS))
 
 
 def split_streams_figure(key: str) -> tuple[str, str]:

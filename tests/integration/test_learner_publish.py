@@ -139,11 +139,13 @@ def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamCon
     held_out = random_group(cfg.policy, cfg.run_id, 99)
     for trajectory in held_out.trajectories:
         trajectory.source = TrajectorySource.validation
-    asyncio.run(produce_groups(cfg, [held_out] + [random_group(cfg.policy, cfg.run_id, i) for i in range(2)]))
+    placed = asyncio.run(produce_groups(cfg, [held_out] + [random_group(cfg.policy, cfg.run_id, i) for i in range(2)]))
     learner = Learner(cfg, holder="only")
     state = asyncio.run(learner.run())
     assert state.step == 1 and learner.validation_groups_skipped == 1
     (version,) = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1))
     assert version.group_count == 2  # the two training groups; the validation group was only consumed
-    assert sum(r.last - r.first + 1 for r in version.trained_on) == 3
+    # exact lineage: the two trained groups' offsets, not the consumed validation group's (was: 3, ranges of reads)
+    assert sum(r.last - r.first + 1 for r in version.trained_on) == 2
+    assert {(r.partition, o) for r in version.trained_on for o in range(r.first, r.last + 1)} == set(placed[1:])
     assert asyncio.run(read_topic(cfg, created_topics.dlq, DeadLetter, expect=1, timeout_s=3.0)) == []

@@ -267,3 +267,102 @@ def test_from_config_uses_the_kafka_limit() -> None:
 
     codec = AvroCodec.from_config(KafkaConfig(max_message_bytes=50_000))
     assert codec.registry is None and codec.max_bytes == 50_000
+
+
+# --- speed: no resolution for the reader's own version, schemas compiled once ---------------------------
+class ReaderSpy:
+    """Wraps fastavro.schemaless_reader and records the reader schema of every call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import fastavro
+
+        self.reader_schemas: list[Any] = []
+        real = fastavro.schemaless_reader
+
+        def spy(fo: Any, writer: Any, reader: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self.reader_schemas.append(reader)
+            return real(fo, writer, reader, *args, **kwargs)
+
+        monkeypatch.setattr(fastavro, "schemaless_reader", spy)
+
+
+class DoclessRegistry(DictRegistry):
+    """Its copy of a schema has no docs: the same version (same fingerprint) in other JSON text."""
+
+    def get_schema(self, schema_id: int) -> str:
+        def strip(node: Any) -> Any:
+            if isinstance(node, list):
+                return [strip(n) for n in node]
+            return {k: strip(v) for k, v in node.items() if k != "doc"} if isinstance(node, dict) else node
+
+        return json.dumps(strip(json.loads(super().get_schema(schema_id))))
+
+
+@pytest.mark.parametrize("registry", [None, DictRegistry, DoclessRegistry],
+                         ids=["single-object", "confluent", "confluent-other-json"])
+def test_same_version_is_read_without_resolution(monkeypatch: pytest.MonkeyPatch,
+                                                 registry: type[DictRegistry] | None) -> None:
+    shared = registry() if registry else None
+    traj = make_trajectory(turns=2, seed=4)
+    data = AvroCodec(registry=shared).encode(traj)
+    reader = AvroCodec(registry=shared)  # another process: the writer schema comes by id or fingerprint
+    spy = ReaderSpy(monkeypatch)
+    assert reader.decode(data, TrajectoryEvent) == traj
+    assert spy.reader_schemas == [None]
+
+
+def test_other_version_is_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = AvroCodec().encode(RewardEvent(**reward_record()))
+    new_reader = AvroCodec()
+    new_reader.add_schema(NEW_REWARD, reader=True)
+    spy = ReaderSpy(monkeypatch)
+    assert new_reader.decode_record(data, REWARD)["judge"] == "none"
+    assert spy.reader_schemas == [new_reader.parsed_schema(REWARD)]
+
+
+def test_schemas_are_parsed_and_fingerprinted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fastavro
+
+    import rlstream.schemas.codec as codec_module
+
+    class CountingRegistry(DictRegistry):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gets = 0
+
+        def get_schema(self, schema_id: int) -> str:
+            self.gets += 1
+            return super().get_schema(schema_id)
+
+    shared = CountingRegistry()
+    producers, consumer = [AvroCodec(), AvroCodec(registry=shared)], AvroCodec(registry=shared)
+    newer = reward_schema_with({"name": "parsed_once", "type": "string", "default": ""})  # new to this process
+    calls: list[str] = []
+    for module, name in [(fastavro, "parse_schema"), (codec_module, "schema_fingerprint"),
+                         (codec_module, "apache_avro_fingerprint")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    traj = make_trajectory(turns=2, seed=5)
+    for _ in range(3):
+        for producer in producers:
+            data = producer.encode(traj)
+            assert producer.decode(data, TrajectoryEvent) == traj
+            assert (consumer if producer.registry else AvroCodec()).decode(data, TrajectoryEvent) == traj
+        data = producers[0].encode_record(reward_record(parsed_once="x"), newer)
+        assert producers[0].decode_record(data)["parsed_once"] == "x"
+    # the one new schema, once: fastavro's parse plus the specification fingerprint's, and the avro package's
+    assert sorted(calls) == ["apache_avro_fingerprint", "parse_schema", "parse_schema", "schema_fingerprint"]
+    assert shared.gets == 1  # the consumer fetched the writer schema by id once
+
+
+def test_confluent_encode_with_a_schema_dict_registers_that_version() -> None:
+    """encode_record(record, schema_dict) is headed by the id of that version, not of the name's reader version."""
+    shared = DictRegistry()
+    writer = AvroCodec(registry=shared)
+    old = writer.encode(RewardEvent(**reward_record()))
+    new = writer.encode_record(reward_record(judge="gpt"), NEW_REWARD)
+    assert old[:5] != new[:5]
+    reader = AvroCodec(registry=shared)
+    reader.add_schema(NEW_REWARD, reader=True)
+    assert reader.decode_record(new, REWARD)["judge"] == "gpt"
+    assert reader.decode_record(old, REWARD)["judge"] == "none"

@@ -1,4 +1,5 @@
-"""Our GRPO loss and gradients equal TRL GRPOTrainer's on the same model and batch (TRL: test-only)."""
+"""Our GRPO loss and gradients equal TRL GRPOTrainer's on the same model and batch (TRL: test-only), at the first
+optimizer step of a batch and, with ``num_iterations`` 2, at the second (against the batch-start policy)."""
 from __future__ import annotations
 
 import copy
@@ -21,11 +22,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("trl"))
 
 
-def _trl_trainer(model, tokenizer, out: Path, loss_type: str, beta: float, max_len: int, scale: str):
+def _trl_trainer(model, tokenizer, out: Path, loss_type: str, beta: float, max_len: int, scale: str,
+                 num_iterations: int = 1):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=str(out), loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                      num_iterations=num_iterations,
                       scale_rewards=scale, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=max_len, temperature=1.0, report_to=[], use_cpu=True,
                       logging_steps=1, save_strategy="no", bf16=False, fp16=False,
@@ -84,3 +87,62 @@ def test_loss_and_gradients_equal_trl(model_dir: Path, tmp_path: Path, ours: str
         assert param.grad is not None, name
         torch.testing.assert_close(our_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert sum(g.abs().sum() for g in our_grads.values()) > 0
+
+
+@pytest.mark.parametrize("ours,theirs", AGGREGATIONS)
+def test_second_iteration_equals_trl_against_the_batch_start_policy(model_dir: Path, tmp_path: Path, ours: str,
+                                                                    theirs: str) -> None:
+    """num_iterations 2: after one optimizer step, the loss, gradients and clip fraction of the second step on the
+    same batch equal TRL's with ``old_per_token_logps`` = the batch-start policy's logprobs."""
+    torch.manual_seed(0)
+    beta, cap = 0.05, 1.5
+    samples = random_samples(groups=2, per_group=4, seed=3)
+    max_len = max(len(s.completion_ids) for s in samples)
+    cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), beta=beta, importance_cap=cap,
+                        loss_aggregation=ours, loss_constant=max_len, micro_batch_size=3, scale_rewards="group",
+                        device="cpu", num_iterations=2, learning_rate=2e-2)
+    policy = load_policy(cfg)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    batch = collate(samples, policy.pad_id)
+    with torch.no_grad():
+        batch_start = completion_logprobs(policy.model, batch)
+
+    step = GRPOTrainerStep(policy, cfg)
+    assign_advantages(samples, cfg.scale_rewards)
+    prepared = step.prepare(samples)
+    first, applied = step.optimizer_step(prepared, 0)
+    assert applied and first["clip_fraction"] == 0.0  # ratio 1 at the first step: the clip cannot act
+    trl_model = copy.deepcopy(policy.model)  # the moved policy (its gradients were dropped after the step)
+    figures = step.accumulate(prepared)  # the second step's forward/backward
+    our_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+    for k, mb in enumerate(prepared.micro_batches):  # the old logprobs stayed the batch-start policy's
+        rows = list(range(k * cfg.micro_batch_size, k * cfg.micro_batch_size + len(mb.batch.samples)))
+        torch.testing.assert_close(mb.old_logprobs * mb.batch.completion_mask,
+                                   batch_start[rows, : mb.batch.completion_len] * mb.batch.completion_mask)
+
+    p_len = batch.input_ids.size(1) - batch.completion_len
+    rewards = torch.tensor([s.reward for s in samples]).view(-1, 4)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+    with torch.no_grad():
+        ref = completion_logprobs(policy.reference, batch)
+    trainer = _trl_trainer(trl_model, policy.tokenizer, tmp_path, theirs, beta, max_len, "group", num_iterations=2)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    inputs = {
+        "prompt_ids": batch.input_ids[:, :p_len], "prompt_mask": batch.attention_mask[:, :p_len],
+        "completion_ids": batch.completion_ids, "completion_mask": batch.completion_mask,
+        "advantages": adv, "old_per_token_logps": batch_start, "ref_per_token_logps": ref,
+        "importance_sampling_ratio": torch.clamp(torch.exp(batch_start - batch.behaviour_logprobs), max=cap),
+    }
+    trl_model.train()
+    trl_loss = trainer._compute_loss(trl_model, inputs)
+    trl_loss.backward()
+
+    assert figures["loss"] == pytest.approx(trl_loss.item(), rel=1e-4, abs=1e-6)
+    assert figures["clip_fraction"] > 0  # the policy moved: the clip acts
+    assert figures["clip_fraction"] == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1],
+                                                     rel=1e-5)
+    for name, param in trl_model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(our_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -9,7 +9,8 @@ from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import CurriculumConfig, StreamsConfig
 from rlstream.schemas.models import GroupCompletion, TrajectoryEvent
 from rlstream.streams import validation as v
-from rlstream.streams.assembly import AssemblyRules, GroupAssembler, Outcome, SourceRef, group_stats
+from rlstream.streams.assembly import (AssemblyRules, ClosedGroup, GroupAssembler, OpenGroup, Outcome, SourceRef,
+                                       group_state_from_json, group_stats)
 from rlstream.streams.filters import CURRICULUM, STALE, ZERO_VARIANCE, apply_filters
 from tests.factories import make_reward, make_trajectory
 
@@ -101,6 +102,22 @@ def test_expiry_below_min_group_size() -> None:
     out = h.asm.on_tick(0, now=6.0)
     assert not out.finished and out.counts["groups_expired"] == 1
     assert sorted(r.reason for r in out.rejects) == sorted([v.GROUP_EXPIRED, v.GROUP_EXPIRED, v.ORPHAN_REWARD])
+
+
+def test_stored_state_keeps_the_changelog_layout() -> None:
+    """States written by earlier versions decode to the dataclasses and encode back unchanged (recovery)."""
+    open_json = {"g": "g1", "e": "ex", "r": "run", "pol": "pol", "n": 2, "p": 3, "t0": 1.5, "t1": 2.5,
+                 "m": {"t1": {"src": [T, 3, 7], "rw": None, "comp": {}, "rsrc": None, "v": 4, "k": "ex"},
+                       "t2": {"src": [T, 3, 8], "rw": 1.0, "comp": {"a": 1.0}, "rsrc": [R, 3, 9], "v": 5, "k": None}},
+                 "pr": {"t3": {"rw": 0.5, "comp": {"b": 0.5}, "src": [R, 3, 10]}}}
+    state = group_state_from_json(open_json)
+    assert isinstance(state, OpenGroup) and state.group_size == 2 and state.rewarded_ids() == ["t2"]
+    assert state.members["t2"].reward_source == SourceRef(R, 3, 9) and state.pending_rewards["t3"].reward == 0.5
+    assert state.to_json() == open_json
+    closed_json = {"g": "g1", "p": 3, "closed": True, "closed_at": 9.0, "ids": ["t1", "t2"]}
+    closed = group_state_from_json(closed_json)
+    assert isinstance(closed, ClosedGroup) and closed.member_ids == ["t1", "t2"]
+    assert closed.to_json() == closed_json
 
 
 def test_tick_only_touches_its_partition() -> None:

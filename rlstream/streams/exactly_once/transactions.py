@@ -13,15 +13,23 @@ Two gaps in Faust's exactly_once mode are closed here:
   keeps events from running between that drain and the commit, so an event's outputs and its state
   changes always land in the same transaction (an event whose offset missed the commit is then
   replayed against state that already holds it, and the assembler's dedupe makes that a no-op).
+
+:class:`SourcePartitionApp` is the ``faust.App`` whose consumer uses :class:`SourcePartitionTransactionManager`;
+the streams app hands that manager its :class:`TransactionSettings` through
+:meth:`SourcePartitionTransactionManager.configure` (nothing is stored on Faust's own objects).
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Awaitable, Mapping, Optional
 
+import faust
 from faust.streams import current_event
 from faust.transport.consumer import TransactionManager
+from faust.transport.drivers.aiokafka import Transport as AIOKafkaTransport
 from faust.types import TP, HeadersArg, RecordMetadata
+from faust.types.transports import TransportT
 
 
 class BufferTracker:
@@ -52,8 +60,25 @@ class BufferTracker:
             await asyncio.sleep(poll_s)
 
 
+@dataclass(frozen=True)
+class TransactionSettings:
+    """What the transaction manager needs from the streams app."""
+
+    source_topic: str  # an input topic: its partition groups own the co-partitioned changelog partitions
+    buffer_tracker: BufferTracker | None = None  # drained before every commit
+    processing_lock: asyncio.Lock | None = None  # held by every event; taken by the commit (exactly_once)
+
+
 class SourcePartitionTransactionManager(TransactionManager):
-    """Send inside the transaction of the current event's source partition; drain changelogs on commit."""
+    """Send inside the transaction of the current event's source partition; drain changelogs on commit.
+
+    Until :meth:`configure` is called it behaves like Faust's own manager for changelog records and commits."""
+
+    settings: TransactionSettings | None = None
+
+    def configure(self, settings: TransactionSettings) -> None:
+        """Set what the manager needs from the app (call before the app starts)."""
+        self.settings = settings
 
     async def send(
         self,
@@ -71,7 +96,7 @@ class SourcePartitionTransactionManager(TransactionManager):
             # table changelog records are sent from the producer buffer, outside the event: they belong
             # to the transaction of the source partition with their partition number (tables are
             # co-partitioned with the inputs), whatever topic group the assignor gave the changelog
-            source_topic: str | None = getattr(self.app, "rlstream_source_topic", None)
+            source_topic = self.settings.source_topic if self.settings is not None else None
             if source_topic is None or partition is None or topic not in self.app.tables.changelog_topics:
                 return await super().send(topic, key, value, partition, timestamp, headers)
             group = self.app.assignor.group_for_topic(source_topic)
@@ -83,8 +108,8 @@ class SourcePartitionTransactionManager(TransactionManager):
         return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
 
     async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
-        tracker: BufferTracker | None = getattr(self.app, "rlstream_buffer_tracker", None)
-        lock: asyncio.Lock | None = getattr(self.app, "rlstream_processing_lock", None)
+        tracker = self.settings.buffer_tracker if self.settings is not None else None
+        lock = self.settings.processing_lock if self.settings is not None else None
         if lock is None:
             if tracker is not None:
                 await tracker.drain()
@@ -93,3 +118,22 @@ class SourcePartitionTransactionManager(TransactionManager):
             if tracker is not None:
                 await tracker.drain()
             return await super().commit(offsets, start_new_transaction)
+
+
+class SourcePartitionTransport(AIOKafkaTransport):
+    """Faust's aiokafka transport, with :class:`SourcePartitionTransactionManager` as its transaction manager."""
+
+    TransactionManager = SourcePartitionTransactionManager
+
+
+class SourcePartitionApp(faust.App):
+    """A ``faust.App`` whose consumer transport is :class:`SourcePartitionTransport` (broker: kafka:// only)."""
+
+    def _new_transport(self) -> TransportT:
+        return SourcePartitionTransport(self.conf.broker_consumer, self)
+
+    def transaction_manager(self) -> SourcePartitionTransactionManager:
+        """The consumer's transaction manager (creates the consumer if needed)."""
+        manager = self.consumer.transactions
+        assert isinstance(manager, SourcePartitionTransactionManager), type(manager)
+        return manager
