@@ -28,9 +28,20 @@ def _tier(item: pytest.Item) -> str:
     return next((marker for directory, marker in TIER_BY_DIR.items() if directory in parts), "slow")
 
 
+#: Tests that must share one pytest-xdist worker (``--dist loadgroup``): the modules of the session's one vLLM
+#: server, and each module whose module-scoped fixtures are expensive. Everything else is spread over the workers.
+XDIST_GROUP_OF_MODULE = {
+    "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
+    "test_wheel_install": "wheel", "test_up_learns": "up", "test_streams_recovery": "streams-chaos",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
+        group = XDIST_GROUP_OF_MODULE.get(Path(str(item.fspath)).stem)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: TIER_ORDER.index(_tier(item)))  # stable: file order kept within a tier
 
 

@@ -355,17 +355,16 @@ class GRPOTrainerAdapter(TrainerAdapter):
         return {"loss": sum(losses) / len(losses) if losses else 0.0, "steps": float(steps),
                 "skipped_trajectories": float(skipped)}
 
-    def _ranges(self, group_ids: list[str]) -> dict[int, list[int]]:
-        ranges: dict[int, list[int]] = {}
+    def _offsets(self, group_ids: list[str]) -> dict[int, list[int]]:
+        """Per ``groups`` partition, the offsets of the submitted groups (the version's exact lineage)."""
+        offsets: dict[int, list[int]] = {}
         collector = self.context.collector
         for gid in group_ids:
             where = collector.positions.get(gid) if collector is not None else None
-            if where is None:
-                continue
-            partition, offset = where
-            lo, hi = ranges.get(partition, [offset, offset])
-            ranges[partition] = [min(lo, offset), max(hi, offset)]
-        return ranges
+            if where is not None:
+                partition, offset = where
+                offsets.setdefault(partition, []).append(offset)
+        return offsets
 
     async def _run_job(self, ref: TrainingJobRef, job: _Job, groups: list[list[TrajectoryEvent]]) -> None:
         from rlstream.learner.publish import announce, write_version
@@ -393,7 +392,7 @@ class GRPOTrainerAdapter(TrainerAdapter):
                            policy_name=self.cfg.policy, run_id=self.cfg.run_id, directory=directory,
                            manifest=manifest, version=version, step=self.learner_step,
                            kind=WeightsKind.lora if self.policy.lora else WeightsKind.full,
-                           base_model=self.policy.base_model, ranges=self._ranges(ref.metadata["group_ids"]),
+                           base_model=self.policy.base_model, offsets=self._offsets(ref.metadata["group_ids"]),
                            group_count=len(groups), metrics=job.figures, lease_ttl_s=self.cfg.learner.lease_ttl_s)
             self.version = version
             self._set(job, TrainingStatusEnum.RUNNING, 90.0, f"version {version} published; vLLM loading it",
