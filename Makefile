@@ -7,8 +7,11 @@ bootstrap:
 up: bootstrap
 	.venv/bin/rlstream up $(ARGS)
 
+# Unit tier first (seconds; a broken unit stops the run early), then every other tier on two pytest-xdist workers
+# (tests that share a vLLM server or an expensive fixture stay on one worker: tests/conftest.py, --dist loadgroup).
 test: bootstrap
-	.venv/bin/python -m pytest tests --durations=15 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests -m unit $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests -m "not unit" -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 test-fast: bootstrap
 	.venv/bin/python -m pytest tests -m "unit or integration" $(PYTEST_ARGS)

@@ -49,8 +49,10 @@ class Worker:
     """``python -m rlstream.cli streams worker`` as a child process (its own session, stopped by PID)."""
 
     def __init__(self, cfg: RlstreamConfig, worker_id: str, log_dir: Path, **extra: Any) -> None:
+        # RLSTREAM_TEST_WORKER_LOGLEVEL=INFO keeps Faust's own recovery and rebalance lines in the worker log
+        loglevel = os.environ.get("RLSTREAM_TEST_WORKER_LOGLEVEL", "WARNING")
         self.cmd = [sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
-                    *worker_overrides(cfg, **extra)]
+                    "--loglevel", loglevel, *worker_overrides(cfg, **extra)]
         self.log_path = log_dir / f"{worker_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any, Coroutine, Optional, Sequence, TypeVar
@@ -13,8 +15,19 @@ from typer.core import TyperGroup
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config
 
 T = TypeVar("T")
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+#: Off a terminal (a pipe, a file, a test) tables are rendered this wide instead of rich's 80 columns, so that ids
+#: and offsets are never cut with an ellipsis; ``COLUMNS`` overrides it.
+PIPE_WIDTH = 240
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS", PIPE_WIDTH))
+    return Console(stderr=stderr, width=width)
+
+
+console = _console(stderr=False)
+err_console = _console(stderr=True)
 
 
 class LogFormat(str, Enum):

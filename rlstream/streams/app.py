@@ -40,7 +40,8 @@ from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.telemetry import Telemetry
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
-from rlstream.streams.exactly_once.transactions import BufferTracker, SourcePartitionApp, TransactionSettings
+from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
+                                                        check_guarantee)
 
 log = get_logger(__name__)
 SERVICE = "streams"
@@ -243,6 +244,15 @@ class StreamsApp:
                     await acked.ack(event)
 
         @app.task
+        async def check_transaction_mode() -> None:
+            # runs once the worker has started: an exactly_once worker without transactions would lose and repeat
+            # state changes on a crash, so it stops instead
+            problem = check_guarantee(self.app, self.cfg.streams.processing_guarantee == "exactly_once")
+            if problem is not None:
+                log.error("streams worker stops: wrong transaction mode", problem=problem)
+                await self.app.crash(RuntimeError(problem))
+
+        @app.task
         async def follow_policy_versions() -> None:
             await self.policy.run()
 
@@ -293,6 +303,7 @@ class StreamsApp:
             self.telemetry.count("records_deferred")
             return Admission.LATER
         if self.gate.resync_needed:
+            self._debug_markers(msg)  # DEBUG
             await self.gate.resync()
         if msg.topic == self.ticks:
             await self.handle(msg)
@@ -320,12 +331,50 @@ class StreamsApp:
             except Exception as exc:  # a bug must not stop the stream: the record goes to the dlq
                 log.exception("record could not be processed", topic=msg.topic, partition=msg.partition,
                               offset=msg.offset)
+                self._debug_dump(msg)  # DEBUG
                 outcome = Outcome(rejects=[Reject("processing_error", f"{type(exc).__name__}: {exc}", src, msg.key,
                                                   msg.value)])
         await self.publish(outcome, msg.partition)
         if msg.topic != self.ticks:
             self.gate.applied(msg.topic, msg.partition, msg.offset)
         await self.send_table_changes()
+
+    def _debug_outside(self, fn: Any) -> Any:  # DEBUG (temporary)
+        import contextvars
+        from faust.streams import _current_event
+
+        def run() -> Any:
+            _current_event.set(None)
+            return fn()
+        return contextvars.copy_context().run(run)
+
+    def _debug_markers(self, msg: Any) -> None:  # DEBUG (temporary)
+        from faust.streams import current_event
+        ev = current_event()
+        rows = {}
+        for tp in sorted(self.app.consumer.assignment()):
+            if tp.topic not in (self.names.trajectories, self.names.rewards):
+                continue
+            key = f"{tp.topic}:{tp.partition}"
+            rows[key.split(".")[-1]] = [self.progress_table.get(key),
+                                        self._debug_outside(lambda k=key: self.progress_table.get(k))]
+        log.warning("DEBUG resync markers (in event, outside event)", event_tp=None if ev is None else
+                    f"{ev.message.topic.split('.')[-1]}:{ev.message.partition}:{ev.message.offset}", rows=rows)
+
+    def _debug_dump(self, msg: Any) -> None:  # DEBUG (temporary)
+        try:
+            event = self.codec.decode(msg.value, TrajectoryEvent if msg.topic == self.names.trajectories else RewardEvent)
+            gid = event.group_id
+            state_in = self.group_table.get(gid)
+            state_out = self._debug_outside(lambda: self.group_table.get(gid))
+            tids = list((state_in or {}).get("m", {})) + [getattr(event, "trajectory_id", None)]
+            members = {t: [t in self.member_table, self._debug_outside(lambda t=t: t in self.member_table)] for t in tids}
+            key = f"{msg.topic}:{msg.partition}"
+            log.warning("DEBUG state at processing error", group=gid, state_in=state_in, state_out=state_out,
+                        members=members, marker_in=self.progress_table.get(key),
+                        marker_out=self._debug_outside(lambda: self.progress_table.get(key)))
+        except Exception as exc:
+            log.warning("DEBUG dump failed", error=repr(exc))
 
     async def send_table_changes(self) -> None:
         """Hand this record's queued changelog records to the producer now, inside the record's context
@@ -439,6 +488,15 @@ class StreamsApp:
         return float(lag)
 
     async def report(self) -> None:
+        self._debug_reports = getattr(self, "_debug_reports", 0) + 1  # DEBUG (temporary)
+        if self._debug_reports % 5 == 1:
+            c = self.app.consumer
+            tm = c.transactions
+            log.warning("DEBUG transaction flags", in_worker=self.app.in_worker, app_in_transaction=self.app.in_transaction,
+                        consumer_in_transaction=c.in_transaction,
+                        isolation=getattr(getattr(c._thread, "_consumer", None), "_isolation_level", "?"),
+                        txn_producers=sorted(self.app.producer._transaction_producers),
+                        tm_configured=tm.settings is not None, tm_commits=getattr(tm, "_debug_commits", 0))
         if self._metrics is None:
             return
         figures = self.telemetry.report()

@@ -43,7 +43,7 @@ def fresh_venv(path: Path) -> Path:
 
 def test_the_core_wheel_is_the_sdk_without_torch(wheel: Path, tmp_path: Path) -> None:
     bin_dir = fresh_venv(tmp_path / "venv")
-    run([str(bin_dir / "pip"), "install", "-q", str(wheel)], timeout=600)
+    run([str(bin_dir / "pip"), "install", "-q", "--no-compile", str(wheel)], timeout=600)
     probe = ("import importlib.util, sys, rlstream\n"
              "assert callable(rlstream.instrument) and rlstream.TrajectoryPublisher and rlstream.load_config\n"
              "heavy = [m for m in ('torch', 'transformers', 'faust', 'matplotlib', 'noida_db')"
@@ -62,8 +62,8 @@ def test_the_core_wheel_is_the_sdk_without_torch(wheel: Path, tmp_path: Path) ->
 
 def test_the_all_wheel_runs_up_from_an_empty_directory(wheel: Path, tmp_path: Path) -> None:
     bin_dir = fresh_venv(tmp_path / "venv")
-    run([str(bin_dir / "pip"), "install", "-q", "-c", str(ROOT / "constraints-cpu.txt"), f"{wheel}[all]"],
-        timeout=900)
+    run([str(bin_dir / "pip"), "install", "-q", "--no-compile", "-c", str(ROOT / "constraints-cpu.txt"),
+         f"{wheel}[all]"], timeout=900)
     # the vLLM requirements travel inside the wheel, and the vLLM venv never lands in site-packages
     where = run([str(bin_dir / "python"), "-c",
                  "from rlstream.ops.vllm import REQUIREMENTS, default_venv_dir; "

@@ -120,3 +120,24 @@ def install_full_recovery(app: Any, settled: SettledTransactions | None = None) 
         await original(assigned, revoked, newly_assigned, generation_id)
 
     recovery.on_rebalance = on_rebalance
+    if settled is not None:
+        _debug_instrument_highwaters(app, settled)
+
+
+def _debug_instrument_highwaters(app: Any, settled: SettledTransactions) -> None:  # TEMPORARY (evidence)
+    recovery = app.tables.recovery
+    original = recovery._build_highwaters
+
+    async def build(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        await original(consumer, tps, destination, title)
+        if not tps:
+            return
+        committed, _ = await settled._consumers()
+        parts = [TopicPartition(tp.topic, tp.partition) for tp in tps]
+        lso = await committed.end_offsets(parts)
+        rows = {f"{tp.topic.rsplit('-', 2)[-2]}:{tp.partition}": [destination.get(tp), lso[TopicPartition(tp.topic, tp.partition)] - 1]
+                for tp in sorted(tps)}
+        log.warning("DEBUG recovery highwaters (faust, list_offsets LSO-1)", title=title, rows=rows,
+                    differ=sorted(k for k, (a, b) in rows.items() if a != b))
+
+    recovery._build_highwaters = build

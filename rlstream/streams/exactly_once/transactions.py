@@ -17,6 +17,15 @@ Two gaps in Faust's exactly_once mode are closed here:
 :class:`SourcePartitionApp` is the ``faust.App`` whose consumer uses :class:`SourcePartitionTransactionManager`;
 the streams app hands that manager its :class:`TransactionSettings` through
 :meth:`SourcePartitionTransactionManager.configure` (nothing is stored on Faust's own objects).
+
+Whether Faust uses transactions at all is decided by ``App.in_transaction``: ``in_worker`` and
+processing_guarantee exactly_once. Faust caches that property on first read, and its consumer copies it
+once when it is built; ``in_worker`` only becomes true when ``faust.Worker`` starts. The streams app builds
+its consumer (and configures the manager above) before that, so in Faust's own classes the worker would
+run with transactions silently off: plain producers, plain offset commits, read_uncommitted recovery, and
+a SIGKILL leaves whatever prefix of a record's writes had been sent. :class:`SourcePartitionApp` and
+:class:`SourcePartitionConsumer` therefore read the flag live, and :func:`check_guarantee` lets the
+worker refuse to run exactly_once without it.
 """
 from __future__ import annotations
 
@@ -27,8 +36,10 @@ from typing import Any, Awaitable, Mapping, Optional
 import faust
 from faust.streams import current_event
 from faust.transport.consumer import TransactionManager
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 from faust.transport.drivers.aiokafka import Transport as AIOKafkaTransport
 from faust.types import TP, HeadersArg, RecordMetadata
+from faust.types.enums import ProcessingGuarantee
 from faust.types.transports import TransportT
 
 
@@ -108,6 +119,7 @@ class SourcePartitionTransactionManager(TransactionManager):
         return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
 
     async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
+        self._debug_commits = getattr(self, "_debug_commits", 0) + 1  # DEBUG (temporary)
         tracker = self.settings.buffer_tracker if self.settings is not None else None
         lock = self.settings.processing_lock if self.settings is not None else None
         if lock is None:
@@ -120,14 +132,34 @@ class SourcePartitionTransactionManager(TransactionManager):
             return await super().commit(offsets, start_new_transaction)
 
 
+class SourcePartitionConsumer(AIOKafkaConsumer):
+    """Faust's aiokafka consumer whose ``in_transaction`` follows the app (Faust copies it once, at build time,
+    which may be before the worker starts; see the module docstring)."""
+
+    @property  # type: ignore[override]
+    def in_transaction(self) -> bool:
+        return bool(self.app.in_transaction)
+
+    @in_transaction.setter
+    def in_transaction(self, value: bool) -> None:
+        """Faust's constructor assigns the app's value of that moment; the live value is read instead."""
+
+
 class SourcePartitionTransport(AIOKafkaTransport):
     """Faust's aiokafka transport, with :class:`SourcePartitionTransactionManager` as its transaction manager."""
 
+    Consumer = SourcePartitionConsumer
     TransactionManager = SourcePartitionTransactionManager
 
 
 class SourcePartitionApp(faust.App):
     """A ``faust.App`` whose consumer transport is :class:`SourcePartitionTransport` (broker: kafka:// only)."""
+
+    @property  # type: ignore[override]
+    def in_transaction(self) -> bool:
+        """Faust's rule (in a worker, with processing_guarantee exactly_once), read live instead of cached on the
+        first read: anything that reads it before ``faust.Worker`` starts would otherwise turn transactions off."""
+        return bool(self.in_worker and self.conf.processing_guarantee == ProcessingGuarantee.EXACTLY_ONCE)
 
     def _new_transport(self) -> TransportT:
         return SourcePartitionTransport(self.conf.broker_consumer, self)
@@ -137,3 +169,15 @@ class SourcePartitionApp(faust.App):
         manager = self.consumer.transactions
         assert isinstance(manager, SourcePartitionTransactionManager), type(manager)
         return manager
+
+
+def check_guarantee(app: faust.App, exactly_once: bool) -> str | None:
+    """What is wrong with the running worker's transaction mode (None when it matches the configured guarantee):
+    an exactly_once worker must use transactions in the app and in its consumer."""
+    if not exactly_once:
+        return None
+    if not app.in_transaction:
+        return "processing_guarantee is exactly_once but the app does not use transactions"
+    if not app.consumer.in_transaction:
+        return "processing_guarantee is exactly_once but the consumer does not use transactions"
+    return None
