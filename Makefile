@@ -17,5 +17,6 @@ test-fast: bootstrap
 	.venv/bin/python -m pytest tests -m "unit or integration" $(PYTEST_ARGS)
 
 bench: bootstrap
+	.venv/bin/python bench/codec_speed.py
 	.venv/bin/python bench/streams_throughput.py
 	.venv/bin/python bench/learner_step.py
