@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from rlstream.cli.common import ConfigOption, OverrideOption, console, load_or_exit
-from rlstream.cli.ops import OutputFormat, _run_or_exit
+from rlstream.cli.ops import OutputFormat, run_or_exit
 
 
 def lineage_command(
@@ -22,7 +22,7 @@ def lineage_command(
     from rlstream.ops.lineage import render_lineage, version_lineage
 
     cfg = load_or_exit(config, override)
-    lineage = _run_or_exit(version_lineage(cfg, version, policy))
+    lineage = run_or_exit(version_lineage(cfg, version, policy))
     if fmt == OutputFormat.json:
         print(json.dumps(lineage.to_dict()))
     else:

@@ -29,7 +29,7 @@ class TailKind(str, Enum):
     versions = "versions"
 
 
-def _run_or_exit(coro: Coroutine[Any, Any, T]) -> T:
+def run_or_exit(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn the errors an operator can act on into a message and an exit code."""
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
@@ -79,7 +79,7 @@ def replay_command(
     except ReplayError as exc:
         err_console.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(code=2) from None
-    report = _run_or_exit(replay(cfg, run_id, first, last, selection, into_prefix=into_prefix,
+    report = run_or_exit(replay(cfg, run_id, first, last, selection, into_prefix=into_prefix,
                                  join_rewards=join_rewards))
     if fmt == OutputFormat.json:
         print(json.dumps(report.to_dict()))
@@ -116,7 +116,7 @@ def tail_command(
     options = TailOptions(run=run, follow=follow, from_beginning=from_beginning, last=last, max_messages=max_messages,
                           idle_timeout_s=idle_timeout, group=group)
     try:
-        _run_or_exit(run_tail(cfg, kind.value, options, fmt.value, out=sys.stdout))
+        run_or_exit(run_tail(cfg, kind.value, options, fmt.value, out=sys.stdout))
     except KeyboardInterrupt:
         raise typer.Exit(code=130) from None
 
@@ -132,7 +132,7 @@ def status_command(
     from rlstream.ops.status import collect_status, render_status
 
     cfg = load_or_exit(config, override)
-    status = _run_or_exit(collect_status(cfg, run, versions))
+    status = run_or_exit(collect_status(cfg, run, versions))
     if fmt == OutputFormat.json:
         print(json.dumps(status, default=str))
     else:
@@ -149,7 +149,7 @@ def plot_command(
     from rlstream.ops.plot import plot_run
 
     cfg = load_or_exit(config, override)
-    path, metrics = _run_or_exit(plot_run(cfg, run, out))
+    path, metrics = run_or_exit(plot_run(cfg, run, out))
     points = sum(len(s.points) for s in metrics.series.values())
     print(f"{path}  ({len(metrics.series)} series, {points} points)")
 
