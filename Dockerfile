@@ -18,7 +18,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch; else pip install torch; fi
 COPY rlstream ./rlstream
-RUN pip install ".[streams,learner,rocksdb]" && rlstream --help > /dev/null
+RUN pip install ".[streams,learner,gateway,rocksdb]" && rlstream --help > /dev/null
 
 RUN useradd --create-home --uid 1000 rlstream && mkdir -p /data /weights && chown rlstream /data /weights
 USER rlstream

@@ -32,6 +32,7 @@ def _tier(item: pytest.Item) -> str:
 #: server, and each module whose module-scoped fixtures are expensive. Everything else is spread over the workers.
 XDIST_GROUP_OF_MODULE = {
     "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
+    "test_gateway": "vllm",
     "test_wheel_install": "wheel", "test_up_learns": "up", "test_streams_recovery": "streams-chaos",
 }
 

@@ -30,6 +30,7 @@ from rlstream.cli.inference import inference_app; app.add_typer(inference_app, n
 from rlstream.cli.learner import learner_app; app.add_typer(learner_app, name="learner")  # noqa: E402,E702
 from rlstream.cli.up import register as register_up; register_up(app)  # noqa: E402,E702
 from rlstream.cli.finetune import register as register_finetune; register_finetune(app)  # noqa: E402,E702
+from rlstream.cli.gateway import gateway_app; app.add_typer(gateway_app, name="gateway")  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 
@@ -194,6 +195,7 @@ EXTRA_OF_MODULE = {
     "torch": "learner", "transformers": "learner", "peft": "learner", "safetensors": "learner",
     "tokenizers": "learner",
     "noida_db": "local", "matplotlib": "local", "platformdirs": "local",
+    "starlette": "gateway", "uvicorn": "gateway",
 }
 
 

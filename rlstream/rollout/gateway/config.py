@@ -1,0 +1,35 @@
+"""Settings of ``rlstream gateway`` (a typed model; the CLI fills it from options and the main config)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GatewayConfig(BaseModel):
+    """The capture gateway: an OpenAI-compatible server in front of one upstream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535, description="0 = a free port")
+    upstream_url: str = Field("http://127.0.0.1:8000", description="OpenAI-compatible server (with or without /v1)")
+    upstream_api_key: str | None = Field(None, description="sent upstream as a bearer token when set")
+    upstream_timeout_s: float = Field(600.0, gt=0)
+    run_id: str = "run-0"
+    policy: str = Field("policy", description="the policy the captured trajectories train")
+    served_model: str = Field("policy", description="the base model name at the upstream; requests for it (or "
+                              "for the policy name) are routed to the newest loaded version when a router is set")
+    policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
+    session_idle_s: float = Field(300.0, gt=0, description="an open session trajectory is published this long "
+                                  "after its last call")
+    queue_size: int = Field(10_000, ge=1, description="events waiting for Kafka; past it events are dropped "
+                            "(counted and logged), never the response")
+    remembered_trajectories: int = Field(100_000, ge=1, description="trajectory ids kept for /v1/feedback")
+    request_token_data: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
+    producer_id: str = "gateway"
+    drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
+
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL ending in ``/v1``."""
+        url = self.upstream_url.rstrip("/")
+        return url if url.endswith("/v1") else url + "/v1"

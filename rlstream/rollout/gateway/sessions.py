@@ -1,0 +1,164 @@
+"""Sessions: the calls of one session form one multi-turn trajectory while each prompt extends the previous
+prompt + completion token for token (Agent Lightning's rule); otherwise a new trajectory starts."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlstream.rollout.capture import RecordedCall, Recording, _same_message
+from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource, new_id
+
+
+def extends(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> bool:
+    """True when a call with ``prompt_ids`` / ``messages`` continues ``previous``.
+
+    With token ids on both sides: the new prompt must start with the previous prompt + completion, token
+    for token (a re-tokenized reply that differs breaks the trajectory). Without them (an upstream that
+    returns no token ids): the new messages must start with the previous messages and reply.
+    """
+    turn = previous.turn
+    if prompt_ids is not None and turn.prompt_token_ids is not None and turn.completion_token_ids is not None:
+        prefix = [*turn.prompt_token_ids, *turn.completion_token_ids]
+        return len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix
+    before = [*previous.request_messages, previous.response_message]
+    return len(messages) > len(before) and all(_same_message(a, b) for a, b in zip(messages, before))
+
+
+@dataclass
+class Trajectory:
+    """One trajectory being captured (a session's current one, or a single call's)."""
+
+    session_id: str | None
+    policy_version: int
+    task: str | None = None
+    trajectory_id: str = field(default_factory=new_id)
+    recording: Recording = field(default_factory=Recording)
+    last_active: float = field(default_factory=time.monotonic)
+    closed: bool = False
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def example_id(self) -> str:
+        """The task names the baseline key; without one each trajectory is its own example."""
+        return self.task or self.trajectory_id
+
+    @property
+    def group_id(self) -> str:
+        return self.trajectory_id
+
+    def add(self, call: RecordedCall) -> None:
+        self.recording.add(call)
+        self.last_active = time.monotonic()
+
+    def to_event(self, *, run_id: str, policy: str, producer_id: str) -> TrajectoryEvent:
+        meta: dict[str, str] = {"capture": "gateway"}
+        if self.session_id:
+            meta["session_id"] = self.session_id
+        if self.task:
+            meta["task"] = self.task
+        event = self.recording.to_event(
+            run_id=run_id, example_id=self.example_id, group_id=self.group_id, group_size=1, generation_index=0,
+            policy=policy, policy_version=self.policy_version, reward=self.reward,
+            reward_components=self.reward_components, metadata=meta, source=TrajectorySource.production,
+            producer_id=producer_id)
+        return event.model_copy(update={"trajectory_id": self.trajectory_id})
+
+
+@dataclass(frozen=True)
+class KnownTrajectory:
+    """What /v1/feedback needs to address a reward to a trajectory."""
+
+    trajectory_id: str
+    example_id: str
+    group_id: str
+
+
+class SessionStore:
+    """Open session trajectories, and the ids of recent trajectories (for feedback)."""
+
+    def __init__(self, idle_s: float, remembered: int = 100_000) -> None:
+        self.idle_s = idle_s
+        self.remembered = remembered
+        self.open: dict[str, Trajectory] = {}
+        self.known: OrderedDict[str, KnownTrajectory] = OrderedDict()
+        self.session_last: OrderedDict[str, str] = OrderedDict()  # session id -> its latest trajectory id
+
+    def remember(self, traj: Trajectory) -> None:
+        self.known[traj.trajectory_id] = KnownTrajectory(traj.trajectory_id, traj.example_id, traj.group_id)
+        self.known.move_to_end(traj.trajectory_id)
+        if traj.session_id:
+            self.session_last[traj.session_id] = traj.trajectory_id
+            self.session_last.move_to_end(traj.session_id)
+        while len(self.known) > self.remembered:
+            self.known.popitem(last=False)
+        while len(self.session_last) > self.remembered:
+            self.session_last.popitem(last=False)
+
+    def begin(self, session_id: str | None, prompt_ids: list[int] | None, messages: list[Message],
+              policy_version: int, task: str | None = None) -> tuple[Trajectory, Trajectory | None]:
+        """(the trajectory this call joins, a trajectory it closes: to publish now, or None)."""
+        closed = None
+        if session_id is not None:
+            current = self.open.get(session_id)
+            if current is not None and current.recording.calls and extends(
+                    current.recording.calls[-1], prompt_ids, messages):
+                current.last_active = time.monotonic()
+                return current, None
+            if current is not None:
+                closed = self.close(session_id)
+        traj = Trajectory(session_id=session_id, policy_version=policy_version, task=task)
+        if session_id is not None:
+            self.open[session_id] = traj
+        self.remember(traj)
+        return traj, closed
+
+    def close(self, session_id: str) -> Trajectory | None:
+        """Take a session's open trajectory out (to publish); None when it has none (or no calls)."""
+        traj = self.open.pop(session_id, None)
+        if traj is None:
+            return None
+        traj.closed = True
+        return traj if traj.recording.calls else None
+
+    def idle(self, now: float | None = None) -> list[Trajectory]:
+        """Close and return the trajectories of sessions idle for ``idle_s``."""
+        now = time.monotonic() if now is None else now
+        stale = [sid for sid, traj in self.open.items() if now - traj.last_active >= self.idle_s]
+        return [t for t in (self.close(sid) for sid in stale) if t is not None]
+
+    def close_all(self) -> list[Trajectory]:
+        return [t for t in (self.close(sid) for sid in list(self.open)) if t is not None]
+
+    def lookup(self, trajectory_id: str | None = None, session_id: str | None = None) -> KnownTrajectory | None:
+        if trajectory_id:
+            return self.known.get(trajectory_id)
+        if session_id and session_id in self.session_last:
+            return self.known.get(self.session_last[session_id])
+        return None
+
+    def open_trajectory(self, trajectory_id: str) -> Trajectory | None:
+        for traj in self.open.values():
+            if traj.trajectory_id == trajectory_id:
+                return traj
+        return None
+
+
+def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: list[int] | None,
+                  completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
+                  served_model: str) -> RecordedCall:
+    """A gateway call as capture's RecordedCall (grammar-constrained logprobs dropped, as capture does)."""
+    from rlstream.rollout.capture import constrained, to_message
+    from rlstream.schemas.models import Turn
+
+    if logprobs is not None and constrained({**request, "extra_body": {
+            k: v for k, v in request.items() if k.startswith("guided_") or k == "structured_outputs"}}):
+        logprobs = None
+    if completion_ids is not None and logprobs is not None and len(completion_ids) != len(logprobs):
+        logprobs = None
+    turn = Turn(model=str(request.get("model")), prompt_token_ids=prompt_ids, completion_token_ids=completion_ids,
+                completion_logprobs=logprobs, trainable=True, finish_reason=finish_reason)
+    return RecordedCall(request_messages=[to_message(m) for m in request.get("messages", [])],
+                        response_message=to_message(message), turn=turn, served_model=served_model)

