@@ -300,8 +300,10 @@ class FinetuneContext:
         from rlstream.inference.sync import InferenceSyncWorker
         from rlstream.inference.vllm_backend import VllmBackend
 
+        # the trainer writes its versions under finetuning.output_dir: the sync worker may load from there only
+        roots = [*self.cfg.inference.weights_roots, str(self.output_dir / "versions")]
         sync_cfg = with_section(self.cfg, "inference", url=self.server_url, worker_id=self.worker_id,
-                                served_model=self.cfg.rollout.model)
+                                served_model=self.cfg.rollout.model, weights_roots=roots)
         self._sync_backend = VllmBackend(self.server_url, self.cfg.inference.request_timeout_s)
         assert self.control is not None
         worker = InferenceSyncWorker(sync_cfg, self._sync_backend, self.control)

@@ -1,8 +1,18 @@
-"""Checking a PolicyVersion's weight files against its sha256 manifest before anything is loaded."""
+"""Checking a PolicyVersion's weight files against its sha256 manifest before anything is loaded.
+
+Version records are untrusted input: anyone who can write to ``policy-versions`` can announce any ``uri``.
+:func:`verify` therefore also refuses a ``uri`` that does not lie under one of the allowed roots (after resolving
+symlinks and ``..``) and a weights directory holding files the manifest does not list. :func:`stage` then copies
+the listed files into a private staging directory, hashing the very bytes it writes; what is handed to vLLM is that
+copy, so what was verified is what is loaded (a file swapped in the source directory after the check is never read).
+"""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import unquote, urlparse
 
 from rlstream.schemas.models import FileDigest, PolicyVersion
@@ -10,6 +20,32 @@ from rlstream.schemas.models import FileDigest, PolicyVersion
 
 class ManifestError(ValueError):
     """The weight files do not match the manifest (missing, wrong size, wrong sha256, unsafe path)."""
+
+
+class UntrustedVersion(ManifestError):
+    """A version record refused before any weight is read; ``reason`` is the metric tag."""
+
+    reason = "untrusted"
+
+
+class UriOutsideRoots(UntrustedVersion):
+    reason = "uri_outside_roots"
+
+
+class FileNotInManifest(UntrustedVersion):
+    reason = "file_not_in_manifest"
+
+
+class VersionJump(UntrustedVersion):
+    reason = "version_jump"
+
+
+class StaleFencingToken(UntrustedVersion):
+    reason = "stale_fencing_token"
+
+
+#: Files a version directory may hold beyond its PolicyVersion manifest (the learner's own manifest file).
+ALLOWED_UNLISTED = frozenset({"manifest.json"})
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
@@ -38,13 +74,45 @@ def local_dir(uri: str, root: Path | None = None) -> Path:
     return path if path.is_absolute() or root is None else Path(root) / path
 
 
-def verify(version: PolicyVersion, root: Path | None = None) -> Path:
-    """Check every file of the manifest; return the weights directory or raise :class:`ManifestError`."""
+def check_under_roots(version: PolicyVersion, directory: Path, roots: Iterable[Path]) -> Path:
+    """The resolved ``directory`` if it lies under one of ``roots`` (both resolved: symlinks, ``..``), else
+    :class:`UriOutsideRoots`."""
+    resolved = Path(os.path.realpath(directory))
+    allowed = [Path(os.path.realpath(r)) for r in roots]
+    for root in allowed:
+        if resolved != root and root in resolved.parents:
+            return resolved
+    raise UriOutsideRoots(f"version {version.version} of {version.policy!r}: uri {version.uri!r} resolves to "
+                          f"{resolved}, outside inference.weights_roots {[str(r) for r in allowed]}")
+
+
+def check_only_listed(version: PolicyVersion, directory: Path) -> None:
+    """Refuse (:class:`FileNotInManifest`) a weights directory holding a file or link the manifest does not list."""
+    listed = {Path(f.path).as_posix() for f in version.files}
+    extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and p.relative_to(directory).as_posix() not in listed
+                   and p.relative_to(directory).as_posix() not in ALLOWED_UNLISTED)
+    if extra:
+        raise FileNotInManifest(f"version {version.version} of {version.policy!r}: {directory} holds "
+                                f"{len(extra)} file(s) not in the manifest, e.g. {extra[:5]}")
+
+
+def verify(version: PolicyVersion, root: Path | None = None, roots: Iterable[Path] | None = None,
+           hash_files: bool = True) -> Path:
+    """Check every file of the manifest; return the weights directory or raise :class:`ManifestError`.
+
+    With ``roots``, the directory must lie under one of them and hold no file outside the manifest.
+    ``hash_files=False`` checks presence and sizes only (:func:`stage` hashes while copying).
+    """
     directory = local_dir(version.uri, root)
+    if roots is not None:
+        directory = check_under_roots(version, directory, roots)
     if not version.files:
         raise ManifestError(f"version {version.version} of {version.policy!r} has an empty sha256 manifest")
     if not directory.is_dir():
         raise ManifestError(f"weights directory {directory} of version {version.version} does not exist")
+    if roots is not None:
+        check_only_listed(version, directory)
     base = directory.resolve()
     for entry in version.files:
         path = (directory / entry.path).resolve()
@@ -54,7 +122,51 @@ def verify(version: PolicyVersion, root: Path | None = None) -> Path:
             raise ManifestError(f"{entry.path} listed in the manifest is missing from {directory}")
         if entry.size and path.stat().st_size != entry.size:
             raise ManifestError(f"{entry.path}: size {path.stat().st_size} != manifest {entry.size}")
-        actual = sha256_of(path)
-        if actual != entry.sha256.lower():
-            raise ManifestError(f"{entry.path}: sha256 {actual} != manifest {entry.sha256}")
+        if hash_files:
+            actual = sha256_of(path)
+            if actual != entry.sha256.lower():
+                raise ManifestError(f"{entry.path}: sha256 {actual} != manifest {entry.sha256}")
     return directory
+
+
+def stage(version: PolicyVersion, directory: Path, staging_root: Path, name: str, chunk: int = 1 << 20) -> Path:
+    """Copy the manifest's files of ``directory`` into ``staging_root/name``, hashing the bytes as they are
+    written; raise :class:`ManifestError` (and leave nothing) unless every copy matches its sha256 and size.
+
+    The staged directory holds exactly the manifest's files, read-only, in a directory only this user can
+    open: it is what the server loads.
+    """
+    staging_root = Path(staging_root)
+    staging_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    final = staging_root / name
+    tmp = staging_root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    base = Path(os.path.realpath(directory))
+    try:
+        for entry in version.files:
+            source = Path(os.path.realpath(base / entry.path))
+            if base not in source.parents:
+                raise ManifestError(f"manifest path {entry.path!r} leaves the weights directory")
+            target = tmp / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            digest, size = hashlib.sha256(), 0
+            with open(source, "rb") as src, open(target, "xb") as dst:
+                while block := src.read(chunk):
+                    digest.update(block)
+                    dst.write(block)
+                    size += len(block)
+            if entry.size and size != entry.size:
+                raise ManifestError(f"{entry.path}: size {size} != manifest {entry.size}")
+            if digest.hexdigest() != entry.sha256.lower():
+                raise ManifestError(f"{entry.path}: sha256 {digest.hexdigest()} != manifest {entry.sha256}")
+            os.chmod(target, 0o400)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as exc:  # a listed file vanished, a duplicate path, a full disk: nothing is loaded
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ManifestError(f"staging version {version.version} failed: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

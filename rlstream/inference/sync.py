@@ -3,7 +3,14 @@
 It reads ``policy-versions`` from the beginning (the topic keeps every version), catches up to
 the newest version of its policy, loads it, then loads each newer version as it is announced:
 
-* the sha256 manifest is checked first; a mismatch is refused (never loaded) and reported;
+* the record is untrusted: a ``uri`` outside ``inference.weights_roots`` (plus ``<learner.output_dir>/versions``
+  and ``inference.weights_root``; symlinks and ``..`` resolved first), a directory holding files the manifest
+  does not list, a version more than ``inference.max_version_jump`` above the newest known one (loaded, or the
+  Redis latest pointer) and a fencing token older than the newest seen for the policy are refused: dead-lettered
+  with the reason, counted in ``inference/version_refused`` (tag ``reason``), and the worker goes on;
+* the files are then copied into a private staging directory (``inference.staging_dir``), hashed as they are
+  copied; a sha256 or size mismatch is refused (never loaded) and reported. vLLM loads the staged copy, so what
+  was verified is what is loaded;
 * LoRA versions are loaded under a new adapter name per version (``<policy>-v<version>``) and
   adapters beyond ``keep_adapters`` are unloaded;
 * full versions go through pause -> reload_weights -> reset prefix cache -> resume;
@@ -18,6 +25,8 @@ raw PolicyVersion record) and as ``last_error`` fields of the worker's Redis has
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,7 +41,8 @@ from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
-from rlstream.inference.manifest import ManifestError, local_dir, verify
+from rlstream.inference.manifest import (ManifestError, StaleFencingToken, UntrustedVersion, VersionJump, local_dir,
+                                        stage, verify)
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
@@ -88,13 +98,28 @@ class InferenceSyncWorker:
         self.adapters: deque[str] = deque()
         self.failures = 0
         self.refused: list[tuple[int, str]] = []
+        self.max_fencing_token = 0  # the newest fencing token seen on an adopted version of our policy
+        self.staging_root = Path(self.icfg.staging_dir) if self.icfg.staging_dir else \
+            Path(tempfile.mkdtemp(prefix=f"rlstream-staging-{self.icfg.worker_id}-"))
+        self._staged: dict[int, Path] = {}  # version -> its staged copy
         self._loaded_event = asyncio.Event()
+
+    @property
+    def weights_roots(self) -> list[Path]:
+        """Where a version's ``uri`` may lie: ``inference.weights_roots``, the learner's versions directory and
+        ``inference.weights_root``."""
+        roots = [Path(r) for r in self.icfg.weights_roots]
+        roots.append(Path(self.cfg.learner.output_dir) / "versions")
+        if self.icfg.weights_root is not None:
+            roots.append(Path(self.icfg.weights_root))
+        return roots
 
     # -- the loop ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Catch up, load the newest version, then follow the topic until ``stop`` is set."""
         stop = stop or asyncio.Event()
-        consumer = make_consumer(self.cfg.kafka, group_id=None)
+        # announcements are transactional: an aborted (fenced) one is never read
+        consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
         await self.producer.start()
         await consumer.start()
         reader = TopicReader(consumer, self.codec, PolicyVersion, dead_letters=self.dead_letters)
@@ -123,6 +148,10 @@ class InferenceSyncWorker:
             newest.extend(item for item in await reader.fetch(*tps, timeout_ms=500)
                           if item.event.policy == self.cfg.policy)
         newest.sort(key=lambda item: item.event.version, reverse=True)
+        # the newest fencing token among records not refused for their version number: an older token is stale
+        bound = await self._newest_known() + self.icfg.max_version_jump
+        self.max_fencing_token = max([self.max_fencing_token] + [
+            item.event.fencing_token for item in newest if item.event.version <= bound])
         for item in newest:  # newest first; fall back to an older one if it is refused
             if item.event.version <= self.state.version:
                 break
@@ -148,10 +177,14 @@ class InferenceSyncWorker:
         """Verify and load one version; True when it is now served. Failures are reported, not raised."""
         started = time.monotonic()
         try:
-            weights_dir = verify(version, self.icfg.weights_root)
+            await self._check_trusted(version)
+            source_dir = verify(version, self.icfg.weights_root, roots=self.weights_roots, hash_files=False)
+            weights_dir = await asyncio.to_thread(stage, version, source_dir, self.staging_root,
+                                                  adapter_name(version.policy, version.version))
         except ManifestError as exc:
             await self._report(version, record, exc, refused=True)
             return False
+        self._staged[version.version] = weights_dir
         attempts = self.icfg.load_retries + 1
         for attempt in range(1, attempts + 1):
             try:
@@ -161,8 +194,11 @@ class InferenceSyncWorker:
                 log.warning("load failed", version=version.version, attempt=attempt, of=attempts, error=str(exc))
                 if attempt == attempts:
                     await self._report(version, record, exc, refused=False)
+                    self._drop_staged()
                     return False
                 await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
+        self.max_fencing_token = max(self.max_fencing_token, version.fencing_token)
+        self._drop_staged()
         await self._heartbeat()
         seconds = time.monotonic() - started
         await self.metrics.emit(mn.INFERENCE_LOADED_VERSION, version.version, step=version.version,
@@ -173,6 +209,41 @@ class InferenceSyncWorker:
                  name=self.state.name, seconds=round(seconds, 3))
         self._loaded_event.set()
         return True
+
+    async def _newest_known(self) -> int:
+        """The newest version known to be genuine: the loaded one, or the Redis latest pointer (moved only by the
+        lease holder's fenced compare-and-set)."""
+        try:
+            pointer = await asyncio.wait_for(self.control.latest_version(self.cfg.policy), timeout=10.0)
+        except Exception as exc:  # noqa: BLE001 - without Redis, the loaded version bounds the jump
+            log.warning("could not read the latest pointer; bounding version jumps by the loaded version",
+                        error=str(exc))
+            pointer = -1
+        return max(self.state.version, pointer)
+
+    async def _check_trusted(self, version: PolicyVersion) -> None:
+        """Refuse a version number far above the newest known, and a fencing token older than the newest seen."""
+        newest = await self._newest_known()
+        if version.version > newest + self.icfg.max_version_jump:
+            raise VersionJump(f"version {version.version} of {version.policy!r} is more than "
+                              f"inference.max_version_jump={self.icfg.max_version_jump} above the newest known "
+                              f"version {newest}")
+        if version.fencing_token < self.max_fencing_token:
+            raise StaleFencingToken(f"version {version.version} of {version.policy!r} carries fencing token "
+                                    f"{version.fencing_token}, older than {self.max_fencing_token} already seen "
+                                    f"(a fenced-out learner)")
+
+    def _drop_staged(self) -> None:
+        """Remove staged copies the server no longer uses (the loaded adapters and full weights are kept)."""
+        keep = {self.state.weights_dir} | {self._staged.get(self._adapter_version(n)) for n in self.adapters}
+        for version, path in list(self._staged.items()):
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                del self._staged[version]
+
+    @staticmethod
+    def _adapter_version(name: str) -> int:
+        return int(name.rsplit("-v", 1)[1])
 
     async def _load(self, version: PolicyVersion, weights_dir: Path) -> None:
         if version.kind == WeightsKind.lora:
@@ -221,6 +292,9 @@ class InferenceSyncWorker:
                   loaded_version=self.state.version)
         await self.metrics.emit(mn.INFERENCE_LOAD_FAILED, 1.0, step=version.version,
                                 tags={"worker": self.icfg.worker_id, "reason": type(exc).__name__})
+        if isinstance(exc, UntrustedVersion):
+            await self.metrics.emit(mn.INFERENCE_VERSION_REFUSED, 1.0, step=version.version,
+                                    tags={"worker": self.icfg.worker_id, "reason": exc.reason})
         try:
             await self.control.redis.hset(worker_key(self.cfg.policy, self.icfg.worker_id), mapping={
                 "last_error": f"version {version.version} {what}: {exc}", "last_error_version": version.version,

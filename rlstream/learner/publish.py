@@ -1,6 +1,13 @@
 """Weight publication: a new directory per version, a sha256 manifest, a PolicyVersion on ``policy-versions``,
 then the Redis latest pointer moved by compare-and-set under the learner's lease (fencing).
 
+Order of one publication: write the weights, verify their sha256, check (renew) the lease, announce the
+PolicyVersion in a Kafka transaction, move the Redis pointer (fenced CAS). The announcing producer is transactional
+with a per-policy transactional id (:func:`transactional_id`): when a new learner starts its producer, Kafka fences
+the previous one, so a zombie learner's announcement fails with ``ProducerFenced`` (raised here as
+:class:`PublicationFenced`, a :class:`LeaseLost`), is aborted (never read by ``read_committed`` consumers) and the
+pointer is not moved.
+
 Version directory ``<output_dir>/versions/v<NNNNNN>/``: full fine-tuning writes ``model.safetensors`` with
 untied embeddings, ``config.json`` (``tie_word_embeddings: false``) and the tokenizer; LoRA writes a PEFT
 adapter folder (``adapter_model.safetensors``, ``adapter_config.json``). ``manifest.json`` lists the sha256 of
@@ -19,12 +26,43 @@ from safetensors.torch import save_file
 
 from rlstream.learner.checkpoint import MANIFEST, fsync_path, sha256_file, verify_manifest, write_manifest
 from rlstream.learner.policy import Policy
-from rlstream.transport.control import ControlPlane, Lease
+from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.log import get_logger
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import FileDigest, OffsetRange, PolicyVersion, WeightsKind
 
 log = get_logger(__name__)
+
+
+class PublicationFenced(LeaseLost):
+    """Kafka fenced this learner's transactional producer: another learner of the policy started one."""
+
+
+def transactional_id(policy_name: str) -> str:
+    """The transactional id of the producer that announces ``policy_name``'s versions (one per policy)."""
+    return f"rlstream-learner-{policy_name}"
+
+
+def is_transactional(producer: Any) -> bool:
+    """True for an aiokafka producer built with a ``transactional_id``."""
+    manager = getattr(producer, "_txn_manager", None)
+    return manager is not None and getattr(manager, "transactional_id", None) is not None
+
+
+async def send_announcement(producer: Any, topic: str, value: bytes, key: bytes) -> None:
+    """Send one PolicyVersion: in its own transaction when ``producer`` is transactional (raises
+    :class:`PublicationFenced` when Kafka fenced it), else as a plain idempotent send."""
+    if not is_transactional(producer):
+        await producer.send_and_wait(topic, value, key=key)
+        return
+    from aiokafka.errors import ProducerFenced
+
+    try:
+        async with producer.transaction():
+            await producer.send_and_wait(topic, value, key=key)
+    except ProducerFenced as exc:
+        raise PublicationFenced(f"the announcing producer was fenced by a newer learner ({exc}); "
+                                "version not announced") from exc
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -120,8 +158,10 @@ async def announce(
     kind: WeightsKind, base_model: str, group_count: int, metrics: dict[str, float], lease_ttl_s: float,
     ranges: dict[int, list[int]] | None = None, offsets: Mapping[int, Iterable[int]] | None = None,
 ) -> PolicyVersion:
-    """Announce a written version: renew (check) the lease, PolicyVersion on ``policy-versions``, then move the
-    Redis pointer by CAS under the lease. Raises :class:`ops.control.LeaseLost` when the lease is gone.
+    """Announce a written version: verify its sha256 manifest, renew (check) the lease, PolicyVersion on
+    ``policy-versions`` (in a transaction when ``producer`` is transactional), then move the Redis pointer by CAS
+    under the lease. Raises :class:`LeaseLost` when the lease is gone (then nothing is announced) and
+    :class:`PublicationFenced` when Kafka fenced the producer (then the pointer is not moved).
 
     Lineage (``trained_on``): ``offsets`` (per partition, the exact offsets of the groups trained) become the
     ranges that hold exactly them; ``ranges`` (``{partition: [first, last]}``) are announced as given.
@@ -136,7 +176,7 @@ async def announce(
         learner_step=step, group_count=group_count, trained_on=trained_on,
         metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,
     )
-    await producer.send_and_wait(topic, codec.encode(event), key=policy_name.encode())
+    await send_announcement(producer, topic, codec.encode(event), policy_name.encode())
     moved = await control.publish_latest(policy_name, version, event.uri, manifest_digest(directory), lease)
     log.info("version published", policy=policy_name, version=version, step=step, uri=event.uri, moved=moved,
              groups=group_count)

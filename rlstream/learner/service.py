@@ -29,7 +29,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from rlstream.learner.batch import Sample, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy
-from rlstream.learner.publish import announce, write_version
+from rlstream.learner.publish import PublicationFenced, announce, transactional_id, write_version
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.transport import metric_names
@@ -94,6 +94,9 @@ class Learner:
         """Run until ``learner.total_steps`` or a stop request; returns the final state."""
         control = ControlPlane(self.cfg.redis.url, self.cfg.redis.retry_max_s)
         producer = make_producer(self.cfg.kafka)
+        # announcements only: transactional, one id per policy, started once the lease is held (fences a zombie)
+        announcer = make_producer(self.cfg.kafka, transactional_id=transactional_id(self.cfg.policy))
+        announcer_started = False
         consumer = make_consumer(self.cfg.kafka, group_id=f"{self.cfg.policy}-learner",
                                  isolation_level="read_committed")
         renew_task: asyncio.Task[None] | None = None
@@ -111,9 +114,11 @@ class Learner:
             state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
                                             trainer.scheduler) or LearnerState()
             await producer.start()
+            await announcer.start()
+            announcer_started = True
             metrics = MetricsPublisher(producer, self.codec, self.topics.metrics, SERVICE, self.cfg.run_id,
                                        prometheus_port=self.lcfg.prometheus_port)
-            await self._finish_interrupted_publication(state, policy, producer, control)
+            await self._finish_interrupted_publication(state, policy, announcer, control)
             await consumer.start()
             await self._assign_and_seek(consumer, state)
             # records that do not decode (or that no step can use, see _decode) go to dlq with the reason
@@ -126,7 +131,7 @@ class Learner:
                 taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
-                await self._train_step(state, taken, policy, trainer, producer, control, metrics, consumer)
+                await self._train_step(state, taken, policy, trainer, announcer, control, metrics, consumer)
             return state
         finally:
             if renew_task:
@@ -134,6 +139,11 @@ class Learner:
             self._reporters.close()
             await consumer.stop()
             await producer.stop()
+            if announcer_started:
+                try:
+                    await announcer.stop()
+                except Exception as exc:  # noqa: BLE001 - a fenced producer may fail to close cleanly
+                    log.warning("announcing producer stop failed", error=str(exc))
             if self.lease and not self.lease_lost:
                 try:
                     await control.release_lease(self.cfg.policy, self.lease)
@@ -296,13 +306,19 @@ class Learner:
         assert self.lease is not None
         directory, manifest = await asyncio.to_thread(write_version, policy, self.versions_root, self.cfg.policy,
                                                       state.version)
-        await announce(
-            producer=producer, codec=self.codec, control=control, lease=self.lease,
-            topic=self.topics.policy_versions, groups_topic=self.topics.groups, policy_name=self.cfg.policy,
-            run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=state.version, step=state.step,
-            kind=WeightsKind.lora if policy.lora else WeightsKind.full, base_model=policy.base_model,
-            offsets=state.publishing_offsets, group_count=state.publishing_groups, metrics=figures,
-            lease_ttl_s=self.lcfg.lease_ttl_s)
+        try:
+            await announce(
+                producer=producer, codec=self.codec, control=control, lease=self.lease,
+                topic=self.topics.policy_versions, groups_topic=self.topics.groups, policy_name=self.cfg.policy,
+                run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=state.version,
+                step=state.step, kind=WeightsKind.lora if policy.lora else WeightsKind.full,
+                base_model=policy.base_model, offsets=state.publishing_offsets, group_count=state.publishing_groups,
+                metrics=figures, lease_ttl_s=self.lcfg.lease_ttl_s)
+        except PublicationFenced as exc:
+            log.error("announcing producer fenced by another learner; stopping without publishing", error=str(exc))
+            self.lease_lost = True
+            self._stop.set()
+            raise
         state.publishing_offsets, state.publishing_groups = {}, 0
 
     async def _finish_interrupted_publication(self, state: LearnerState, policy: Policy, producer: Any,

@@ -264,6 +264,15 @@ class InferenceConfig(Section):
     retry_backoff_s: float = Field(1.0, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
     weights_root: Path | None = Field(None, description="resolve relative PolicyVersion uris against this")
+    weights_roots: list[Path] = Field(
+        default_factory=list,
+        description="directories a PolicyVersion uri may lie under (after resolving symlinks and '..'); besides "
+                    "these, <learner.output_dir>/versions and weights_root are always allowed; any other uri is "
+                    "refused and dead-lettered")
+    max_version_jump: int = Field(1000, ge=1, description="a version more than this above the newest known one "
+                                                           "(loaded or Redis latest pointer) is dead-lettered")
+    staging_dir: Path | None = Field(None, description="private directory where verified copies of the weight files "
+                                                       "are staged for vLLM (default: a new temporary directory)")
     prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")
 
 

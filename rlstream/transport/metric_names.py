@@ -47,6 +47,9 @@ INFERENCE_LOADED_VERSION = "inference/loaded_version"
 INFERENCE_LOAD_SECONDS = "inference/load_seconds"
 #: 1 per version that could not be loaded (tags ``worker``, ``reason``).
 INFERENCE_LOAD_FAILED = "inference/load_failed"
+#: 1 per PolicyVersion record refused as untrusted and dead-lettered (tags ``worker``, ``reason``: ``uri_outside_roots``,
+#: ``file_not_in_manifest``, ``version_jump``, ``stale_fencing_token``); the worker keeps its loaded version.
+INFERENCE_VERSION_REFUSED = "inference/version_refused"
 
 # --- learner (source ``learner``; step = learner step, ``STEP_TAG`` = ``STEP_LEARNER``) ---------------------------
 #: Groups trained on in the step.
@@ -123,7 +126,7 @@ PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM
 TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE, LEARNER_LOSS,
          REPLAY_PUBLISHED)
 ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S)
-INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED)
+INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED)
 #: Per learner step: the step's own figures and those of its optimizer step.
 LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEARNER_LOSS, LEARNER_KL,
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,

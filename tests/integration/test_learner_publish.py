@@ -149,3 +149,81 @@ def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamCon
     assert sum(r.last - r.first + 1 for r in version.trained_on) == 2
     assert {(r.partition, o) for r in version.trained_on for o in range(r.first, r.last + 1)} == set(placed[1:])
     assert asyncio.run(read_topic(cfg, created_topics.dlq, DeadLetter, expect=1, timeout_s=3.0)) == []
+
+
+def _announce_kwargs(cfg: RlstreamConfig, topics: TopicNames, control: ControlPlane, lease, directory: Path,
+                     manifest: dict, version: int) -> dict:
+    return dict(codec=AvroCodec(), control=control, lease=lease, topic=topics.policy_versions,
+                groups_topic=topics.groups, policy_name=cfg.policy, run_id=cfg.run_id, directory=directory,
+                manifest=manifest, version=version, step=version, kind=WeightsKind.lora, base_model="tiny",
+                ranges={}, group_count=0, metrics={}, lease_ttl_s=30)
+
+
+async def _committed_versions(cfg: RlstreamConfig, topic: str) -> list[int]:
+    """The versions a read_committed consumer (every sync worker) sees."""
+    from rlstream.transport.kafka import make_consumer
+
+    consumer = make_consumer(cfg.kafka, topic, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    out: list[int] = []
+    try:
+        for _ in range(10):
+            batch = await consumer.getmany(timeout_ms=300)
+            out.extend(AvroCodec().decode(r.value, PolicyVersion).version for rs in batch.values() for r in rs)
+        return sorted(out)
+    finally:
+        await consumer.stop()
+
+
+def _fake_version(root: Path, version: int) -> tuple[Path, dict]:
+    from rlstream.learner.checkpoint import write_manifest
+
+    directory = version_dir(root, version)
+    directory.mkdir(parents=True)
+    (directory / "adapter_model.safetensors").write_bytes(bytes([version]) * 64)
+    return directory, write_manifest(directory, {"policy": "p", "version": version, "kind": "lora"})
+
+
+@pytest.mark.parametrize("same_id", [True, False], ids=["same-transactional-id", "different-ids"])
+def test_a_zombie_learners_announcement_is_fenced_by_kafka(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                          tmp_path: Path, same_id: bool) -> None:
+    """Two producers with the policy's transactional id: starting the second fences the first (ProducerFenced),
+    so the zombie announces nothing and the Redis pointer is not moved. Negative control: different ids both
+    announce. The lease check is bypassed here (both hold a lease-like token) to isolate Kafka's fence."""
+    from rlstream.learner.publish import PublicationFenced, transactional_id
+    from rlstream.transport.kafka import make_producer
+
+    cfg = rl_config
+    root = Path(cfg.learner.output_dir) / "versions"
+
+    async def scenario() -> None:
+        control = ControlPlane(cfg.redis.url)
+        lease = await control.acquire_lease(cfg.policy, "both", ttl_s=60)  # Kafka's fence alone is under test
+        zombie = make_producer(cfg.kafka, transactional_id=transactional_id(cfg.policy))
+        new = make_producer(cfg.kafka, transactional_id=transactional_id(cfg.policy) + ("" if same_id else "-b"))
+        await zombie.start()
+        try:
+            d1, m1 = _fake_version(root, 1)
+            await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d1, m1, 1))
+            await new.start()  # the new learner's producer: fences the zombie when the id is the same
+            d2, m2 = _fake_version(root, 2)
+            if same_id:
+                with pytest.raises(PublicationFenced):
+                    await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+                assert await control.latest_version(cfg.policy) == 1  # the zombie did not move the pointer
+                await announce(producer=new, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+            else:
+                await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+                d3, m3 = _fake_version(root, 3)
+                await announce(producer=new, **_announce_kwargs(cfg, created_topics, control, lease, d3, m3, 3))
+        finally:
+            for producer in (new, zombie):
+                try:
+                    await producer.stop()
+                except Exception:  # noqa: BLE001 - a fenced producer may not close cleanly
+                    pass
+        assert await control.latest_version(cfg.policy) == (2 if same_id else 3)
+        await control.close()
+        assert await _committed_versions(cfg, created_topics.policy_versions) == ([1, 2] if same_id else [1, 2, 3])
+
+    asyncio.run(scenario())
