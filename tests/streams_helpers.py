@@ -17,9 +17,13 @@ from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, TrajectoryGroup, WireModel
+from rlstream.streams.exactly_once import aborted_index
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEC = AvroCodec()
+# the readers below use read_committed: keep them from dropping records committed after an aborted transaction
+# (a killed worker's) on the local broker (see rlstream/streams/exactly_once/aborted_index.py)
+aborted_index.install()
 
 
 def worker_overrides(cfg: RlstreamConfig, **extra: Any) -> list[str]:

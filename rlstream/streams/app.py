@@ -38,6 +38,7 @@ from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, O
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.telemetry import Telemetry
+from rlstream.streams.exactly_once import aborted_index
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
 from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
@@ -189,6 +190,8 @@ class StreamsApp:
 
     def __post_init__(self) -> None:
         self.codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes)
+        # changelog recovery (read_committed) must not drop records committed after an aborted transaction
+        aborted_index.install()
         self.names = TopicNames.from_config(self.cfg.topics)
         self.ticks = ticks_topic_name(self.cfg)
         settings = faust_settings(self.cfg, self.worker_id)

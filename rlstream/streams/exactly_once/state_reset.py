@@ -17,6 +17,14 @@ written partition by partition. Recovery reads each changelog up to its *last st
 recovery started in that window would hold the transaction's writes in one table and not in another.
 :class:`SettledTransactions` makes the recovery wait (bounded) until no transaction is pending on the
 changelog partitions it is about to read: the recovered state is then one transactional snapshot.
+
+Where recovery stops matters as much as where it starts. Under exactly_once Faust takes each changelog
+partition's end from ``AIOKafkaConsumer.last_stable_offset()``, the value cached from the *last fetch
+response* for that partition: ``None`` (read as "empty, nothing to recover") before the first fetch of an
+assignment, and stale when a transaction was decided after that fetch (e.g. the aborted transaction of a
+killed worker, or a commit of the previous owner). Recovery would then stop early on some partitions and
+not on others. :func:`install_full_recovery` therefore asks the broker (ListOffsets, read_committed) for
+the last stable offsets once the transactions have settled, and recovery reads exactly up to them.
 """
 from __future__ import annotations
 
@@ -91,6 +99,13 @@ class SettledTransactions:
                 return False
             await asyncio.sleep(0.2)
 
+    async def stable_offsets(self, tps: set[Any]) -> dict[Any, int]:
+        """The last stable offset of each partition in ``tps``, asked from the broker now (read_committed)."""
+        committed, _ = await self._consumers()
+        parts = {tp: TopicPartition(tp.topic, tp.partition) for tp in tps}
+        ends = await committed.end_offsets(list(parts.values()))
+        return {tp: int(ends[part]) for tp, part in parts.items()}
+
     async def close(self) -> None:
         for consumer in (self._committed, self._uncommitted):
             if consumer is not None:
@@ -100,9 +115,27 @@ class SettledTransactions:
 
 def install_full_recovery(app: Any, settled: SettledTransactions | None = None) -> None:
     """Wrap the table recovery's rebalance hook: wait for pending changelog transactions to settle,
-    then wipe local state and recovered offsets before it runs."""
+    then wipe local state and recovered offsets before it runs; under exactly_once, recovery reads up to
+    the last stable offsets the broker reports (not the consumer's cached ones)."""
     recovery = app.tables.recovery
     original = recovery.on_rebalance
+    original_highwaters = recovery._build_highwaters
+
+    async def build_highwaters(consumer: Any, tps: set[Any], destination: Any, title: str) -> None:
+        if settled is None or not tps or not app.in_transaction:
+            await original_highwaters(consumer, tps, destination, title)
+            return
+        try:
+            stable = await settled.stable_offsets(set(tps))
+        except Exception as exc:  # the broker did not answer: Faust's own (cached) values, said loudly
+            log.warning("last stable offsets not available; recovery uses the consumer's cached ones",
+                        error=str(exc), title=title)
+            await original_highwaters(consumer, tps, destination, title)
+            return
+        destination.clear()
+        destination.update({tp: offset - 1 for tp, offset in stable.items()})  # Faust's convention: last offset
+        log.info("changelog recovery reads up to the last stable offsets", title=title,
+                 ends={f"{tp.topic}:{tp.partition}": offset for tp, offset in sorted(stable.items())})
 
     async def on_rebalance(assigned: Any, revoked: Any, newly_assigned: Any, generation_id: int = 0) -> None:
         if generation_id == app.consumer_generation_id:
@@ -120,24 +153,4 @@ def install_full_recovery(app: Any, settled: SettledTransactions | None = None) 
         await original(assigned, revoked, newly_assigned, generation_id)
 
     recovery.on_rebalance = on_rebalance
-    if settled is not None:
-        _debug_instrument_highwaters(app, settled)
-
-
-def _debug_instrument_highwaters(app: Any, settled: SettledTransactions) -> None:  # TEMPORARY (evidence)
-    recovery = app.tables.recovery
-    original = recovery._build_highwaters
-
-    async def build(consumer: Any, tps: Any, destination: Any, title: str) -> None:
-        await original(consumer, tps, destination, title)
-        if not tps:
-            return
-        committed, _ = await settled._consumers()
-        parts = [TopicPartition(tp.topic, tp.partition) for tp in tps]
-        lso = await committed.end_offsets(parts)
-        rows = {f"{tp.topic.rsplit('-', 2)[-2]}:{tp.partition}": [destination.get(tp), lso[TopicPartition(tp.topic, tp.partition)] - 1]
-                for tp in sorted(tps)}
-        log.warning("DEBUG recovery highwaters (faust, list_offsets LSO-1)", title=title, rows=rows,
-                    differ=sorted(k for k, (a, b) in rows.items() if a != b))
-
-    recovery._build_highwaters = build
+    recovery._build_highwaters = build_highwaters
