@@ -17,12 +17,12 @@ from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, TrajectoryGroup, WireModel
-from rlstream.streams.exactly_once import aborted_index
+from rlstream.transport import aborted_index
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEC = AvroCodec()
 # the readers below use read_committed: keep them from dropping records committed after an aborted transaction
-# (a killed worker's) on the local broker (see rlstream/streams/exactly_once/aborted_index.py)
+# (a killed worker's) on the local broker (see rlstream/transport/aborted_index.py)
 aborted_index.install()
 
 
@@ -89,6 +89,39 @@ class Worker:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+async def remove_dead_member(cfg: RlstreamConfig, worker_id: str, timeout_s: float = 30.0) -> int:
+    """Take a killed worker out of the streams consumer group (what Kafka's session timeout does, and what an
+    operator does with ``removeMembersFromConsumerGroup`` for a dead static member): noida-db never expires a
+    SIGKILLed member, so without this its partitions stay assigned to it and nobody processes them. Returns
+    the number of members removed (0 when the broker already dropped it)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.protocol.group import LeaveGroupRequest
+
+    from rlstream.transport.kafka import client_options
+
+    group = cfg.streams.app_id
+    client_id = f"{cfg.kafka.client_id}-streams-{worker_id}"  # the worker's broker_client_id (streams/app.py)
+    admin = AIOKafkaAdminClient(**client_options(cfg.kafka))
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                coordinator = await admin.find_coordinator(group)
+                described = await admin.describe_consumer_groups([group], group_coordinator_id=coordinator)
+                members = [m[0] for d in described for g in d.groups for m in g[5] if m[1] == client_id]
+                for member_id in members:
+                    response = await admin._client.send(coordinator, LeaveGroupRequest(group, member_id))
+                    assert response.error_code == 0, response
+                return len(members)
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
 
 
 async def publish(cfg: RlstreamConfig, records: Iterable[tuple[str, bytes | None, bytes | None]],

@@ -25,6 +25,8 @@ from typing import Any
 
 import faust
 
+from rlstream.transport import aborted_index
+from rlstream.transport import metric_names as mn
 from rlstream.transport.deadletter import dead_letter
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger, logging_dict_config
@@ -38,7 +40,6 @@ from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, O
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.telemetry import Telemetry
-from rlstream.streams.exactly_once import aborted_index
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
 from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
@@ -303,10 +304,9 @@ class StreamsApp:
         rebalance or table recovery is under way, only after the resync to the recovered markers, and
         never a record at or below its partition's marker. Returns what became of the record."""
         if self.app.rebalancing:
-            self.telemetry.count("records_deferred")
+            self.telemetry.count(mn.STREAMS_RECORDS_DEFERRED)
             return Admission.LATER
         if self.gate.resync_needed:
-            self._debug_markers(msg)  # DEBUG
             await self.gate.resync()
         if msg.topic == self.ticks:
             await self.handle(msg)
@@ -315,7 +315,8 @@ class StreamsApp:
         if verdict is Admission.PROCESS:
             await self.handle(msg)
         else:
-            self.telemetry.count("records_skipped" if verdict is Admission.APPLIED else "records_deferred")
+            self.telemetry.count(mn.STREAMS_RECORDS_SKIPPED if verdict is Admission.APPLIED
+                                 else mn.STREAMS_RECORDS_DEFERRED)
         return verdict
 
     async def handle(self, msg: Any) -> None:
@@ -326,7 +327,7 @@ class StreamsApp:
         if msg.topic == self.ticks:
             outcome = self.assembler.on_tick(msg.partition, now)
         else:
-            self.telemetry.count("events_in")
+            self.telemetry.count(mn.STREAMS_EVENTS_IN)
             try:
                 outcome = self._ingest(msg, src, now)
             except v.Rejected as rej:
@@ -334,50 +335,12 @@ class StreamsApp:
             except Exception as exc:  # a bug must not stop the stream: the record goes to the dlq
                 log.exception("record could not be processed", topic=msg.topic, partition=msg.partition,
                               offset=msg.offset)
-                self._debug_dump(msg)  # DEBUG
                 outcome = Outcome(rejects=[Reject("processing_error", f"{type(exc).__name__}: {exc}", src, msg.key,
                                                   msg.value)])
         await self.publish(outcome, msg.partition)
         if msg.topic != self.ticks:
             self.gate.applied(msg.topic, msg.partition, msg.offset)
         await self.send_table_changes()
-
-    def _debug_outside(self, fn: Any) -> Any:  # DEBUG (temporary)
-        import contextvars
-        from faust.streams import _current_event
-
-        def run() -> Any:
-            _current_event.set(None)
-            return fn()
-        return contextvars.copy_context().run(run)
-
-    def _debug_markers(self, msg: Any) -> None:  # DEBUG (temporary)
-        from faust.streams import current_event
-        ev = current_event()
-        rows = {}
-        for tp in sorted(self.app.consumer.assignment()):
-            if tp.topic not in (self.names.trajectories, self.names.rewards):
-                continue
-            key = f"{tp.topic}:{tp.partition}"
-            rows[key.split(".")[-1]] = [self.progress_table.get(key),
-                                        self._debug_outside(lambda k=key: self.progress_table.get(k))]
-        log.warning("DEBUG resync markers (in event, outside event)", event_tp=None if ev is None else
-                    f"{ev.message.topic.split('.')[-1]}:{ev.message.partition}:{ev.message.offset}", rows=rows)
-
-    def _debug_dump(self, msg: Any) -> None:  # DEBUG (temporary)
-        try:
-            event = self.codec.decode(msg.value, TrajectoryEvent if msg.topic == self.names.trajectories else RewardEvent)
-            gid = event.group_id
-            state_in = self.group_table.get(gid)
-            state_out = self._debug_outside(lambda: self.group_table.get(gid))
-            tids = list((state_in or {}).get("m", {})) + [getattr(event, "trajectory_id", None)]
-            members = {t: [t in self.member_table, self._debug_outside(lambda t=t: t in self.member_table)] for t in tids}
-            key = f"{msg.topic}:{msg.partition}"
-            log.warning("DEBUG state at processing error", group=gid, state_in=state_in, state_out=state_out,
-                        members=members, marker_in=self.progress_table.get(key),
-                        marker_out=self._debug_outside(lambda: self.progress_table.get(key)))
-        except Exception as exc:
-            log.warning("DEBUG dump failed", error=repr(exc))
 
     async def send_table_changes(self) -> None:
         """Hand this record's queued changelog records to the producer now, inside the record's context
@@ -422,8 +385,8 @@ class StreamsApp:
                              offset=reject.source.offset, key=reject.key, value=reject.value, error=reject.message,
                              error_type=reject.reason, service=f"{SERVICE}:{self.worker_id}")
         await self.dlq_out.send(key=reject.key, value=self.codec.encode(letter))
-        self.telemetry.count(f"dlq.{reject.reason}")
-        self.telemetry.count("dlq_total")
+        self.telemetry.count(mn.STREAMS_DLQ, reason=reject.reason)
+        self.telemetry.count(mn.STREAMS_DLQ_TOTAL)
         log.info("dead letter", reason=reject.reason, topic=reject.source.topic, partition=reject.source.partition,
                  offset=reject.source.offset)
 
@@ -432,7 +395,7 @@ class StreamsApp:
         verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
                                 DetachedValues(self.curriculum_table), partition)
         if verdict.reason is not None:
-            self.telemetry.count(f"groups_filtered.{verdict.reason}")
+            self.telemetry.count(mn.STREAMS_GROUPS_FILTERED, reason=verdict.reason)
             log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)
             return
         try:
@@ -444,8 +407,8 @@ class StreamsApp:
                                                t.example_id.encode(), self.codec.encode(t)))
             return
         await self.groups_out.send(key=group.example_id.encode(), value=value)
-        self.telemetry.count("events_out")
-        self.telemetry.count(f"groups_emitted.{group.completion.value}")
+        self.telemetry.count(mn.STREAMS_EVENTS_OUT)
+        self.telemetry.count(mn.STREAMS_GROUPS_EMITTED, reason=group.completion.value)
         self.telemetry.observe_latency(time.time() - finished.last_member_ts)
 
     # -- timers ------------------------------------------------------------------------------
@@ -491,23 +454,14 @@ class StreamsApp:
         return float(lag)
 
     async def report(self) -> None:
-        self._debug_reports = getattr(self, "_debug_reports", 0) + 1  # DEBUG (temporary)
-        if self._debug_reports % 5 == 1:
-            c = self.app.consumer
-            tm = c.transactions
-            log.warning("DEBUG transaction flags", in_worker=self.app.in_worker, app_in_transaction=self.app.in_transaction,
-                        consumer_in_transaction=c.in_transaction,
-                        isolation=getattr(getattr(c._thread, "_consumer", None), "_isolation_level", "?"),
-                        txn_producers=sorted(self.app.producer._transaction_producers),
-                        tm_configured=tm.settings is not None, tm_commits=getattr(tm, "_debug_commits", 0))
         if self._metrics is None:
             return
         figures = self.telemetry.report()
-        figures["streams.consumer_lag"] = await self.consumer_lag()
-        for name, value in figures.items():
-            base, _, reason = name.removeprefix("streams.").partition(".")
+        figures[mn.STREAMS_CONSUMER_LAG] = await self.consumer_lag()
+        for key, value in figures.items():
+            reason = mn.split_streams_figure(key)[1]
             tags = {"worker": self.worker_id, **({"reason": reason} if reason else {})}
-            await self._metrics.emit(f"streams.{base}", value, tags=tags)
+            await self._metrics.emit(mn.split_streams_figure(key)[0], value, tags=tags)
 
 
 async def prepare_topics(cfg: RlstreamConfig) -> None:

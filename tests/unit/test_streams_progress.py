@@ -85,3 +85,23 @@ def test_a_seek_back_is_repeated_then_a_persistent_gap_is_accepted(monkeypatch: 
         run(gate.maintain())
     assert consumer.seeks == [(T0, 5)] * progress.MAX_SEEK_BACKS
     assert run(gate.admit("traj", 0, 9)) is Admission.PROCESS
+
+
+class FaustLikeConsumer(RecordingConsumer):
+    """Also keeps Faust's read offsets: Faust drops fetched records below them."""
+
+    def __init__(self, assigned: set[TP], committed: dict[TP, int | None] | None = None) -> None:
+        super().__init__(assigned, committed)
+        self._read_offset: dict[TP, int | None] = {}
+
+
+def test_seeks_move_fausts_read_offset_back_so_deferred_records_come_again() -> None:
+    table = {progress_key("traj", 0): 41}
+    consumer = FaustLikeConsumer({T0, T1}, committed={T1: 0})
+    consumer._read_offset.update({T0: 57, T1: 12})  # records handed to the stream (and deferred) before the resync
+    gate = ProgressGate(table, consumer, {"traj"})
+    run(gate.resync())
+    assert consumer._read_offset == {T0: 42, T1: None}  # None: what faust's Consumer.seek stores for offset 0
+    consumer._read_offset[T0] = 60
+    assert run(gate.admit("traj", 0, 60)) is Admission.LATER
+    assert consumer.seeks[-1] == (T0, 42) and consumer._read_offset[T0] == 42

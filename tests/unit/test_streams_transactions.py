@@ -1,13 +1,16 @@
-"""The streams app configures its own transaction manager; nothing is stored on Faust's objects."""
+"""The streams app configures its own transaction manager (nothing is stored on Faust's objects), really uses
+transactions in a worker, and ends its open transactions when a rebalance begins."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.streams.app import StreamsApp
-from rlstream.streams.exactly_once.transactions import SourcePartitionTransactionManager, SourcePartitionTransport
+from rlstream.streams.exactly_once.transactions import (SourcePartitionTransactionManager, SourcePartitionTransport,
+                                                        check_guarantee)
 
 
 @pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
@@ -25,3 +28,74 @@ def test_transaction_manager_gets_explicit_settings(tmp_path: Path, guarantee: s
     expected_lock = streams.processing_lock if guarantee == "exactly_once" else None
     assert manager.settings.processing_lock is expected_lock
     assert not [name for name in vars(streams.app) if name.startswith("rlstream")]
+
+
+def build(tmp_path: Path, guarantee: str) -> StreamsApp:
+    cfg = RlstreamConfig()
+    cfg.kafka.bootstrap_servers = "localhost:9092"  # never contacted: the app is only built
+    cfg.streams.data_dir = str(tmp_path)
+    cfg.streams.processing_guarantee = guarantee  # type: ignore[assignment]
+    return StreamsApp(cfg, "w0")
+
+
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+def test_the_worker_uses_transactions_although_its_consumer_is_built_before_the_worker_starts(
+        tmp_path: Path, guarantee: str) -> None:
+    # Faust caches App.in_transaction on first read and its consumer copies it when built; StreamsApp builds the
+    # consumer before faust.Worker sets in_worker, which left exactly_once workers without any transaction
+    streams = build(tmp_path, guarantee)
+    app, consumer = streams.app, streams.app.consumer
+    assert not app.in_transaction and not consumer.in_transaction  # not in a worker (yet)
+    exactly_once = guarantee == "exactly_once"
+    assert check_guarantee(app, exactly_once) == (None if not exactly_once else
+                                                 "processing_guarantee is exactly_once but the app does not use "
+                                                 "transactions")
+    app.in_worker = True  # what faust.Worker.on_start does
+    assert app.in_transaction is exactly_once and consumer.in_transaction is exactly_once
+    assert check_guarantee(app, exactly_once) is None
+
+
+class FakeTxnManager:
+    def __init__(self, open_: bool) -> None:
+        self.open = open_
+
+    def is_in_transaction(self) -> bool:
+        return self.open
+
+
+class FakeTxnProducer:
+    def __init__(self, open_: bool) -> None:
+        self._txn_manager = FakeTxnManager(open_)
+
+
+class FakeProducer:
+    """The surface of Faust's producer that the transaction manager touches at a revocation."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self.lock = lock
+        self._transaction_producers = {"app-1-1": FakeTxnProducer(True), "app-1-0": FakeTxnProducer(False),
+                                       "app-0-0": FakeTxnProducer(True)}
+        self.flushed = 0
+        self.committed: list[str] = []
+
+    async def flush(self) -> None:
+        self.flushed += 1
+
+    async def commit_transaction(self, tid: str) -> None:
+        assert self.lock.locked(), "a transaction must not end in the middle of an event"
+        self.committed.append(tid)
+        self._transaction_producers[tid]._txn_manager.open = False
+
+
+def test_a_rebalance_commits_every_open_transaction_between_two_events(tmp_path: Path) -> None:
+    # partitions a worker keeps through a rebalance would otherwise carry an open transaction into the next
+    # generation: the changelog's last stable offset stays behind it and the full recovery would wait for it
+    streams = build(tmp_path, "exactly_once")
+    manager = streams.app.transaction_manager()
+    producer = FakeProducer(streams.processing_lock)
+    manager.producer = producer  # type: ignore[assignment]
+    asyncio.run(manager.on_partitions_revoked(set()))
+    assert producer.flushed == 1
+    assert producer.committed == ["app-0-0", "app-1-1"]  # the open ones only
+    asyncio.run(manager.end_open_transactions())
+    assert producer.committed == ["app-0-0", "app-1-1"]

@@ -17,6 +17,11 @@ consumer group committed.
   committed offset cannot pass it) and the partition is sought back to M + 1, so the records come
   again in order. A gap that repeated seeks back could not fill (e.g. transaction markers in the
   input) is accepted.
+
+Every seek of the gate also moves Faust's read offset for the partition back (as Faust's own
+``Consumer.seek`` does): Faust drops fetched records below the offset it last handed to the stream, so
+records the gate deferred (e.g. while the app was still rebalancing) would otherwise never come again, and
+the gate would end up accepting a gap that loses them.
 """
 from __future__ import annotations
 
@@ -93,7 +98,7 @@ class ProgressGate:
                 self._floor[tp] = start - 1
             else:
                 start, how = marker + 1, "marker"
-            await self.consumer.seek_wait({tp: start})
+            await self._seek(tp, start)
             seeks[tp] = start
             origin[f"{tp.topic}:{tp.partition}"] = f"{start} ({how})"
         log.info("source partitions sought to their progress markers", seeks=origin)
@@ -124,8 +129,15 @@ class ProgressGate:
         return Admission.LATER
 
     async def _seek_back_to(self, tp: TP, offset: int, attempt: int) -> None:
-        await self.consumer.seek_wait({tp: offset})
+        await self._seek(tp, offset)
         self._seek_back[tp] = (offset, time.monotonic(), attempt)
+
+    async def _seek(self, tp: TP, offset: int) -> None:
+        """Seek and let the records from ``offset`` on through again (see the module docstring)."""
+        await self.consumer.seek_wait({tp: offset})
+        read_offset = getattr(self.consumer, "_read_offset", None)  # Faust's consumer; test doubles have none
+        if read_offset is not None:
+            read_offset[tp] = offset if offset else None  # exactly what faust's Consumer.seek stores
 
     async def maintain(self) -> None:
         """Timer work (call with no record in flight): seek again every partition whose seek back has

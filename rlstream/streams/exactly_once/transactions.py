@@ -1,11 +1,19 @@
 """Exactly-once output for Faust: sink topics and table changelogs in the source partition's transaction.
 
-Two gaps in Faust's exactly_once mode are closed here:
+Three gaps in Faust's exactly_once mode are closed here:
 
 * Faust's transaction manager picks the transactional producer from the *destination* topic's
   partition group, which fails for topics the app does not consume (``groups``, ``dlq``: KeyError in
   the assignor). Here every record sent while an event is processed goes into the transaction of that
   event's source partition, the one whose offsets Faust commits with it.
+* A rebalance does not end the transactions of the partitions a worker keeps: Faust forgets the revoked
+  acks before its last commit, so that commit skips them, and the records of those transactions stay
+  uncommitted into the next generation (the changelog's last stable offset stays behind them, and the
+  full recovery after the rebalance would wait for them and then rebuild a state without them, while
+  they still commit later). :meth:`SourcePartitionTransactionManager.on_partitions_revoked` commits
+  every open transaction first (under the processing lock): each holds whole records with their
+  progress markers, so committing them without their input offsets is consistent (the markers, not the
+  committed offsets, say where to resume).
 * Table changelog records wait in Faust's producer buffer, and a transactional commit does not drain
   that buffer: a commit could carry an event's offset while its state change was still queued for the
   next transaction, and a crash then loses the change. :class:`BufferTracker` lets the commit wait
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Mapping, Optional
+from typing import Any, Awaitable, Mapping, Optional, Set
 
 import faust
 from faust.streams import current_event
@@ -119,7 +127,6 @@ class SourcePartitionTransactionManager(TransactionManager):
         return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
 
     async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
-        self._debug_commits = getattr(self, "_debug_commits", 0) + 1  # DEBUG (temporary)
         tracker = self.settings.buffer_tracker if self.settings is not None else None
         lock = self.settings.processing_lock if self.settings is not None else None
         if lock is None:
@@ -130,6 +137,31 @@ class SourcePartitionTransactionManager(TransactionManager):
             if tracker is not None:
                 await tracker.drain()
             return await super().commit(offsets, start_new_transaction)
+
+    async def on_partitions_revoked(self, revoked: Set[TP]) -> None:
+        """A rebalance begins: flush (Faust), then commit every transaction this worker still has open."""
+        await super().on_partitions_revoked(revoked)
+        await self.end_open_transactions()
+
+    async def end_open_transactions(self) -> None:
+        """Commit the open transaction of every transactional producer, between two events (module docstring)."""
+        lock = self.settings.processing_lock if self.settings is not None else None
+        if lock is None:
+            await self._commit_open_transactions()
+            return
+        async with lock:
+            await self._commit_open_transactions()
+
+    async def _commit_open_transactions(self) -> None:
+        tracker = self.settings.buffer_tracker if self.settings is not None else None
+        if tracker is not None:
+            await tracker.drain()
+        producers: Mapping[str, Any] = getattr(self.producer, "_transaction_producers", {})
+        for tid, txn_producer in sorted(producers.items()):
+            manager = getattr(txn_producer, "_txn_manager", None)
+            if manager is None or not manager.is_in_transaction():
+                continue
+            await self.producer.commit_transaction(tid)  # Faust's: takes the id's lock, logs a fenced producer
 
 
 class SourcePartitionConsumer(AIOKafkaConsumer):
