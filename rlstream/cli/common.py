@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any, Coroutine, Optional, Sequence, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from typer.core import TyperGroup
 
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config
@@ -20,14 +19,25 @@ T = TypeVar("T")
 PIPE_WIDTH = 240
 
 
-def _console(stderr: bool) -> Console:
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else int(os.environ.get("COLUMNS", PIPE_WIDTH))
-    return Console(stderr=stderr, width=width)
+class CliConsole(Console):
+    """A rich console that, when its output is not a terminal, is ``COLUMNS`` (else :data:`PIPE_WIDTH`) wide.
+
+    Decided at each print, not at import: the same console serves a terminal, a pipe and typer's test runner."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self.is_terminal:
+            return super().size
+        columns = os.environ.get("COLUMNS", "")
+        return ConsoleDimensions(int(columns) if columns.isdigit() else PIPE_WIDTH, super().size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
 
-console = _console(stderr=False)
-err_console = _console(stderr=True)
+console = CliConsole(stderr=False)
+err_console = CliConsole(stderr=True)
 
 
 class LogFormat(str, Enum):

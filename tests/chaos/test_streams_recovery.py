@@ -15,6 +15,7 @@ from aiokafka import TopicPartition
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
+from rlstream.transport import metric_names as mn
 from rlstream.streams.app import prepare_topics
 from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
                                    remove_dead_member, wait_for_count)
@@ -45,18 +46,32 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_nothing(rl_config: Rlst
             restarted.stop()
 
 
+async def wait_for_worker_events(cfg: RlstreamConfig, topic: str, worker: str, timeout_s: float) -> None:
+    """Until ``worker`` has reported processed input (streams.events_in > 0) on the metrics topic."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = [m for _, m in await read_all(cfg, topic, MetricEvent, timeout_s=3, quiet_s=0.5)]
+        if any(m.name == mn.STREAMS_EVENTS_IN and m.value > 0 and m.tags.get("worker") == worker for m in metrics):
+            return
+    raise AssertionError(f"{worker} processed nothing within {timeout_s:.0f} s")
+
+
 def test_two_workers_share_partitions_through_rebalances(rl_config: RlstreamConfig, tmp_path: Path) -> None:
     asyncio.run(prepare_topics(rl_config))
     names = TopicNames.from_config(rl_config.topics)
     records, expected = interleaved_stream(rl_config, n_examples=250, group_size=4, seed=9, late_fraction=0.3)
     w1 = Worker(rl_config, "w1", tmp_path).start()
     w2 = Worker(rl_config, "w2", tmp_path)
-    feeder = threading.Thread(target=lambda: asyncio.run(publish(rl_config, records, pace_every=60, pace_s=0.4)))
+    half = len(records) // 2  # the second half is sent once w2 has joined, so both workers have work
+    feeder = threading.Thread(target=lambda: asyncio.run(publish(rl_config, records[half:], pace_every=60,
+                                                                 pace_s=0.4)))
     try:
-        feeder.start()
+        asyncio.run(publish(rl_config, records[:half], pace_every=60, pace_s=0.4))
         asyncio.run(wait_for_count(rl_config, names.groups, 30, timeout_s=90))
         w2.start()  # rebalance: the partitions are shared mid-stream
         time.sleep(12)
+        feeder.start()
+        asyncio.run(wait_for_worker_events(rl_config, names.metrics, "w2", timeout_s=120))
         w1.kill()  # second rebalance: w2 takes everything over once w1 is out of the group
         # Kafka expires a dead member after the session timeout; noida-db never does, so the test does it
         asyncio.run(remove_dead_member(rl_config, "w1"))
@@ -65,7 +80,7 @@ def test_two_workers_share_partitions_through_rebalances(rl_config: RlstreamConf
         assert w2.alive(), w2.log_tail()
         assert_groups_match(groups, expected)
         metrics = [m for _, m in asyncio.run(read_all(rl_config, names.metrics, MetricEvent, timeout_s=5, quiet_s=1))]
-        worked = {m.tags.get("worker") for m in metrics if m.name == "streams.events_in" and m.value > 0}
+        worked = {m.tags.get("worker") for m in metrics if m.name == mn.STREAMS_EVENTS_IN and m.value > 0}
         assert worked == {"w1", "w2"}
     finally:
         w1.stop()
