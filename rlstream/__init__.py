@@ -29,6 +29,7 @@ _PUBLIC: dict[str, str] = {
     "routing": "rlstream.rollout.capture",
     "Recording": "rlstream.rollout.capture",
     "TrajectoryPublisher": "rlstream.rollout.publisher",
+    "SyncTrajectoryPublisher": "rlstream.rollout.publisher",
     "PublishError": "rlstream.rollout.publisher",
     "load_config": "rlstream.schemas.config",
     "RlstreamConfig": "rlstream.schemas.config",
@@ -44,7 +45,7 @@ __all__ = ["__version__", *_PUBLIC]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
     from rlstream.rollout.capture import Recording, instrument, routing, target_function  # noqa: F401
-    from rlstream.rollout.publisher import PublishError, TrajectoryPublisher  # noqa: F401
+    from rlstream.rollout.publisher import PublishError, SyncTrajectoryPublisher, TrajectoryPublisher  # noqa: F401
     from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config  # noqa: F401
     from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, Turn  # noqa: F401
     from rlstream.schemas.topics import TopicNames  # noqa: F401

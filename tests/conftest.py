@@ -29,11 +29,16 @@ def _tier(item: pytest.Item) -> str:
 
 
 #: Tests that must share one pytest-xdist worker (``--dist loadgroup``): the modules of the session's one vLLM
-#: server, and each module whose module-scoped fixtures are expensive. Everything else is spread over the workers.
+#: server; the three whole-system runs (each starts its own vLLM and learner: run side by side on 2 cores they
+#: starve each other's timing-based assertions); and each module whose module-scoped fixtures are expensive.
+#: Everything else is spread over the workers.
 XDIST_GROUP_OF_MODULE = {
     "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
-    "test_gateway": "vllm",
-    "test_wheel_install": "wheel", "test_up_learns": "up", "test_streams_recovery": "streams-chaos",
+    "test_gateway": "vllm", "test_nat_finetune": "vllm",
+    "test_nat_serve": "vllm", "test_shadow_sampling": "up",
+    "test_wheel_install": "up", "test_up_learns": "up", "test_up_production": "up", "test_streams_recovery": "streams-chaos",
+    "test_streams_shutdown": "streams-chaos",
+    "test_streams_broker_kill": "streams-chaos",
 }
 
 
@@ -62,6 +67,28 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
 @pytest.fixture
 def unique() -> str:
     return uuid.uuid4().hex[:10]
+
+
+_redis_databases_handed_out = 0
+
+
+@pytest.fixture
+def own_redis_url(local_stack: LocalStack) -> str:
+    """The session's Redis with a database of this test's own (emptied first), for whole-system runs whose
+    policy name is fixed ("toy"): rlstream's keys are ``rlstream:{policy}:...`` (DESIGN.md), so two runs of one
+    policy on one database share the latest-version pointer, and the second run's streams worker would drop
+    every group of version 0 as stale against the first run's versions."""
+    import redis
+
+    global _redis_databases_handed_out
+    _redis_databases_handed_out = _redis_databases_handed_out % 15 + 1  # 1..15; 0 is every other test's
+    url = local_stack.redis_url.rsplit("/", 1)[0] + f"/{_redis_databases_handed_out}"
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
 
 
 @pytest.fixture

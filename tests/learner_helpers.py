@@ -105,3 +105,17 @@ async def read_topic(cfg, topic: str, model_cls, expect: int, timeout_s: float =
         return out
     finally:
         await consumer.stop()
+
+
+async def read_whole_topic(cfg, topic: str, model_cls) -> list:
+    """Every record of ``topic`` (decoded), up to the end offsets it has now."""
+    from rlstream.schemas.codec import AvroCodec
+    from rlstream.transport.topic_reader import open_reader, partitions_of, read_to_end
+
+    codec = AvroCodec()
+    consumer = await open_reader(cfg.kafka)
+    try:
+        consumer.assign(await partitions_of(consumer, topic))
+        return [codec.decode(r.value, model_cls) async for r in read_to_end(consumer, topic)]
+    finally:
+        await consumer.stop()

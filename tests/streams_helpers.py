@@ -16,8 +16,9 @@ from rlstream.ops.infra import stop_pid
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import DeadLetter, TrajectoryGroup, WireModel
+from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup, WireModel
 from rlstream.transport import aborted_index
+from rlstream.transport import metric_names as mn
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEC = AvroCodec()
@@ -261,3 +262,13 @@ async def wait_for_count(cfg: RlstreamConfig, topic: str, n: int, timeout_s: flo
         return seen
     finally:
         await consumer.stop()
+
+
+async def wait_for_worker_events(cfg: RlstreamConfig, topic: str, worker: str, timeout_s: float) -> None:
+    """Until ``worker`` has reported processed input (streams.events_in > 0) on the metrics topic."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = [m for _, m in await read_all(cfg, topic, MetricEvent, timeout_s=3, quiet_s=0.5)]
+        if any(m.name == mn.STREAMS_EVENTS_IN and m.value > 0 and m.tags.get("worker") == worker for m in metrics):
+            return
+    raise AssertionError(f"{worker} processed nothing within {timeout_s:.0f} s")

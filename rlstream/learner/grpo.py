@@ -32,6 +32,32 @@ STD_EPS = 1e-4
 DEFAULT_LOGPROB_CHUNK = 1024
 
 
+def baseline_advantage(reward: float, mean: float, std: float, count: int, scale: ScaleRewards = "group",
+                       min_count: int = 2, eps: float = STD_EPS) -> float:
+    r"""
+    Advantage of a single response (production traffic: one response per prompt) against the keyed baseline
+    of the rewards that came before it (REINFORCE with a baseline; leave-one-out, as RLOO, Ahmadian et al. 2024).
+
+    $$A = \frac{r - \bar r_{\text{key}}}{\sigma_{\text{key}} + \epsilon}$$
+
+    Args:
+        reward (`float`): the response's reward.
+        mean (`float`), std (`float`), count (`int`): the baseline (never including this reward) and how many
+            rewards are behind it.
+        scale (`str`, *optional*, defaults to `"group"`): `"none"` keeps $r - \bar r$ (Dr. GRPO); `"group"` and
+            `"batch"` divide by the baseline's std (a single response has no group of its own).
+        min_count (`int`, *optional*, defaults to 2): fewer rewards behind the baseline give advantage 0.
+        eps (`float`, *optional*, defaults to `1e-4`): added to the std.
+
+    Returns:
+        `float`: the advantage.
+    """
+    if count < min_count:
+        return 0.0
+    centred = reward - mean
+    return centred if scale == "none" else centred / (std + eps)
+
+
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scale: ScaleRewards = "group",
                      eps: float = STD_EPS) -> torch.Tensor:
     r"""

@@ -93,6 +93,7 @@ def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, wit
         tokenizer = None
     need_ref = cfg.beta > 0 if with_reference is None else with_reference
     reference = None
+    torch.manual_seed(cfg.seed)  # the adapter's initialisation is reproducible (and equal on every rank)
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -104,9 +105,13 @@ def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, wit
         reference = copy.deepcopy(model).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
     model.train()
     log.info("policy loaded", model=path, device=str(device), dtype=str(dtype), lora=cfg.lora.enabled,
-             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+             gradient_checkpointing=cfg.gradient_checkpointing)
     return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, lora=cfg.lora.enabled,
                   base_model=path, reference=reference)
 

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from aiokafka import ConsumerRecord, TopicPartition
+
+from rlstream.learner import distributed
 
 from rlstream.learner.batch import Sample, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
-from rlstream.learner.policy import Policy, load_policy
+from rlstream.learner.policy import Policy, load_policy, pick_device
 from rlstream.learner.publish import PublicationFenced, announce, transactional_id, write_version
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
@@ -45,6 +48,8 @@ from rlstream.schemas.models import TrajectoryGroup, TrajectorySource, WeightsKi
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
+#: how long a training step waits for Redis (lease check, status) before it goes on without it
+REDIS_PATIENCE_IN_STEP_S = 3.0
 SERVICE = "learner"
 #: Why a group was consumed without training (the ``reason`` tag of ``learner/groups_skipped``).
 SKIP_OTHER_POLICY, SKIP_OTHER_RUN, SKIP_VALIDATION = "other_policy", "other_run", "validation"
@@ -85,13 +90,62 @@ class Learner:
         self._vocab_size: int | None = None
         self._reader: TopicReader[TrajectoryGroup] | None = None
         self._reporters = Reporters([])
+        self.parallel: distributed.DataParallel | None = None
+        self._lease_lock = asyncio.Lock()
+        self._known_version = 0  # the newest version this learner published or resumed from
 
     def request_stop(self) -> None:
         self._stop.set()
 
     # -- main ------------------------------------------------------------------------------------------
     async def run(self) -> LearnerState:
-        """Run until ``learner.total_steps`` or a stop request; returns the final state."""
+        """Run until ``learner.total_steps`` or a stop request; returns the final state.
+
+        Under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 runs this loop and the other ranks follow it
+        (:mod:`rlstream.learner.distributed`)."""
+        self.parallel = distributed.from_environment(self._device())
+        try:
+            if self.parallel is not None and not self.parallel.is_driver:
+                return await self._follow(self.parallel)
+            return await self._drive()
+        finally:
+            distributed.shutdown()
+
+    def _device(self) -> torch.device:
+        device = pick_device(self.lcfg.device)
+        if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            torch.cuda.set_device(distributed.local_rank())  # one GPU per rank
+            device = torch.device("cuda", distributed.local_rank())
+        return device
+
+    async def _load(self) -> tuple[Policy, GRPOTrainerStep, LearnerState]:
+        """The policy, its trainer and the newest checkpoint's state; on every rank, the same replica."""
+        policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg)
+        trainer = GRPOTrainerStep(policy, self.lcfg, self.parallel)
+        state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
+                                        trainer.scheduler) or LearnerState()
+        if self.parallel is not None:
+            if not await asyncio.to_thread(self.parallel.same_everywhere, state.step):
+                raise RuntimeError("the ranks resumed from different checkpoints (is learner.output_dir shared?)")
+            await asyncio.to_thread(self.parallel.copy_from_driver, list(policy.trainable_parameters()))
+        return policy, trainer, state
+
+    async def _follow(self, parallel: distributed.DataParallel) -> LearnerState:
+        """A rank > 0: wait for the driver's start, then run each step it broadcasts until it says stop."""
+        command, _ = await asyncio.to_thread(parallel.broadcast_command)
+        if command != distributed.START:
+            return LearnerState()
+        policy, trainer, state = await self._load()
+        log.info("data-parallel rank following the driver", rank=parallel.rank, world_size=parallel.world_size,
+                 step=state.step)
+        while True:
+            command, samples = await asyncio.to_thread(parallel.broadcast_command)
+            if command != distributed.STEP:
+                return state
+            await asyncio.to_thread(trainer.step, samples)
+            state.step += 1
+
+    async def _drive(self) -> LearnerState:
         control = ControlPlane(self.cfg.redis.url, self.cfg.redis.retry_max_s)
         producer = make_producer(self.cfg.kafka)
         # announcements only: transactional, one id per policy, started once the lease is held (fences a zombie)
@@ -105,14 +159,14 @@ class Learner:
             if self.lease is None:
                 return LearnerState()
             renew_task = asyncio.create_task(self._renew_loop(control))
-            policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg)
+            if self.parallel is not None:
+                await asyncio.to_thread(self.parallel.broadcast_command, distributed.START)
+            policy, trainer, state = await self._load()
+            self._known_version = max(state.version, await control.latest_version(self.cfg.policy))
             self._tokenizer, self._vocab_size = policy.tokenizer, policy.vocab_size
             self._reporters = Reporters.open(
                 self.lcfg.report_to, log_dir=self.lcfg.logging_dir or self.output_dir / "logs",
                 run_name=f"{self.cfg.run_id}-{self.cfg.policy}", config=self.lcfg.model_dump(mode="json"))
-            trainer = GRPOTrainerStep(policy, self.lcfg)
-            state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
-                                            trainer.scheduler) or LearnerState()
             await producer.start()
             await announcer.start()
             announcer_started = True
@@ -134,6 +188,11 @@ class Learner:
                 await self._train_step(state, taken, policy, trainer, announcer, control, metrics, consumer)
             return state
         finally:
+            if self.parallel is not None:  # release the other ranks (waiting for START, or in their loop)
+                try:
+                    await asyncio.to_thread(self.parallel.broadcast_command, distributed.STOP)
+                except Exception as exc:  # noqa: BLE001 - a dead rank: torchrun stops the group anyway
+                    log.warning("could not tell the other ranks to stop", error=str(exc))
             if renew_task:
                 renew_task.cancel()
             self._reporters.close()
@@ -164,15 +223,41 @@ class Learner:
 
     async def _renew_loop(self, control: ControlPlane) -> None:
         assert self.lease is not None
-        while True:
+        while not self.lease_lost:
             await asyncio.sleep(self.lcfg.lease_ttl_s / 3)
             try:
                 await control.renew_lease(self.cfg.policy, self.lease, self.lcfg.lease_ttl_s)
             except LeaseLost as exc:
-                log.error("learner lease lost; stopping without publishing", error=str(exc))
-                self.lease_lost = True
-                self._stop.set()
-                return
+                if not await self._regain(control, exc):
+                    return
+            except Exception as exc:  # noqa: BLE001 - Redis gone past redis.retry_max_s: keep trying, never die
+                log.warning("lease renewal failed; retrying (no checkpoint or version until it succeeds)",
+                            error=str(exc))
+
+    async def _regain(self, control: ControlPlane, exc: LeaseLost) -> bool:
+        """After a failed renewal: take the lease back when it merely expired (Redis was unreachable for longer
+        than its ttl) and no other learner published meanwhile; otherwise the learner stops (it lost it)."""
+        async with self._lease_lock:
+            if self.lease_lost:
+                return False
+            try:
+                holder = await control.lease_holder(self.cfg.policy)
+                if self.lease is not None and holder == self.lease.value:
+                    return True  # already taken back (the renewal loop and a step both noticed)
+                if holder is None:
+                    lease = await control.acquire_lease(self.cfg.policy, self.holder, self.lcfg.lease_ttl_s)
+                    if lease is not None:
+                        if await control.latest_version(self.cfg.policy) <= self._known_version:
+                            log.warning("learner lease expired while Redis was unreachable; taken back",
+                                        policy=self.cfg.policy, fencing_token=lease.token)
+                            self.lease = lease
+                            return True
+                        await control.release_lease(self.cfg.policy, lease)
+            except Exception as retry_exc:  # noqa: BLE001 - still unreachable: the next renewal tries again
+                log.warning("lease not taken back yet", error=str(retry_exc))
+                return True
+            self._lost(exc)
+            return False
 
     # -- consuming ---------------------------------------------------------------------------------------
     async def _assign_and_seek(self, consumer: Any, state: LearnerState) -> None:
@@ -245,6 +330,8 @@ class Learner:
             for s in t.samples:
                 s.group = index
                 samples.append(s)
+        if samples and self.parallel is not None:
+            await asyncio.to_thread(self.parallel.broadcast_command, distributed.STEP, samples)
         stats = await asyncio.to_thread(trainer.step, samples) if samples else None
         state.step += 1
         for t in taken:
@@ -269,6 +356,8 @@ class Learner:
                     await metrics.emit(metric_names.LEARNER_PUBLISH_REFUSED, 1.0, step=state.step,
                                        tags={"reason": "nonfinite_weights", "policy": self.cfg.policy})
                 publish_due = checkpoint_due = False
+        if checkpoint_due and not await self._lease_confirmed(control):
+            publish_due = checkpoint_due = False  # no checkpoint nor version without the lease (a zombie writes none)
         if publish_due:
             state.version += 1
             state.start_publication()
@@ -294,9 +383,13 @@ class Learner:
         if stats is not None:
             await metrics.emit(metric_names.REWARD_MEAN, stats.reward_mean, step=state.version,
                                tags={metric_names.STEP_TAG: metric_names.STEP_VERSION, "policy": self.cfg.policy})
-        await control.set_status(self.cfg.run_id, {"learner_step": state.step, "learner_version": state.version,
-                                                   "learner_groups_trained": state.groups_trained,
-                                                   "learner_loss": stats.loss if stats else 0.0})
+        try:  # status is for operators: an unreachable Redis must not hold training up
+            await control.set_status(self.cfg.run_id, {"learner_step": state.step, "learner_version": state.version,
+                                                       "learner_groups_trained": state.groups_trained,
+                                                       "learner_loss": stats.loss if stats else 0.0},
+                                     patience_s=REDIS_PATIENCE_IN_STEP_S)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("run status not written (Redis unreachable?)", error=str(exc))
         log.info("learner step", step=state.step, groups=n_groups,
                  loss=round(stats.loss, 5) if stats else None, reward_mean=round(stats.reward_mean, 4) if stats else None,
                  tokens_per_s=round(stats.tokens_per_s, 1) if stats else None)
@@ -314,12 +407,33 @@ class Learner:
                 step=state.step, kind=WeightsKind.lora if policy.lora else WeightsKind.full,
                 base_model=policy.base_model, offsets=state.publishing_offsets, group_count=state.publishing_groups,
                 metrics=figures, lease_ttl_s=self.lcfg.lease_ttl_s)
-        except PublicationFenced as exc:
-            log.error("announcing producer fenced by another learner; stopping without publishing", error=str(exc))
-            self.lease_lost = True
-            self._stop.set()
-            raise
+        except (PublicationFenced, LeaseLost) as exc:
+            self._lost(exc)
+            return
         state.publishing_offsets, state.publishing_groups = {}, 0
+        self._known_version = max(self._known_version, state.version)
+
+    def _lost(self, exc: BaseException) -> None:
+        log.error("learner lease lost or announcement fenced: another learner holds the policy; stopping without "
+                  "publishing", error=str(exc))
+        self.lease_lost = True
+        self._stop.set()
+
+    async def _lease_confirmed(self, control: ControlPlane) -> bool:
+        """Renew the lease before writing a checkpoint: False (and the learner stops) when another learner took
+        it; False for this step when Redis cannot be reached (the step's checkpoint and version wait)."""
+        assert self.lease is not None
+        try:
+            await control.renew_lease(self.cfg.policy, self.lease, self.lcfg.lease_ttl_s,
+                                      patience_s=REDIS_PATIENCE_IN_STEP_S)
+            return True
+        except LeaseLost as exc:
+            if await self._regain(control, exc) and not self.lease_lost:
+                return await self._lease_confirmed(control)
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: retry at the next due step
+            log.warning("lease not confirmed (Redis unreachable?); no checkpoint or version this step",
+                        error=str(exc))
+        return False
 
     async def _finish_interrupted_publication(self, state: LearnerState, policy: Policy, producer: Any,
                                               control: ControlPlane) -> None:

@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 
 from rlstream.learner.batch import Batch, Sample, behaviour_rows, collate
-from rlstream.learner.grpo import (LossConfig, group_advantages, grpo_loss, lr_factor, masked_mean,
+from rlstream.learner.distributed import DataParallel
+from rlstream.learner.grpo import (LossConfig, baseline_advantage, group_advantages, grpo_loss, lr_factor, masked_mean,
                                    turn_advantages)
 from rlstream.learner.policy import Policy, completion_logprobs
 from rlstream.schemas.config import LearnerConfig
@@ -64,15 +65,18 @@ def trajectories_of(samples: Sequence[Sample]) -> Trajectories:
                         of_sample=torch.tensor(of_sample, dtype=torch.long))
 
 
-def assign_advantages(samples: Sequence[Sample], scale: str) -> Trajectories | None:
+def assign_advantages(samples: Sequence[Sample], scale: str, baseline_min_count: int = 2) -> Trajectories | None:
     """Fill ``sample.advantage``: group statistics over *trajectories* (a trajectory of five turns counts once,
-    like one of a single turn), and every turn of a trajectory gets its trajectory's advantage."""
+    like one of a single turn), and every turn of a trajectory gets its trajectory's advantage; a single response
+    that carries a keyed baseline is scored against it (:func:`grpo.baseline_advantage`)."""
     if not samples:
         return None
     trajs = trajectories_of(samples)
     adv = group_advantages(trajs.rewards, trajs.group_index, scale)  # type: ignore[arg-type]
     for s, a in zip(samples, turn_advantages(adv, trajs.of_sample).tolist()):
-        s.advantage = a
+        b = s.baseline
+        s.advantage = a if b is None else baseline_advantage(s.reward, b.mean, b.std, b.count, scale,  # type: ignore[arg-type]
+                                                              baseline_min_count)
     return trajs
 
 
@@ -166,6 +170,25 @@ def step_figures(stats: StepStats | None, n_groups: int, policy_lag: Sequence[in
     return out
 
 
+def micro_batch_bounds(samples: Sequence[Sample], max_rows: int,
+                       max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` of each micro-batch, in order: at most ``max_rows`` rows, and with ``max_tokens``, at most
+    that many padded tokens (rows x the longest prompt + completion); a row longer than the budget goes alone."""
+    bounds: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, sample in enumerate(samples):
+        length = len(sample.prompt_ids) + len(sample.completion_ids)
+        rows = i - start
+        over_tokens = max_tokens is not None and rows > 0 and (rows + 1) * max(longest, length) > max_tokens
+        if rows >= max_rows or over_tokens:
+            bounds.append((start, i))
+            start, longest = i, 0
+        longest = max(longest, length)
+    if start < len(samples):
+        bounds.append((start, len(samples)))
+    return bounds
+
+
 def _std(values: torch.Tensor) -> float:
     return float(values.std()) if values.numel() > 1 else 0.0
 
@@ -173,9 +196,10 @@ def _std(values: torch.Tensor) -> float:
 class GRPOTrainerStep:
     """Owns the optimizer and scheduler of a :class:`Policy` and runs learner steps."""
 
-    def __init__(self, policy: Policy, cfg: LearnerConfig) -> None:
+    def __init__(self, policy: Policy, cfg: LearnerConfig, parallel: DataParallel | None = None) -> None:
         self.policy = policy
         self.cfg = cfg
+        self.parallel = parallel  # data parallel: this rank's share of the micro-batches, gradients summed
         self.loss_cfg = loss_config(cfg)
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay)
@@ -187,11 +211,13 @@ class GRPOTrainerStep:
         """Cut ``samples`` (advantages assigned) into collated micro-batches on the device, with step totals."""
         trajs = trajectories_of(samples)
         row_traj_tokens = trajs.tokens[trajs.of_sample].to(torch.float32)
-        size = self.cfg.micro_batch_size
         micro = []
-        for start in range(0, len(samples), size):
-            batch = collate(samples[start:start + size], self.policy.pad_id).to(self.policy.device)
-            micro.append(MicroBatch(batch, row_traj_tokens[start:start + size].to(self.policy.device)))
+        bounds = micro_batch_bounds(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        for index, (start, end) in enumerate(bounds):
+            if self.parallel is not None and not self.parallel.owns(index):
+                continue  # another rank's micro-batch (the totals above and below are the whole step's)
+            batch = collate(samples[start:end], self.policy.pad_id).to(self.policy.device)
+            micro.append(MicroBatch(batch, row_traj_tokens[start:end].to(self.policy.device)))
         return PreparedStep(micro_batches=micro, total_tokens=float(sum(len(s.completion_ids) for s in samples)),
                             total_sequences=float(len(samples)), total_trajectories=float(trajs.count),
                             trajectories=trajs, samples=list(samples))
@@ -232,10 +258,19 @@ class GRPOTrainerStep:
             n_tok += tokens
             if parts.is_weights is not None:
                 is_vals.append(parts.is_weights[mask.bool()].float().cpu())
-        is_all = torch.cat(is_vals) if is_vals else torch.ones(1)
+        is_all = torch.cat(is_vals) if is_vals else torch.zeros(0)
+        is_sum, is_count = float(is_all.sum()), float(is_all.numel())
+        is_min = float(is_all.min()) if is_count else math.inf
+        is_max = float(is_all.max()) if is_count else -math.inf
+        if self.parallel is not None:  # the whole step's gradient and figures, on every rank
+            self.parallel.sum_gradients(self.policy.trainable_parameters())
+            loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count = self.parallel.sum(
+                [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count])
+            is_min, is_max = self.parallel.extreme(is_min, "min"), self.parallel.extreme(is_max, "max")
+        if not is_count:
+            is_sum, is_count, is_min, is_max = 1.0, 1.0, 1.0, 1.0
         return {"loss": loss_sum, "kl": kl_sum / max(n_tok, 1.0), "clip_fraction": clip_sum / max(n_tok, 1.0),
-                "is_ratio_mean": float(is_all.mean()), "is_ratio_min": float(is_all.min()),
-                "is_ratio_max": float(is_all.max()), "tokens": n_tok}
+                "is_ratio_mean": is_sum / is_count, "is_ratio_min": is_min, "is_ratio_max": is_max, "tokens": n_tok}
 
     def optimizer_step(self, prepared: PreparedStep, iteration: int = 0) -> tuple[dict[str, float], bool]:
         """One optimizer step on ``prepared``: accumulate, clip, then step optimizer and scheduler, unless the
@@ -262,7 +297,7 @@ class GRPOTrainerStep:
         """One learner step: trajectory-level advantages, then ``num_iterations`` optimizer steps on the same
         batch against the batch-start policy (stopping at the first non-finite loss or gradient)."""
         started = time.perf_counter()
-        trajs = assign_advantages(samples, self.cfg.scale_rewards)
+        trajs = assign_advantages(samples, self.cfg.scale_rewards, self.cfg.baseline_min_count)
         prepared = self.prepare(samples)
         applied: list[dict[str, float]] = []
         last: dict[str, float] = {}

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
-from rlstream.ops.infra import LocalStack, spawn, stop_pid, terminate_as_interrupt
+from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid, terminate_as_interrupt
 from rlstream.rollout.sampling import SamplingSettings
 from rlstream.rollout.workflows import Workflow, check_workflow
 from rlstream.transport.kafka import create_topics
@@ -62,11 +62,14 @@ class UpOptions:
     config: Path | None = None
     overrides: list[tuple[str, str]] = field(default_factory=list)
     duration_s: float | None = None
+    until_version: int | None = None  # stop once a version >= this one has been scored on the held-out prompts
     runs_dir: Path = Path("runs")
     heldout_examples: int = 24
     model: str = "tiny"
     eval_samples: int = 4
     live: bool = True
+    traffic: str = "synthetic"  # synthetic: the rollout runner's GRPO groups; production: gateway + simulated users
+    feedback_delay_s: tuple[float, float] = (5.0, 60.0)
 
 
 @dataclass
@@ -205,6 +208,8 @@ class LiveFigures:
     lags: dict[str, int] = field(default_factory=dict)
     heldout: list[VersionScore] = field(default_factory=list)
     group_times: list[float] = field(default_factory=list)
+    baseline_groups: int = 0  # single responses scored against a keyed baseline (production traffic)
+    users: dict[str, str] = field(default_factory=dict)  # the simulated users' figures (production traffic)
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -232,7 +237,13 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
     table.add_row("held-out reward per version", heldout or "-")
     train = "  ".join(f"v{v}: {sum(r) / len(r):.2f}" for v, r in sorted(figures.group_reward_by_version.items())[-8:])
     table.add_row("training reward per version", train or "-")
-    table.add_row("groups", f"{figures.groups_seen} ({figures.groups_per_s():.2f}/s)")
+    table.add_row("groups", f"{figures.groups_seen} ({figures.groups_per_s():.2f}/s)"
+                  + (f", {figures.baseline_groups} single responses vs. baseline" if figures.baseline_groups else ""))
+    if figures.users:
+        u = figures.users
+        table.add_row("users (production traffic)", f"requests {u.get('users_requests', '0')}, streamed "
+                      f"{u.get('users_streamed', '0')}, langchain {u.get('users_langchain', '0')}, feedback sent "
+                      f"{u.get('users_feedback_sent', '0')}")
     table.add_row("groups filtered", ", ".join(f"{k}: {v:.0f}" for k, v in sorted(figures.filtered.items())) or "0")
     table.add_row("dlq", str(figures.dlq_count))
     lag = figures.policy_lag()
@@ -285,6 +296,8 @@ class Watcher:
             return
         self.figures.groups_seen += 1
         self.figures.group_times.append(time.monotonic())
+        if getattr(group, "baseline", None) is not None:
+            self.figures.baseline_groups += 1
         rewards = [t.reward for t in group.trajectories if t.reward is not None]
         if rewards:
             self.figures.group_reward_by_version.setdefault(group.max_policy_version, []).append(
@@ -315,6 +328,8 @@ class Watcher:
                     self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
                 workers = await self.control.workers(self.cfg.policy)
                 self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
+                status = await self.control.status(self.cfg.run_id)
+                self.figures.users = {k: v for k, v in status.items() if k.startswith("users_")}
                 lags = await consumer_group_lags(self.cfg.kafka, prefix=self.cfg.topics.prefix)
                 self.figures.lags = {f"{g.group}/{g.topic.removeprefix(self.cfg.topics.prefix)}": g.lag for g in lags}
             except Exception as exc:  # the view must not die with a transient error
@@ -406,6 +421,8 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
         "latest_version": figures.latest_version,
         "loaded": figures.loaded,
         "groups": figures.groups_seen,
+        "baseline_groups": figures.baseline_groups,
+        "users": figures.users,
         "dlq": figures.dlq_count,
         "filtered": figures.filtered,
         "heldout": [{"version": s.version, "model": s.model, "reward_mean": s.reward_mean, "samples": s.samples}
@@ -464,6 +481,9 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
             while not stop.is_set():
                 if deadline and time.monotonic() >= deadline:
                     break
+                if opts.until_version is not None and any(s.version >= opts.until_version for s in figures.heldout):
+                    log.info("held-out score of the requested version recorded; stopping", version=opts.until_version)
+                    break
                 dead = sup.dead()
                 if dead:
                     names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log_file})" for c in dead)
@@ -480,7 +500,8 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
 
 
 def run_up(opts: UpOptions) -> dict[str, Any]:
-    """Run the whole system until ``duration_s`` or Ctrl-C; returns the summary written to disk."""
+    """Run the whole system until ``duration_s``, ``until_version`` (scored) or Ctrl-C, whichever comes first;
+    returns the summary written to disk."""
     from rlstream.ops.vllm import ensure_vllm_venv, start_vllm_server
 
     user_cfg = load_config(opts.config, opts.overrides) if opts.config else None  # fail before starting anything
@@ -511,7 +532,17 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
         sup.spawn("learner", rlstream_command("learner", "run", *c))
         sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
-        sup.spawn("rollout", rlstream_command("rollout", "run", *c))
+        if opts.traffic == "production":
+            gateway_port = free_port()
+            sup.spawn("gateway", rlstream_command("gateway", "serve", *c, "--upstream", vllm.url, "--port",
+                                                  str(gateway_port), "--served-model", cfg.rollout.model,
+                                                  "--session-idle-s", "30", "--spool-dir", str(run_dir / "spool")))
+            low, high = opts.feedback_delay_s
+            sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
+                                                "--task", "toy", "--feedback-min-s", str(low), "--feedback-max-s",
+                                                str(high)))
+        else:
+            sup.spawn("rollout", rlstream_command("rollout", "run", *c))
         try:
             asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
         except KeyboardInterrupt:

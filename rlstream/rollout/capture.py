@@ -20,8 +20,9 @@ import functools
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport.log import get_logger
 from rlstream.schemas.models import Message, ToolCall, TrajectoryEvent, TrajectorySource, Turn
 
@@ -302,7 +303,7 @@ def _prepare(kwargs: dict[str, Any], request_token_data: bool) -> tuple[dict[str
     call_kwargs = dict(kwargs)
     if route is not None:
         call_kwargs["model"] = route(model)
-    wanted = recording is not None and recording.wants_model(model) and not kwargs.get("stream")
+    wanted = recording is not None and recording.wants_model(model)
     if wanted and request_token_data:
         call_kwargs.setdefault("logprobs", True)
         extra = dict(call_kwargs.get("extra_body") or {})
@@ -315,12 +316,20 @@ def _record(kwargs: dict[str, Any], call_kwargs: dict[str, Any], response: Any) 
     recording = current_recording()
     if recording is None:
         return
-    trainable, function = recording.trainable_here()
     choice = (_get(response, "choices") or [None])[0]
     if choice is None:
         log.warning("chat completion without choices; not recorded", model=kwargs.get("model"))
         return
     prompt_ids, completion_ids, logprobs = token_data(response)
+    _add_call(recording, recording.trainable_here(), kwargs, call_kwargs, _get(choice, "message"), prompt_ids,
+              completion_ids, logprobs, _get(choice, "finish_reason"))
+
+
+def _add_call(recording: Recording, where: tuple[bool, str | None], kwargs: dict[str, Any],
+              call_kwargs: dict[str, Any], message: Any, prompt_ids: list[int] | None,
+              completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None) -> None:
+    """One finished call (streamed or not) into ``recording``."""
+    trainable, function = where
     if logprobs is not None and constrained(kwargs):
         # The server masks the logits with the grammar before computing logprobs, so these are not the
         # policy's own probabilities; the learner treats a turn without logprobs as on-policy instead.
@@ -331,13 +340,91 @@ def _record(kwargs: dict[str, Any], call_kwargs: dict[str, Any], response: Any) 
         logprobs = None
     turn = Turn(model=str(kwargs.get("model")), function=function, prompt_token_ids=prompt_ids,
                 completion_token_ids=completion_ids, completion_logprobs=logprobs, trainable=trainable,
-                finish_reason=_get(choice, "finish_reason"))
+                finish_reason=finish_reason)
     recording.add(RecordedCall(
         request_messages=[to_message(m) for m in kwargs.get("messages", [])],
-        response_message=to_message(_get(choice, "message")),
+        response_message=to_message(message),
         turn=turn,
         served_model=str(call_kwargs.get("model")),
     ))
+
+
+def _chunk_dict(chunk: Any) -> dict[str, Any]:
+    if isinstance(chunk, dict):
+        return chunk
+    dump = getattr(chunk, "model_dump", None)
+    return dump() if callable(dump) else {}
+
+
+class _StreamRecorder:
+    """Passes a stream's chunks through unchanged and records the call once the stream is exhausted (the
+    recording and the target function are the ones active when the call was made)."""
+
+    def __init__(self, inner: Any, kwargs: dict[str, Any], call_kwargs: dict[str, Any]) -> None:
+        self._inner = inner
+        self._kwargs, self._call_kwargs = kwargs, call_kwargs
+        self._recording = current_recording()
+        self._where = self._recording.trainable_here() if self._recording is not None else (False, None)
+        self._acc = StreamAccumulator(None)
+        self._done = False
+
+    def _take(self, chunk: Any) -> None:
+        try:
+            self._acc.add(_chunk_dict(chunk))
+        except Exception as exc:  # an odd chunk must not break the caller's stream
+            log.warning("stream chunk not understood; the call will not be recorded", error=str(exc))
+            self._done = True
+
+    def _finish(self) -> None:
+        if self._done or self._recording is None:
+            return
+        self._done = True
+        if not self._acc.chunks:
+            log.warning("stream without choices; not recorded", model=self._kwargs.get("model"))
+            return
+        _add_call(self._recording, self._where, self._kwargs, self._call_kwargs, self._acc.message(),
+                  self._acc.prompt_ids, self._acc.completion_ids(), self._acc.logprobs(), self._acc.finish_reason)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class RecordingStream(_StreamRecorder):
+    """A synchronous ``Stream`` of chat completion chunks, recorded."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for chunk in self._inner:
+            self._take(chunk)
+            yield chunk
+        self._finish()
+
+    def __enter__(self) -> "RecordingStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close = getattr(self._inner, "close", None)
+        if callable(close):
+            close()
+
+
+class RecordingAsyncStream(_StreamRecorder):
+    """An ``AsyncStream`` of chat completion chunks, recorded."""
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        async for chunk in self._inner:
+            self._take(chunk)
+            yield chunk
+        self._finish()
+
+    async def __aenter__(self) -> "RecordingAsyncStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        close = getattr(self._inner, "close", None)
+        if callable(close):
+            result = close()
+            if inspect.isawaitable(result):
+                await result
 
 
 def constrained(kwargs: dict[str, Any]) -> bool:
@@ -377,6 +464,8 @@ class _Completions:
             result = self._inner.create(**call_kwargs)
         if inspect.isawaitable(result):
             return self._finish_async(result, kwargs, call_kwargs, wanted)
+        if wanted and kwargs.get("stream"):
+            return RecordingStream(result, kwargs, call_kwargs)
         if wanted:
             _record(kwargs, call_kwargs, result)
         return result
@@ -389,6 +478,8 @@ class _Completions:
                 raise
             call_kwargs, _, wanted = _prepare(kwargs, False)
             response = await self._inner.create(**call_kwargs)
+        if wanted and kwargs.get("stream"):
+            return RecordingAsyncStream(response, kwargs, call_kwargs)
         if wanted:
             _record(kwargs, call_kwargs, response)
         return response

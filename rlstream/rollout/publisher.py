@@ -9,7 +9,9 @@ raised to whoever awaits the event and again by ``flush``.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
@@ -19,6 +21,8 @@ from rlstream.transport.log import get_logger
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import KafkaConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent, WireModel
+
+T = TypeVar("T")
 
 log = get_logger(__name__)
 
@@ -62,6 +66,7 @@ class TrajectoryPublisher:
         self._pending: set[asyncio.Future[RecordMetadata]] = set()
         self._unreported: list[tuple[str, BaseException]] = []
         self._started = False
+        self._start_lock = asyncio.Lock()
         self._closed = False
         self.stats = PublishStats()
 
@@ -74,9 +79,10 @@ class TrajectoryPublisher:
                    max_in_flight=max_in_flight, delivery_timeout_s=delivery_timeout_s)
 
     async def start(self) -> "TrajectoryPublisher":
-        if not self._started:
-            await self.producer.start()
-            self._started = True
+        async with self._start_lock:  # the gateway's sender and spool drainer may both be first
+            if not self._started:
+                await self.producer.start()
+                self._started = True
         return self
 
     async def __aenter__(self) -> "TrajectoryPublisher":
@@ -100,18 +106,32 @@ class TrajectoryPublisher:
             raise PublishError("publisher is closed")
         if not self._started:
             await self.start()
-        value = self.codec.encode(event)
+        return await self.submit_encoded(topic, key.encode(), self.codec.encode(event))
+
+    async def submit_encoded(self, topic: str, key: bytes, value: bytes) -> asyncio.Future[RecordMetadata]:
+        """:meth:`submit` for an event already encoded (the capture gateway's spool re-sends stored bytes).
+
+        Cancelled while waiting, it hands nothing to the producer and raises CancelledError."""
+        if self._closed:
+            raise PublishError("publisher is closed")
+        if not self._started:
+            await self.start()
         await self._slots.acquire()
         try:
-            delivery = await self.producer.send(topic, value, key=key.encode())
+            delivery = await self.producer.send(topic, value, key=key)
+        except asyncio.CancelledError:
+            self._slots.release()
+            raise
         except BaseException as exc:
             self._slots.release()
             self.stats.failed += 1
-            raise PublishError(f"event for key {key!r} was not handed to the producer: {exc}", [(key, exc)]) from exc
+            shown = key.decode(errors="replace")
+            raise PublishError(f"event for key {shown!r} was not handed to the producer: {exc}",
+                               [(shown, exc)]) from exc
         self.stats.submitted += 1
         self.stats.by_topic[topic] = self.stats.by_topic.get(topic, 0) + 1
         self._pending.add(delivery)
-        delivery.add_done_callback(lambda fut, k=key: self._delivered(fut, k))
+        delivery.add_done_callback(lambda fut, k=key.decode(errors="replace"): self._delivered(fut, k))
         return delivery
 
     def _delivered(self, fut: asyncio.Future[RecordMetadata], key: str) -> None:
@@ -179,3 +199,68 @@ class TrajectoryPublisher:
             self._closed = True
             if self._started:
                 await self.producer.stop()
+
+
+class SyncTrajectoryPublisher:
+    """:class:`TrajectoryPublisher` for synchronous code (a Flask view, a LangChain callback, a script): the
+    publisher runs on its own event loop in a background thread; every method blocks until it is done.
+
+        with SyncTrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards) as publisher:
+            publisher.publish_trajectory(event)
+    """
+
+    def __init__(self, make: Callable[[], "TrajectoryPublisher"]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlstream-publisher", daemon=True)
+        self._thread.start()
+        self._publisher = self._call(self._build(make))
+        self._closed = False
+
+    @staticmethod
+    async def _build(make: Callable[[], "TrajectoryPublisher"]) -> TrajectoryPublisher:
+        return make()  # created on the publisher's loop (its locks and futures belong to that loop)
+
+    @classmethod
+    def from_config(cls, kafka: KafkaConfig, trajectories_topic: str, rewards_topic: str,
+                    **options: Any) -> "SyncTrajectoryPublisher":
+        return cls(lambda: TrajectoryPublisher.from_config(kafka, trajectories_topic, rewards_topic, **options))
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def start(self) -> "SyncTrajectoryPublisher":
+        self._call(self._publisher.start())
+        return self
+
+    def __enter__(self) -> "SyncTrajectoryPublisher":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> PublishStats:
+        return self._publisher.stats
+
+    def publish_trajectory(self, event: TrajectoryEvent) -> RecordMetadata:
+        """Write one trajectory; returns once the broker acknowledged it."""
+        return self._call(self._publisher.publish_trajectory(event))
+
+    def publish_reward(self, event: RewardEvent) -> RecordMetadata:
+        """Write one (late) reward; returns once the broker acknowledged it."""
+        return self._call(self._publisher.publish_reward(event))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self._call(self._publisher.flush(timeout_s))
+
+    def close(self) -> None:
+        """Flush, stop the producer and the background loop (raises PublishError if anything was not written)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._publisher.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()

@@ -31,6 +31,8 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from rlstream.schemas.models import EVENT_MODELS, WireModel
 
 AVSC_DIR = Path(__file__).parent / "avsc"
+#: earlier versions of event schemas (fully expanded JSON), known to every codec as writer schemas
+HISTORY_DIR = AVSC_DIR / "history"
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
 DEFAULT_MAX_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB
@@ -212,6 +214,8 @@ class AvroCodec:
         self._schemas: dict[str, _Known] = {}  # full name -> the version this codec reads and writes
         for name in EVENT_MODELS:
             self.add_schema(schema_json(name), reader=True)
+        for path in sorted(HISTORY_DIR.glob("*.json")):  # earlier versions: records written with them still decode
+            self.add_schema(path.read_text())
 
     @classmethod
     def from_config(cls, kafka: Any) -> "AvroCodec":

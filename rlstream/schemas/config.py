@@ -104,7 +104,8 @@ class KafkaConfig(Section):
 class RedisConfig(Section):
     url: SecretUrl = Field("", description="redis://[:password@]host:port/db; empty = embedded redis-server; "
                            "the password is masked in every output")
-    retry_max_s: float = Field(30.0, gt=0)
+    retry_max_s: float = Field(300.0, gt=0, description="how long a Redis call keeps retrying (exponential backoff "
+                               "with jitter, logged) before it fails: every service rides out an outage this long")
 
 
 class TopicsConfig(Section):
@@ -119,6 +120,14 @@ class StreamsConfig(Section):
     app_id: str = "rlstream-streams"
     group_timeout_s: float = Field(300.0, gt=0)
     min_group_size: int = Field(2, ge=1)
+    reward_window_s: float = Field(86_400.0, gt=0, description="how long a single response (group_size 1: "
+                                   "production traffic) waits for its reward (feedback may come hours later)")
+    baseline_method: Literal["window", "ema"] = Field(
+        "window", description="baseline of single responses per (policy, task): window = mean and std of the last "
+        "baseline_window rewards (leave-one-out: a reward is never in its own baseline); ema = exponential moving "
+        "mean and variance")
+    baseline_window: int = Field(64, ge=1, description="rewards in the window baseline")
+    baseline_ema_alpha: float = Field(0.1, gt=0, le=1, description="weight of the newest reward in the EMA baseline")
     min_allowed_group_size: int = Field(1, ge=1)
     max_allowed_group_size: int = Field(256, ge=1)
     max_policy_lag: int = Field(4, ge=0)
@@ -139,6 +148,9 @@ class StreamsConfig(Section):
                                     "app_id-worker_id, so a restarted worker takes its old place")
     rebalance_timeout_s: float = Field(20.0, gt=0, description="how long a rebalance waits for members to rejoin "
                                        "(a killed member holds the group this long)")
+    stop_timeout_s: float = Field(7.0, gt=0, description="after SIGTERM/SIGINT, how long a clean stop may take "
+                                  "before the worker exits anyway (its uncommitted transaction is aborted by the "
+                                  "broker; committed work stays committed)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "StreamsConfig":
@@ -178,6 +190,14 @@ class LearnerConfig(Section):
                                  "dead-lettered records are consumed on top of them)")
     micro_batch_size: int = Field(8, ge=1, description="turns (sequences) per forward/backward; gradients "
                                   "accumulate over the micro-batches of a step")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="token budget of one micro-batch: its rows "
+                                           "times its longest row (prompt + completion, padding included) stay "
+                                           "within it, so long turns go fewer to a micro-batch (a turn longer than "
+                                           "the budget goes alone); None = micro_batch_size rows whatever their "
+                                           "length. Gradients do not depend on the split.")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass instead of "
+                                         "keeping them (transformers' gradient checkpointing, non-reentrant): less "
+                                         "memory for about a third more compute; same gradients")
     num_iterations: int = Field(1, ge=1, description="optimizer steps per batch (TRL's num_iterations, the mu of "
                                 "GRPO): every step trains on the same batch against the batch-start policy, so the "
                                 "clip (epsilon_low/epsilon_high) acts from the second one on")
@@ -190,6 +210,9 @@ class LearnerConfig(Section):
         "TRL bnpo/DAPO), sequence_mean (every turn; TRL grpo), trajectory_mean (every trajectory, however many turns "
         "it has: its token mean over all its turns, averaged over trajectories), constant (sum / (turns * "
         "loss_constant); TRL dr_grpo)")
+    baseline_min_count: int = Field(2, ge=0, description="a single response (group_size 1) is trained against its "
+                                    "keyed baseline once at least this many earlier rewards are behind it; before "
+                                    "that its advantage is 0")
     loss_constant: int = Field(1024, ge=1, description="normaliser of the Dr. GRPO constant aggregation")
     epsilon_low: float = Field(0.2, ge=0, description="PPO clip: ratio lower bound 1 - epsilon_low")
     epsilon_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound 1 + epsilon_high (DAPO "
@@ -237,7 +260,8 @@ class RolloutConfig(Section):
     prompts_topic: str | None = Field(None, description="continuous mode: read examples (JSON) from this topic")
     max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = no limit)")
     base_url: SecretUrl = "http://127.0.0.1:8000/v1"  # a password in it is masked in every output
-    api_key: str = "EMPTY"
+    api_key: Secret | None = Field(None, description="sent to the OpenAI-compatible endpoint (a secret: masked in "
+                                   "every output; env form RLSTREAM_ROLLOUT__API_KEY); none = vLLM's placeholder")
     model: str = Field("policy", description="the served base model name; requests for it are routed to the "
                        "newest loaded version")
     route_worker_id: str | None = Field(None, description="route by this sync worker's heartbeat only")
@@ -249,6 +273,7 @@ class RolloutConfig(Section):
                                       "after this long")
     admission_poll_s: float = Field(1.0, gt=0)
     producer_id: str = "rollout"
+    prometheus_port: int | None = Field(None, description="serve the runner's metrics to Prometheus on this port")
 
 
 class InferenceConfig(Section):

@@ -29,6 +29,8 @@ REVEAL = {"secrets": "reveal"}
 OMIT = {"secrets": "omit"}
 #: Shorter values are not masked inside free text (a one-letter password would garble every log line).
 MIN_MASKED_LENGTH = 4
+#: the api key sent to an OpenAI-compatible server when none is configured (vLLM accepts any)
+PLACEHOLDER_API_KEY = "EMPTY"
 
 # scheme://[user]:password@host  ->  the password; and password=... in a query string
 _URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@\"']*:)(?P<secret>[^\s@/?#\"']+)(?=@)")
@@ -140,6 +142,8 @@ def secret_env(cfg: "RlstreamConfig") -> dict[str, str]:
         env["RLSTREAM_KAFKA__SSL_PASSWORD"] = kafka.ssl_password.get_secret_value()
     if url_password(kafka.schema_registry_url):
         env["RLSTREAM_KAFKA__SCHEMA_REGISTRY_URL"] = str(kafka.schema_registry_url)
+    if cfg.rollout.api_key is not None:
+        env["RLSTREAM_ROLLOUT__API_KEY"] = cfg.rollout.api_key.get_secret_value()
     if url_password(cfg.redis.url):
         env["RLSTREAM_REDIS_URL"] = cfg.redis.url  # the shortcut: it outranks every other environment form
     return env

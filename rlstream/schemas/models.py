@@ -35,6 +35,7 @@ class TrajectorySource(str, Enum):
     production = "production"
     replay = "replay"
     validation = "validation"
+    shadow = "shadow"  # a production prompt completed into a GRPO group by `rlstream rollout shadow`
 
 
 class GroupCompletion(str, Enum):
@@ -123,6 +124,15 @@ class CurriculumInfo(WireModel):
     window_size: int = 0
 
 
+class GroupBaseline(WireModel):
+    avro_name: ClassVar[str] = "rlstream.v1.GroupBaseline"
+    key: str  # "<policy>|<task>"
+    method: str  # "window" (leave-one-out over the last K rewards) or "ema"
+    mean: float
+    std: float
+    count: int  # rewards behind the baseline (0: nothing to compare with yet)
+
+
 class TrajectoryGroup(WireModel):
     avro_name: ClassVar[str] = "rlstream.v1.TrajectoryGroup"
     group_id: str
@@ -141,6 +151,7 @@ class TrajectoryGroup(WireModel):
     curriculum: CurriculumInfo | None = None
     assembled_at: datetime = Field(default_factory=utc_now)
     source_offsets: list[SourceOffset] = Field(default_factory=list)
+    baseline: GroupBaseline | None = None
 
 
 class FileDigest(WireModel):

@@ -27,7 +27,7 @@ import faust
 
 from rlstream.transport import aborted_index
 from rlstream.transport import metric_names as mn
-from rlstream.transport.deadletter import dead_letter
+from rlstream.transport.deadletter import dead_letter, fit_dead_letter
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger, logging_dict_config
 from rlstream.transport.metrics import MetricsPublisher
@@ -36,11 +36,15 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
+from rlstream.streams.baseline import BaselineRules
 from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, Reject, SourceRef
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
+from rlstream.streams.shutdown import DeadlineWorker, StopDeadline
+from rlstream.streams.staging import StagedWrites, base64_json_size, oversized_writes
 from rlstream.streams.telemetry import Telemetry
-from rlstream.streams.exactly_once.progress import Admission, ProgressGate
+from rlstream.streams.exactly_once.internals import check_internals, forget_unacked, send_queued_changelogs
+from rlstream.streams.exactly_once.progress import Admission, ProgressGate, VisibleOffsetProbe
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
 from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
                                                         check_guarantee)
@@ -215,19 +219,27 @@ class StreamsApp:
         # recovered state == one committed snapshot (see streams/state_reset.py)
         self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
         install_full_recovery(self.app, self.settled)
-        self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards})
+        self.offset_probe = VisibleOffsetProbe(lambda: make_consumer(self.cfg.kafka, group_id=None,
+                                                                     isolation_level="read_committed"))
+        self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards},
+                                 self.offset_probe)
         exactly_once = self.cfg.streams.processing_guarantee == "exactly_once"
         self.app.transaction_manager().configure(TransactionSettings(
             source_topic=self.names.trajectories, buffer_tracker=BufferTracker(self.app.producer.buffer),
             processing_lock=self.processing_lock if exactly_once else None))
-        rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
-                              min_group_size=self.cfg.streams.min_group_size,
-                              closed_retention_s=self.cfg.streams.closed_retention_s)
-        self.assembler = GroupAssembler(DetachedValues(self.group_table), Base64Values(self.member_table), self.codec,
-                                        rules)
+        self.rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
+                                   min_group_size=self.cfg.streams.min_group_size,
+                                   closed_retention_s=self.cfg.streams.closed_retention_s,
+                                   single_timeout_s=self.cfg.streams.reward_window_s,
+                                   baseline=BaselineRules(self.cfg.streams.baseline_method,
+                                                          self.cfg.streams.baseline_window,
+                                                          self.cfg.streams.baseline_ema_alpha))
+        self.groups_view, self.members_view = DetachedValues(self.group_table), Base64Values(self.member_table)
+        self.assembler = GroupAssembler(self.groups_view, self.members_view, self.codec, self.rules)
         self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
+        check_internals(self.app, self.cfg.streams.store)  # before anything starts: fail naming what is missing
         self._register()
 
     # -- wiring ----------------------------------------------------------------------------
@@ -243,7 +255,7 @@ class StreamsApp:
                 async with self.processing_lock:
                     verdict = await self.admit_and_handle(event.message)
                 if verdict is Admission.LATER:
-                    self.app.consumer._unacked_messages.discard(event.message)
+                    forget_unacked(self.app.consumer, event.message)
                 else:
                     await acked.ack(event)
 
@@ -297,6 +309,7 @@ class StreamsApp:
             if self._side_producer is not None:
                 await self._side_producer.stop()
             await self.settled.close()
+            await self.offset_probe.close()
 
     # -- per event ---------------------------------------------------------------------------
     async def admit_and_handle(self, msg: Any) -> "Admission":
@@ -325,7 +338,11 @@ class StreamsApp:
         now = time.time()
         self.telemetry.processed(msg.topic, msg.partition, msg.offset)
         if msg.topic == self.ticks:
-            outcome = self.assembler.on_tick(msg.partition, now)
+            try:
+                outcome = self.assembler.on_tick(msg.partition, now)
+            except Exception:  # a tick carries no data: log it, the next tick checks again
+                log.exception("tick could not be processed", partition=msg.partition)
+                outcome = Outcome()
         else:
             self.telemetry.count(mn.STREAMS_EVENTS_IN)
             try:
@@ -346,15 +363,26 @@ class StreamsApp:
         """Hand this record's queued changelog records to the producer now, inside the record's context
         (so inside its partition's transaction, before any commit can run between the record's
         outputs and its state changes)."""
-        buffer = self.app.producer.buffer
-        while not buffer.pending.empty():
-            fut = buffer.pending.get_nowait()
-            try:
-                await buffer._send_pending(fut)
-            finally:
-                buffer.message_sent.set()
+        await send_queued_changelogs(self.app.producer.buffer)
 
     def _ingest(self, msg: Any, src: SourceRef, now: float) -> Outcome:
+        """Validate and assemble one input record; its table writes are applied only once all of them fit (see
+        streams/staging.py), so a rejected or failing record leaves the state as it was."""
+        groups, members = StagedWrites(self.groups_view), StagedWrites(self.members_view)
+        outcome = self._assemble(GroupAssembler(groups, members, self.codec, self.rules), msg, src, now)
+        limit = self.cfg.kafka.max_message_bytes
+        too_large = oversized_writes(groups, limit) + oversized_writes(members, limit, base64_json_size)
+        if too_large:
+            key, size = too_large[0]
+            raise v.Rejected(v.Invalid(v.STATE_TOO_LARGE, (
+                f"holding this record needs a {size}-byte state record (key {key[:80]!r}), over "
+                f"kafka.max_message_bytes ({limit}); make the trajectory smaller (e.g. drop token data or "
+                "split it into turns)")))
+        groups.apply()
+        members.apply()
+        return outcome
+
+    def _assemble(self, assembler: GroupAssembler, msg: Any, src: SourceRef, now: float) -> Outcome:
         record_ts = float(msg.timestamp or now)
         if msg.topic == self.names.trajectories:
             event = v.decode_event(self.codec, msg.value, TrajectoryEvent)
@@ -363,13 +391,13 @@ class StreamsApp:
                 event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size)
             if invalid:
                 raise v.Rejected(invalid)
-            return self.assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
+            return assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
         reward = v.decode_event(self.codec, msg.value, RewardEvent)
         assert isinstance(reward, RewardEvent)
         invalid = v.check_key(msg.key, reward.example_id) or v.validate_reward(reward)
         if invalid:
             raise v.Rejected(invalid)
-        return self.assembler.on_reward(reward, bytes(msg.value), msg.key, src, record_ts, now)
+        return assembler.on_reward(reward, bytes(msg.value), msg.key, src, record_ts, now)
 
     async def publish(self, outcome: Outcome, partition: int) -> None:
         """Send the outcome's dead letters and the groups that pass the filters; count everything."""
@@ -381,10 +409,18 @@ class StreamsApp:
             await self._emit(finished, partition)
 
     async def _dead_letter(self, reject: Reject) -> None:
+        """Send one dead letter, cut to fit one record (see transport/deadletter.py)."""
         letter = dead_letter(topic=reject.source.topic, partition=reject.source.partition,
                              offset=reject.source.offset, key=reject.key, value=reject.value, error=reject.message,
                              error_type=reject.reason, service=f"{SERVICE}:{self.worker_id}")
-        await self.dlq_out.send(key=reject.key, value=self.codec.encode(letter))
+        try:
+            letter, value = fit_dead_letter(letter, self.codec)
+        except Exception as exc:  # not expected: the letter still goes out, without the record's bytes
+            log.exception("dead letter could not be fitted; sent without key and value", reason=reject.reason)
+            letter, value = fit_dead_letter(letter.model_copy(update={
+                "key": None, "value": None, "error_message": f"{reject.message} [key and value left out: {exc}]"}),
+                self.codec)
+        await self.dlq_out.send(key=letter.key, value=value)
         self.telemetry.count(mn.STREAMS_DLQ, reason=reject.reason)
         self.telemetry.count(mn.STREAMS_DLQ_TOTAL)
         log.info("dead letter", reason=reject.reason, topic=reject.source.topic, partition=reject.source.partition,
@@ -402,14 +438,22 @@ class StreamsApp:
             value = self.codec.encode(verdict.group)
         except Exception as exc:  # e.g. over the size limit: every member goes to the dlq instead
             for t, off in zip(group.trajectories, [o for o in group.source_offsets if o.topic == self.names.trajectories]):
+                try:
+                    member: bytes | None = self.codec.encode(t)
+                except Exception:  # the letter names the source record; its bytes stay on the input topic
+                    member = None
                 await self._dead_letter(Reject(v.GROUP_TOO_LARGE, f"group {group.group_id} not emitted: {exc}",
                                                SourceRef(off.topic, off.partition, off.offset),
-                                               t.example_id.encode(), self.codec.encode(t)))
+                                               t.example_id.encode(), member))
             return
         await self.groups_out.send(key=group.example_id.encode(), value=value)
         self.telemetry.count(mn.STREAMS_EVENTS_OUT)
         self.telemetry.count(mn.STREAMS_GROUPS_EMITTED, reason=group.completion.value)
-        self.telemetry.observe_latency(time.time() - finished.last_member_ts)
+        latency_s = time.time() - finished.last_member_ts
+        self.telemetry.observe_latency(latency_s)
+        if self._metrics is not None:  # one histogram observation per group (Prometheus only, see metric_names)
+            await self._metrics.emit(mn.STREAMS_ASSEMBLY_LATENCY_S, max(0.0, latency_s),
+                                     tags={"worker": self.worker_id})
 
     # -- timers ------------------------------------------------------------------------------
     async def maintain_progress(self) -> None:
@@ -487,7 +531,8 @@ async def prepare_topics(cfg: RlstreamConfig) -> None:
 
 
 def run_worker(cfg: RlstreamConfig, worker_id: str, loglevel: str = "WARNING") -> None:
-    """Create the topics, then run the Faust worker in this process until SIGTERM/SIGINT."""
+    """Create the topics, then run the Faust worker in this process until SIGTERM/SIGINT (a clean stop, or an exit
+    after ``streams.stop_timeout_s`` when the clean stop hangs, e.g. on a broker that is down)."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     loop.run_until_complete(prepare_topics(cfg))
@@ -495,7 +540,9 @@ def run_worker(cfg: RlstreamConfig, worker_id: str, loglevel: str = "WARNING") -
     log.info("streams worker starting", app_id=cfg.streams.app_id, worker=worker_id,
              guarantee=cfg.streams.processing_guarantee, store=cfg.streams.store)
     # logging_config: Faust replaces the root handlers at start; this keeps rlstream's one log pipeline (JSON lines)
-    worker = faust.Worker(streams.app, loop=loop, loglevel=loglevel, quiet=True, redirect_stdouts=False,
-                          logging_config=logging_dict_config(loglevel))
+    worker = DeadlineWorker(streams.app, loop=loop, loglevel=loglevel, quiet=True, redirect_stdouts=False,
+                            logging_config=logging_dict_config(loglevel))
+    # a stop signal starts Faust's clean stop and a hard deadline: the broker may be down (streams/shutdown.py)
+    worker.stop_deadline = StopDeadline(cfg.streams.stop_timeout_s)
     worker.spinner = None  # its cursor escapes would be the only lines on stdout that are not JSON
     worker.execute_from_commandline()

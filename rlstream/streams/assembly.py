@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, MutableMapping
 
 from rlstream.schemas.codec import AvroCodec
-from rlstream.schemas.models import GroupCompletion, RewardEvent, SourceOffset, TrajectoryEvent, TrajectoryGroup, utc_now
+from rlstream.schemas.models import (GroupBaseline, GroupCompletion, RewardEvent, SourceOffset, TrajectoryEvent,
+                                     TrajectoryGroup, utc_now)
 from rlstream.streams import validation as v
+from rlstream.streams.baseline import BaselineRules, BaselineState, baseline_key, is_baseline, score, table_key, task_of
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,8 @@ class AssemblyRules:
     group_timeout_s: float
     min_group_size: int
     closed_retention_s: float = 3600.0
+    single_timeout_s: float = 86_400.0  # a single response (group_size 1) waits this long for its reward
+    baseline: BaselineRules = BaselineRules()
 
 
 def group_stats(rewards: list[float]) -> tuple[float, float, float, float]:
@@ -303,13 +307,13 @@ class GroupAssembler:
         out = Outcome()
         due: list[tuple[str, OpenGroup | None]] = []
         for group_id, data in list(self.groups.items()):
-            if stored_partition(data) != partition:
+            if stored_partition(data) != partition or is_baseline(data):
                 continue
             state = group_state_from_json(data)
             if isinstance(state, ClosedGroup):
                 if now - state.closed_at >= self.rules.closed_retention_s:
                     due.append((group_id, None))
-            elif now - state.opened_at >= self.rules.group_timeout_s:
+            elif now - state.opened_at >= self._timeout_of(state):
                 due.append((group_id, state))
         for group_id, open_state in due:
             if open_state is None:
@@ -320,6 +324,20 @@ class GroupAssembler:
         return out
 
     # -- internals -----------------------------------------------------------------------
+    def _timeout_of(self, state: OpenGroup) -> float:
+        """Singles wait for feedback (hours); GRPO groups for their members (minutes)."""
+        return self.rules.single_timeout_s if state.group_size == 1 else self.rules.group_timeout_s
+
+    def _score_single(self, state: OpenGroup, event: TrajectoryEvent, reward: float) -> GroupBaseline:
+        """The keyed baseline of a single response (then its reward joins that baseline)."""
+        key = baseline_key(event.policy, task_of(event))
+        where = table_key(state.partition, key)
+        stored = self.groups.get(where)
+        baseline_state = BaselineState.from_json(stored) if is_baseline(stored) else BaselineState(state.partition)
+        baseline = score(baseline_state, reward, key, self.rules.baseline)
+        self.groups[where] = baseline_state.to_json()
+        return baseline
+
     def _open_state(self, event: TrajectoryEvent | RewardEvent, src: SourceRef, now: float) -> GroupState:
         """The group's state, or a fresh one for a group seen for the first time."""
         data = self.groups.get(event.group_id)
@@ -357,7 +375,7 @@ class GroupAssembler:
         out = Outcome()
         for tid in list(state.members):
             out.rejects.append(self._member_reject(state, tid, v.GROUP_EXPIRED,
-                                                   f"group {state.group_id} expired after {self.rules.group_timeout_s}s "
+                                                   f"group {state.group_id} expired after {self._timeout_of(state)}s "
                                                    f"with {len(rewarded)} rewarded of {state.group_size} "
                                                    f"(min_group_size {self.rules.min_group_size})"))
         out.rejects += self._orphans(state)
@@ -389,12 +407,13 @@ class GroupAssembler:
         mean, std, lo, hi = group_stats(rewards)
         versions = [e.policy_version for e in members]
         first = members[0]
+        baseline = self._score_single(state, first, rewards[0]) if state.group_size == 1 else None
         group = TrajectoryGroup(
             group_id=state.group_id, run_id=first.run_id, example_id=first.example_id, policy=first.policy,
             min_policy_version=min(versions), max_policy_version=max(versions),
             expected_size=int(state.group_size),  # type: ignore[arg-type]
             trajectories=members, reward_mean=mean, reward_std=std, reward_min=lo, reward_max=hi,
-            completion=completion, assembled_at=utc_now(), source_offsets=offsets,
+            completion=completion, assembled_at=utc_now(), source_offsets=offsets, baseline=baseline,
         )
         out.finished.append(Finished(group=group, last_member_ts=state.last_record_ts))
         self._close(state, now)

@@ -36,8 +36,9 @@ def is_zero_variance(group: TrajectoryGroup, min_reward_diff: float) -> bool:
     return group.reward_max - group.reward_min < min_reward_diff
 
 
-def curriculum_key(partition: int) -> str:
-    return f"curriculum:{partition}"
+def curriculum_key(partition: int, policy: str) -> str:
+    """One curriculum window per policy within a partition (policies never compete for one window)."""
+    return f"curriculum:{partition}:{policy}"
 
 
 def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version: int | None,
@@ -46,12 +47,19 @@ def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version:
     if is_stale(group, latest_version, config.max_policy_lag):
         return Verdict(group, STALE, f"min policy version {group.min_policy_version} < latest {latest_version} "
                                      f"- max_policy_lag {config.max_policy_lag}")
-    if is_zero_variance(group, config.min_reward_diff):
+    if group.baseline is not None:  # a single response: its signal is its distance from the keyed baseline
+        if group.baseline.count == 0:
+            return Verdict(group, ZERO_VARIANCE, f"no earlier reward for baseline key {group.baseline.key!r} yet "
+                                                 "(this reward starts it)")
+        if abs(group.reward_mean - group.baseline.mean) < config.min_reward_diff:
+            return Verdict(group, ZERO_VARIANCE, f"reward {group.reward_mean:.4g} within {config.min_reward_diff} "
+                                                 f"of its baseline {group.baseline.mean:.4g}")
+    elif is_zero_variance(group, config.min_reward_diff):
         return Verdict(group, ZERO_VARIANCE, f"reward spread {group.reward_max - group.reward_min:.4g} < "
                                              f"{config.min_reward_diff}")
     if not config.curriculum.enabled:
         return Verdict(group, None)
-    key = curriculum_key(partition)
+    key = curriculum_key(partition, group.policy)
     online = OnlineCurriculum.from_dict(config.curriculum, config.curriculum_window, curriculum_store.get(key))
     epoch = latest_version if latest_version is not None else group.max_policy_version
     admitted, selection = online.admit(group.group_id, [t.reward or 0.0 for t in group.trajectories], epoch)

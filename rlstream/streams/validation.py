@@ -37,6 +37,7 @@ GROUP_EXPIRED = "group_expired"
 REWARD_TIMEOUT = "reward_timeout"
 ORPHAN_REWARD = "orphan_reward"
 GROUP_TOO_LARGE = "group_too_large"
+STATE_TOO_LARGE = "state_too_large"  # holding the record would need a changelog record over the size limit
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class Rejected(Exception):
 
 def decode_event(codec: AvroCodec, value: bytes | None, model: type[WireModel]) -> WireModel:
     """Decode a record value into ``model`` or raise :class:`Rejected` with the reason."""
-    if value is None or len(value) == 0:
-        raise Rejected(Invalid(EMPTY_VALUE, "record has no value (tombstone or empty payload)"))
+    if value is None:
+        raise Rejected(Invalid(EMPTY_VALUE, "record has no value (a tombstone); events are never deleted by key"))
+    if len(value) == 0:
+        raise Rejected(Invalid(EMPTY_VALUE, "record value is empty (0 bytes)"))
     try:
         return codec.decode(value, model)
     except UnknownSchemaError as exc:

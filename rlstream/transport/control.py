@@ -6,6 +6,7 @@ exponential backoff while Redis is unreachable and says so in the logs.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
@@ -78,7 +79,7 @@ class Lease:
 class ControlPlane:
     """Async access to rlstream's Redis keys."""
 
-    def __init__(self, url: str, retry_max_s: float = 30.0) -> None:
+    def __init__(self, url: str, retry_max_s: float = 300.0) -> None:
         self.url = url
         self.retry_max_s = retry_max_s
         self.redis: aioredis.Redis = aioredis.from_url(url, decode_responses=True, socket_timeout=5.0)
@@ -86,18 +87,22 @@ class ControlPlane:
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _retry(self, what: str, call: Callable[[], Awaitable[T]], patience_s: float | None = None) -> T:
+        """``call()``, retried while Redis is unreachable for up to ``patience_s`` (default ``retry_max_s``)."""
         delay, waited = 0.1, 0.0
+        limit = self.retry_max_s if patience_s is None else patience_s
         while True:
             try:
                 return await call()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                if waited >= self.retry_max_s:
+                if waited >= limit:
                     log.error("redis unreachable, giving up", op=what, url=self.url, waited_s=round(waited, 1))
                     raise
-                log.warning("redis unreachable, retrying", op=what, url=self.url, error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                waited += delay
+                pause = delay * random.uniform(0.5, 1.5)  # jitter: restarted services do not retry in step
+                log.warning("redis unreachable, retrying", op=what, url=self.url, error=str(exc),
+                            retry_in_s=round(pause, 2), waited_s=round(waited, 1))
+                await asyncio.sleep(pause)
+                waited += pause
                 delay = min(delay * 2, 5.0)
 
     # -- latest version ----------------------------------------------------------------
@@ -148,9 +153,10 @@ class ControlPlane:
                 logged = True
             await asyncio.sleep(poll_s)
 
-    async def renew_lease(self, policy: str, lease: Lease, ttl_s: float) -> None:
+    async def renew_lease(self, policy: str, lease: Lease, ttl_s: float, patience_s: float | None = None) -> None:
+        """Extend the lease; raises :class:`LeaseLost` when it is not held (anymore) by ``lease``."""
         ok = await self._retry("renew_lease", lambda: self.redis.eval(_RENEW_LUA, 1, lease_key(policy), lease.value,
-                                                                    str(int(ttl_s * 1000))))
+                                                                    str(int(ttl_s * 1000))), patience_s)
         if not int(ok):
             raise LeaseLost(f"learner lease for policy {policy!r} was lost by {lease.value}")
 
@@ -184,10 +190,10 @@ class ControlPlane:
         return await self._retry("workers", call)
 
     # -- run status --------------------------------------------------------------------
-    async def set_status(self, run_id: str, figures: dict[str, Any]) -> None:
+    async def set_status(self, run_id: str, figures: dict[str, Any], patience_s: float | None = None) -> None:
         mapping = {k: str(v) for k, v in figures.items()}
         if mapping:
-            await self._retry("set_status", lambda: self.redis.hset(status_key(run_id), mapping=mapping))
+            await self._retry("set_status", lambda: self.redis.hset(status_key(run_id), mapping=mapping), patience_s)
 
     async def status(self, run_id: str) -> dict[str, str]:
         return await self._retry("status", lambda: self.redis.hgetall(status_key(run_id)))

@@ -7,9 +7,22 @@ at the emit site: ``tests/unit/test_metric_names.py`` fails on one), and the ope
 
 The ``step`` of a MetricEvent is the x axis: the policy version in an online run, the epoch in
 ``rlstream finetune``, the learner step for the ``learner/*`` figures. The tag ``STEP_TAG`` says which.
-Prometheus sees each name as ``rlstream_<name with / and . replaced by _>`` (a gauge of the last value).
+
+Prometheus: :data:`SPECS` (at the end) declares for every name its kind, its Prometheus name and the tags that
+become labels (besides ``source`` and ``run_id``, always there). A **counter** (``rlstream_..._total``) adds up:
+each event is an increment (``rollout/published``: 1 per trajectory), or with ``cumulative`` a running total since
+the emitter started (the stream app's counters) of which the mirror adds the growth. A **histogram** (``..._seconds``,
+buckets in seconds) observes each value (a duration). A **gauge** holds the last value (a level: lag, reward, loss).
+Tags not declared as labels never become labels (no ``example_id``, no error text). A few names stay on the topic
+only (``prometheus=None``: a rate or percentile Prometheus computes itself) and a few go to Prometheus only
+(``topic=False``: one value per group or request, too many for the topic). The ``metrics`` topic carries every other
+name as it always did. See ``transport/metrics.py`` for the mirror and ``ops/alerts.yml`` and
+``ops/grafana/dashboards/rlstream.json`` for what reads the series.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 #: Tag naming the meaning of ``step``: ``"version"`` (online), ``"epoch"`` (finetune) or ``"step"`` (learner step).
 STEP_TAG = "step_kind"
@@ -95,8 +108,11 @@ STREAMS_EVENTS_IN = "streams.events_in"
 STREAMS_EVENTS_OUT = "streams.events_out"
 STREAMS_EVENTS_IN_PER_S = "streams.events_in_per_s"
 STREAMS_EVENTS_OUT_PER_S = "streams.events_out_per_s"
+#: Latency percentiles (seconds from a group's last member to its emission) over the worker's last 10 000 groups.
 STREAMS_ASSEMBLY_LATENCY_P50_S = "streams.assembly_latency_p50_s"
 STREAMS_ASSEMBLY_LATENCY_P99_S = "streams.assembly_latency_p99_s"
+#: The same latency, one value per emitted group (Prometheus only: a histogram).
+STREAMS_ASSEMBLY_LATENCY_S = "streams.assembly_latency_s"
 #: Records behind the high watermark over the worker's trajectories and rewards partitions.
 STREAMS_CONSUMER_LAG = "streams.consumer_lag"
 #: Records put off by the progress gate (rebalance, recovery) and records skipped as already applied.
@@ -119,6 +135,12 @@ STREAMS_GROUPS_TIMED_OUT = "streams.groups_timed_out"
 STREAMS_GROUPS_EXPIRED = "streams.groups_expired"
 STREAMS_CLOSED_FORGOTTEN = "streams.closed_forgotten"
 
+# --- capture gateway (source ``gateway``; Prometheus only: one value per call) -----------------------------------
+#: Seconds the gateway spent on a captured call besides waiting for the upstream: the whole handler minus the
+#: upstream call (non-streamed), up to handing on the first event minus the upstream's time to it (streamed).
+#: Tags ``route`` (``chat_completions``, ``responses``) and ``streamed`` (``true``/``false``).
+GATEWAY_OVERHEAD_S = "gateway/overhead_s"
+
 # --- groups of names ---------------------------------------------------------------------------------------------
 #: The names ``rlstream plot`` draws, in the order of its legend.
 PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE)
@@ -136,13 +158,15 @@ LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEAR
 #: The learner's counters outside a step's figures.
 LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
-           STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_CONSUMER_LAG,
+           STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_ASSEMBLY_LATENCY_S,
+           STREAMS_CONSUMER_LAG,
            STREAMS_RECORDS_DEFERRED, STREAMS_RECORDS_SKIPPED, STREAMS_DLQ, STREAMS_DLQ_TOTAL, STREAMS_GROUPS_EMITTED,
            STREAMS_GROUPS_FILTERED, STREAMS_TRAJECTORIES_ACCEPTED, STREAMS_DUPLICATE_TRAJECTORY,
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN)
+GATEWAY = (GATEWAY_OVERHEAD_S,)
 #: Every name rlstream emits (a name in several groups appears once).
-ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS))
+ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY))
 
 
 def split_streams_figure(key: str) -> tuple[str, str]:
@@ -150,3 +174,179 @@ def split_streams_figure(key: str) -> tuple[str, str]:
     ``streams.events_in`` -> (``streams.events_in``, ``""``)."""
     base, _, reason = key.removeprefix(STREAMS_PREFIX).partition(".")
     return STREAMS_PREFIX + base, reason
+
+
+# --- Prometheus: the kind, name and labels of every metric name -----------------------------------------------------
+MetricKind = Literal["counter", "gauge", "histogram"]
+#: Labels every series has (the MetricEvent's ``source`` and ``run_id``); a spec never lists them.
+FIXED_LABELS = ("source", "run_id")
+#: Histogram buckets (seconds) of a duration from milliseconds to minutes: a learner step, a weight reload, a
+#: group's assembly, an admission pause.
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: Histogram buckets (seconds) of a sub-second duration: the gateway's own time on a call.
+FAST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """How one metric name is served to Prometheus, and whether it goes on the ``metrics`` topic.
+
+    ``prometheus`` is None for a name kept off Prometheus (a rate or percentile it computes itself from a counter or
+    histogram). ``labels``: the tags that become labels (any other tag is dropped from the series). ``cumulative``
+    (counters): each value is a running total since the emitter started, not an increment. ``topic`` False: the
+    name goes to Prometheus only. ``buckets``: a histogram's upper bounds, in seconds.
+    """
+
+    name: str
+    kind: MetricKind
+    prometheus: str | None
+    labels: tuple[str, ...] = ()
+    help: str = ""
+    cumulative: bool = False
+    topic: bool = True
+    buckets: tuple[float, ...] = SECONDS_BUCKETS
+
+
+def _gauge(name: str, prometheus: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", prometheus, labels, help)
+
+
+def _counter(name: str, prometheus: str, labels: tuple[str, ...], help: str, cumulative: bool = False) -> MetricSpec:
+    return MetricSpec(name, "counter", prometheus, labels, help, cumulative=cumulative)
+
+
+def _total(name: str, prometheus: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    """A counter whose events carry the running total since the emitter started."""
+    return _counter(name, prometheus, labels, help, cumulative=True)
+
+
+def _histogram(name: str, prometheus: str, labels: tuple[str, ...], help: str, topic: bool = True,
+               buckets: tuple[float, ...] = SECONDS_BUCKETS) -> MetricSpec:
+    return MetricSpec(name, "histogram", prometheus, labels, help, topic=topic, buckets=buckets)
+
+
+def _topic_only(name: str, kind: MetricKind, why: str) -> MetricSpec:
+    return MetricSpec(name, kind, None, (), why)
+
+
+_VERSIONED = ("step_kind", "policy")
+_LEARNER = ("policy",)
+_WORKER = ("worker",)
+_WORKER_REASON = ("worker", "reason")
+
+#: Every metric name's spec, keyed by the name (``tests/unit/test_metric_names.py`` checks it covers ``ALL`` and
+#: follows the naming conventions).
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
+    _gauge(REWARD_MEAN, "rlstream_reward_mean", _VERSIONED, "Mean reward of the trajectories trained on or "
+           "generated at this step, before filters"),
+    _gauge(REWARD_MEAN_FILTERED, "rlstream_reward_mean_filtered", _VERSIONED, "Mean reward of the groups kept by "
+           "the filters"),
+    _gauge(VALIDATION_REWARD_MEAN, "rlstream_validation_reward_mean", _VERSIONED, "Mean reward of the last "
+           "validation (held-out) pass"),
+    _gauge(CURRICULUM_PERCENTILE, "rlstream_curriculum_percentile", _VERSIONED, "Fraction of groups the "
+           "curriculum accepts"),
+    _gauge(LEARNER_LOSS, "rlstream_learner_loss", _VERSIONED, "GRPO loss of the last learner step or finetune epoch"),
+    _total(REPLAY_PUBLISHED, "rlstream_replay_published_total", ("from_topic",), "Trajectories re-published by "
+           "rlstream replay"),
+    # rollout runner
+    _counter(ROLLOUT_PUBLISHED, "rlstream_rollout_published_total", (), "Trajectories published by the rollout "
+             "runner"),
+    _counter(ROLLOUT_GENERATION_FAILED, "rlstream_rollout_generation_failed_total", (), "Generations that failed "
+             "(the example and the error are in the metrics topic and the logs)"),
+    _histogram(ROLLOUT_ADMISSION_PAUSED_S, "rlstream_rollout_admission_paused_seconds", (), "Duration of one "
+               "admission-control pause of the rollout runner"),
+    # inference sync worker
+    _gauge(INFERENCE_LOADED_VERSION, "rlstream_inference_loaded_version", _WORKER, "Policy version the worker's "
+           "server has loaded last"),
+    _histogram(INFERENCE_LOAD_SECONDS, "rlstream_inference_load_seconds", _WORKER, "Time to load one policy "
+               "version into the inference server"),
+    _counter(INFERENCE_LOAD_FAILED, "rlstream_inference_load_failed_total", _WORKER_REASON, "Policy versions the "
+             "worker could not load (reason: the exception type)"),
+    _counter(INFERENCE_VERSION_REFUSED, "rlstream_inference_version_refused_total", _WORKER_REASON, "Policy "
+             "versions refused as untrusted and dead-lettered"),
+    # learner: one event of each per learner step
+    _counter(LEARNER_GROUPS, "rlstream_learner_groups_trained_total", _LEARNER, "Groups the learner trained on"),
+    _gauge(LEARNER_POLICY_LAG_MEAN, "rlstream_learner_policy_lag_mean", _LEARNER, "Mean policy lag (versions) of "
+           "the last step's groups"),
+    _gauge(LEARNER_POLICY_LAG_MAX, "rlstream_learner_policy_lag_max", _LEARNER, "Largest policy lag (versions) of "
+           "the last step's groups"),
+    _gauge(LEARNER_KL, "rlstream_learner_kl", _LEARNER, "KL to the reference of the last step"),
+    _gauge(LEARNER_CLIP_FRACTION, "rlstream_learner_clip_fraction", _LEARNER, "Fraction of tokens clipped in the "
+           "last step"),
+    _gauge(LEARNER_IS_RATIO_MEAN, "rlstream_learner_is_ratio_mean", _LEARNER, "Mean importance ratio of the last "
+           "step"),
+    _gauge(LEARNER_IS_RATIO_MIN, "rlstream_learner_is_ratio_min", _LEARNER, "Smallest importance ratio of the "
+           "last step"),
+    _gauge(LEARNER_IS_RATIO_MAX, "rlstream_learner_is_ratio_max", _LEARNER, "Largest importance ratio of the last "
+           "step"),
+    _gauge(LEARNER_REWARD_MEAN, "rlstream_learner_reward_mean", _LEARNER, "Mean reward of the last step's "
+           "trajectories"),
+    _gauge(LEARNER_REWARD_STD, "rlstream_learner_reward_std", _LEARNER, "Reward standard deviation of the last "
+           "step's trajectories"),
+    _gauge(LEARNER_ADVANTAGE_MEAN, "rlstream_learner_advantage_mean", _LEARNER, "Mean advantage of the last step"),
+    _gauge(LEARNER_ADVANTAGE_STD, "rlstream_learner_advantage_std", _LEARNER, "Advantage standard deviation of the "
+           "last step"),
+    _gauge(LEARNER_GRAD_NORM, "rlstream_learner_grad_norm", _LEARNER, "Gradient norm of the last step"),
+    _gauge(LEARNER_LEARNING_RATE, "rlstream_learner_learning_rate", _LEARNER, "Learning rate of the last step"),
+    _counter(LEARNER_TOKENS, "rlstream_learner_tokens_total", _LEARNER, "Tokens trained on"),
+    _counter(LEARNER_SEQUENCES, "rlstream_learner_sequences_total", _LEARNER, "Sequences (turns) trained on"),
+    _counter(LEARNER_TRAJECTORIES, "rlstream_learner_trajectories_total", _LEARNER, "Trajectories trained on"),
+    _counter(LEARNER_OPTIMIZER_STEPS, "rlstream_learner_optimizer_steps_total", _LEARNER, "Optimizer steps applied"),
+    _counter(LEARNER_NONFINITE_SKIPPED, "rlstream_learner_nonfinite_skipped_total", _LEARNER, "Optimizer steps "
+             "skipped for a non-finite loss or gradient"),
+    _histogram(LEARNER_SECONDS, "rlstream_learner_step_seconds", _LEARNER, "Duration of one learner step"),
+    _gauge(LEARNER_TOKENS_PER_S, "rlstream_learner_tokens_per_second", _LEARNER, "Training throughput of the last "
+           "step"),
+    _total(LEARNER_GROUPS_SKIPPED, "rlstream_learner_groups_skipped_total", ("policy", "reason"), "Groups consumed "
+           "but not trained on"),
+    _total(LEARNER_DLQ_TOTAL, "rlstream_learner_dead_letters_total", _LEARNER, "Records of the groups topic the "
+           "learner dead-lettered"),
+    _counter(LEARNER_PUBLISH_REFUSED, "rlstream_learner_publish_refused_total", ("policy", "reason"), "Publications "
+             "the learner refused (weights not finite)"),
+    # stream app: its counters report running totals since the worker started
+    _total(STREAMS_EVENTS_IN, "rlstream_streams_events_in_total", _WORKER, "Trajectory and reward events consumed"),
+    _total(STREAMS_EVENTS_OUT, "rlstream_streams_events_out_total", _WORKER, "Groups produced to the groups topic"),
+    _topic_only(STREAMS_EVENTS_IN_PER_S, "gauge", "Prometheus: rate(rlstream_streams_events_in_total[5m])"),
+    _topic_only(STREAMS_EVENTS_OUT_PER_S, "gauge", "Prometheus: rate(rlstream_streams_events_out_total[5m])"),
+    _topic_only(STREAMS_ASSEMBLY_LATENCY_P50_S, "gauge", "Prometheus: histogram_quantile over "
+                "rlstream_streams_assembly_latency_seconds_bucket"),
+    _topic_only(STREAMS_ASSEMBLY_LATENCY_P99_S, "gauge", "Prometheus: histogram_quantile over "
+                "rlstream_streams_assembly_latency_seconds_bucket"),
+    _histogram(STREAMS_ASSEMBLY_LATENCY_S, "rlstream_streams_assembly_latency_seconds", _WORKER, "Time from a "
+               "group's last member to its emission", topic=False),
+    _gauge(STREAMS_CONSUMER_LAG, "rlstream_streams_consumer_lag", _WORKER, "Records behind the high watermark over "
+           "the worker's trajectories and rewards partitions"),
+    _total(STREAMS_RECORDS_DEFERRED, "rlstream_streams_records_deferred_total", _WORKER, "Records put off by the "
+           "progress gate"),
+    _total(STREAMS_RECORDS_SKIPPED, "rlstream_streams_records_skipped_total", _WORKER, "Records skipped as already "
+           "applied"),
+    _total(STREAMS_DLQ, "rlstream_streams_dead_letters_total", _WORKER_REASON, "Records the stream app "
+           "dead-lettered"),
+    _topic_only(STREAMS_DLQ_TOTAL, "counter", "Prometheus: sum without (reason) (rlstream_streams_dead_letters_total)"),
+    _total(STREAMS_GROUPS_EMITTED, "rlstream_streams_groups_emitted_total", _WORKER_REASON, "Groups emitted "
+           "(reason: full or timeout)"),
+    _total(STREAMS_GROUPS_FILTERED, "rlstream_streams_groups_filtered_total", _WORKER_REASON, "Groups dropped by a "
+           "filter (reason: stale, zero_variance, curriculum)"),
+    _total(STREAMS_TRAJECTORIES_ACCEPTED, "rlstream_streams_trajectories_accepted_total", _WORKER, "Trajectories "
+           "accepted by the assembler"),
+    _total(STREAMS_DUPLICATE_TRAJECTORY, "rlstream_streams_duplicate_trajectories_total", _WORKER, "Duplicate "
+           "trajectories dropped"),
+    _total(STREAMS_DUPLICATE_REWARD, "rlstream_streams_duplicate_rewards_total", _WORKER, "Duplicate rewards "
+           "dropped"),
+    _total(STREAMS_REWARDS_HELD, "rlstream_streams_rewards_held_total", _WORKER, "Rewards held until their "
+           "trajectory arrives"),
+    _total(STREAMS_REWARDS_JOINED, "rlstream_streams_rewards_joined_total", _WORKER, "Rewards joined to their "
+           "trajectory"),
+    _total(STREAMS_GROUPS_COMPLETED, "rlstream_streams_groups_completed_total", _WORKER, "Groups completed (all "
+           "members)"),
+    _total(STREAMS_GROUPS_TIMED_OUT, "rlstream_streams_groups_timed_out_total", _WORKER, "Groups closed by the "
+           "timeout"),
+    _total(STREAMS_GROUPS_EXPIRED, "rlstream_streams_groups_expired_total", _WORKER, "Groups expired without "
+           "enough members"),
+    _total(STREAMS_CLOSED_FORGOTTEN, "rlstream_streams_closed_forgotten_total", _WORKER, "Closed group ids "
+           "forgotten after the retention"),
+    # capture gateway
+    _histogram(GATEWAY_OVERHEAD_S, "rlstream_gateway_overhead_seconds", ("route", "streamed"), "Time the gateway "
+               "spent on a captured call besides waiting for the upstream", topic=False,
+               buckets=FAST_SECONDS_BUCKETS),
+)}

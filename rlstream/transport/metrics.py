@@ -1,10 +1,12 @@
 """MetricEvents on the ``metrics`` topic, mirrored to a Prometheus endpoint.
 
-Every service reports through one :class:`MetricsPublisher`, so the topic and the
-Prometheus scrape show the same figures: each metric name becomes the gauge
-``rlstream_<name>`` (non-alphanumerics replaced by ``_``) holding the last value, labelled by
-the event's tags plus ``source`` and ``run_id``. Every metric name is a constant of
-:mod:`rlstream.transport.metric_names`.
+Every service reports through one :class:`MetricsPublisher`, so the topic and the Prometheus scrape show the same
+figures. The mirror follows :data:`~rlstream.transport.metric_names.SPECS`: a counter adds each event's value (or,
+``cumulative``, the growth of the running total it carries), a histogram observes it, a gauge holds the last value;
+labels are ``source``, ``run_id`` and the spec's declared tags (other tags are dropped from the series). A name the
+table does not declare is mirrored as a gauge ``rlstream_<name>`` (non-alphanumerics replaced by ``_``) with only
+``source`` and ``run_id`` as labels, logged once at debug level. Each endpoint also serves the process, GC and
+platform collectors of ``prometheus_client`` (``process_cpu_seconds_total``, ``python_gc_*``, ``python_info``).
 """
 from __future__ import annotations
 
@@ -16,61 +18,108 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from rlstream.transport.log import get_logger
+from rlstream.transport.metric_names import FIXED_LABELS, SPECS, MetricSpec
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import MetricEvent
 
 log = get_logger(__name__)
 _NOT_PROM = re.compile(r"[^a-zA-Z0-9_]")
-_FIXED_LABELS = ("source", "run_id")
 DEFAULT_PROMETHEUS_ADDR = "0.0.0.0"  # a scraper in another container or host must reach it
 
 
-def prometheus_name(metric: str) -> str:
-    """``validation/reward_mean`` -> ``rlstream_validation_reward_mean``."""
-    return "rlstream_" + _NOT_PROM.sub("_", metric)
+def metric_spec(metric: str) -> MetricSpec:
+    """The declared spec of a metric name, or for an undeclared one a gauge ``rlstream_<name>`` without labels."""
+    declared = SPECS.get(metric)
+    if declared is not None:
+        return declared
+    return MetricSpec(metric, "gauge", "rlstream_" + _NOT_PROM.sub("_", metric), (), f"rlstream metric {metric} "
+                      "(not declared in metric_names.SPECS)")
 
 
-def label_name(tag: str) -> str:
-    """A valid Prometheus label for a tag key (``tag_`` prefix when it would clash or start badly)."""
-    clean = _NOT_PROM.sub("_", tag) or "tag"
-    if clean[0].isdigit() or clean.startswith("__") or clean in _FIXED_LABELS:
-        clean = "tag_" + clean
-    return clean
+def prometheus_name(metric: str) -> str | None:
+    """``validation/reward_mean`` -> ``rlstream_validation_reward_mean``; None for a name kept off Prometheus."""
+    return metric_spec(metric).prometheus
+
+
+@dataclass
+class MirroredMetric:
+    """One metric of an endpoint: its prometheus_client object and spec, and for a counter fed running totals the
+    last total seen per label values."""
+
+    spec: MetricSpec
+    metric: Any
+    label_names: tuple[str, ...]
+    last_totals: dict[tuple[str, ...], float] = field(default_factory=dict)
+
+    def record(self, event: MetricEvent) -> None:
+        """Add, observe or set ``event.value`` on the series of the event's labels (caller holds the endpoint lock)."""
+        tags = {**event.tags, "source": event.source, "run_id": event.run_id}
+        values = tuple(tags.get(name, "") for name in self.label_names)
+        series = self.metric.labels(*values)
+        if self.spec.kind == "gauge":
+            series.set(event.value)
+        elif self.spec.kind == "histogram":
+            series.observe(event.value)
+        else:
+            increment = event.value
+            if self.spec.cumulative:
+                last = self.last_totals.get(values, 0.0)
+                increment = event.value - last if event.value >= last else event.value  # smaller: emitter restarted
+                self.last_totals[values] = event.value
+            if increment < 0:
+                log.debug("negative counter increment not mirrored to prometheus", metric=event.name,
+                          value=event.value)
+                return
+            series.inc(increment)
+
+
+def new_metric(spec: MetricSpec, registry: Any) -> MirroredMetric:
+    """Register the prometheus_client counter, gauge or histogram of ``spec`` on ``registry``."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    assert spec.prometheus is not None
+    label_names = FIXED_LABELS + spec.labels
+    help_text = spec.help or f"rlstream metric {spec.name}"
+    if spec.kind == "counter":
+        metric: Any = Counter(spec.prometheus, help_text, label_names, registry=registry)
+    elif spec.kind == "histogram":
+        metric = Histogram(spec.prometheus, help_text, label_names, registry=registry, buckets=spec.buckets)
+    else:
+        metric = Gauge(spec.prometheus, help_text, label_names, registry=registry)
+    return MirroredMetric(spec, metric, label_names)
 
 
 @dataclass
 class PrometheusEndpoint:
-    """One HTTP endpoint with its registry and the gauges registered on it."""
+    """One HTTP endpoint with its registry and the metrics mirrored on it (by metric name)."""
 
     registry: Any
     port: int
     server: Any
-    gauges: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
+    metrics: dict[str, MirroredMetric | None] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def set(self, event: MetricEvent) -> None:
-        """Set the gauge of ``event.name`` to its value (labels fixed by the first event of that name)."""
-        from prometheus_client import Gauge
-
-        name = prometheus_name(event.name)
-        labels = {label_name(k): v for k, v in event.tags.items()}
-        labels.update(source=event.source, run_id=event.run_id)
+    def record(self, event: MetricEvent) -> None:
+        """Mirror one event as its spec says (nothing for a name kept off Prometheus)."""
         with self.lock:
-            entry = self.gauges.get(name)
-            if entry is None:
-                names = tuple(sorted(labels))
-                try:
-                    gauge = Gauge(name, f"rlstream metric {event.name}", names, registry=self.registry)
-                except ValueError as exc:  # e.g. two metric names that sanitise to the same gauge
-                    log.warning("metric not mirrored to prometheus", metric=event.name, error=str(exc))
-                    return
-                entry = self.gauges[name] = (gauge, names)
-            gauge, names = entry
-        extra = sorted(set(labels) - set(names))
-        if extra:
-            log.debug("prometheus labels not in the first event of this metric; dropped", metric=event.name,
-                      labels=extra)
-        gauge.labels(**{n: labels.get(n, "") for n in names}).set(event.value)
+            if event.name not in self.metrics:
+                self.metrics[event.name] = self._register(event.name)
+            mirrored = self.metrics[event.name]
+            if mirrored is not None:
+                mirrored.record(event)
+
+    def _register(self, name: str) -> MirroredMetric | None:
+        spec = metric_spec(name)
+        if spec.prometheus is None:
+            return None
+        if name not in SPECS:
+            log.debug("metric not declared in metric_names.SPECS; mirrored as a gauge without tags", metric=name,
+                      prometheus=spec.prometheus)
+        try:
+            return new_metric(spec, self.registry)
+        except ValueError as exc:  # e.g. an undeclared name that sanitises to a registered one
+            log.warning("metric not mirrored to prometheus", metric=name, error=str(exc))
+            return None
 
     def close(self) -> None:
         self.server.shutdown()
@@ -82,16 +131,20 @@ _ENDPOINTS_LOCK = threading.Lock()
 
 
 def start_prometheus(port: int, addr: str = DEFAULT_PROMETHEUS_ADDR) -> PrometheusEndpoint:
-    """Serve a registry on ``addr:port`` (0 = any free port; the bound one is ``.port``).
+    """Serve a registry (with the process, GC and platform collectors) on ``addr:port`` (0 = any free port; the bound
+    one is ``.port``).
 
     Publishers of one process that ask for the same port share one endpoint.
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 
     with _ENDPOINTS_LOCK:
         if port and (addr, port) in _ENDPOINTS:
             return _ENDPOINTS[(addr, port)]
         registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        GCCollector(registry=registry)
+        PlatformCollector(registry=registry)
         server, _thread = start_http_server(port, addr=addr, registry=registry)
         bound = int(server.server_address[1])
         endpoint = PrometheusEndpoint(registry=registry, port=bound, server=server)
@@ -137,14 +190,17 @@ class MetricsPublisher:
         return self.prometheus.port if self.prometheus else None
 
     async def emit(self, name: str, value: float, step: int | None = None, tags: dict[str, str] | None = None) -> None:
-        """Publish one figure (fire-and-forget delivery; failures are logged, never raised)."""
+        """Publish one figure (fire-and-forget delivery; failures are logged, never raised); a name whose spec says
+        ``topic=False`` goes to Prometheus only."""
         event = MetricEvent(source=self.source, run_id=self.run_id, name=name, value=float(value), step=step,
                             tags={str(k): str(v) for k, v in (tags or {}).items()})
         if self.prometheus is not None:
             try:
-                self.prometheus.set(event)
+                self.prometheus.record(event)
             except Exception as exc:  # the mirror must never take a service down either
                 log.warning("metric not mirrored to prometheus", metric=name, error=str(exc))
+        if not metric_spec(name).topic:
+            return
         try:
             await self.producer.send(self.topic, self.codec.encode(event), key=self.source.encode())
         except Exception as exc:  # metrics must never take a service down

@@ -7,7 +7,6 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
@@ -18,7 +17,7 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.streams.app import prepare_topics
 from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
-                                   remove_dead_member, wait_for_count)
+                                   remove_dead_member, wait_for_count, wait_for_worker_events)
 
 
 @pytest.mark.parametrize("store", ["memory", "rocksdb"])
@@ -39,21 +38,14 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_nothing(rl_config: Rlst
         restarted = Worker(rl_config, "w1", tmp_path, **{"streams.store": store}).start()
         groups = asyncio.run(read_groups(rl_config, names.groups, expect=len(expected), timeout_s=150, quiet_s=4))
         assert restarted.alive(), restarted.log_tail()
-        assert_groups_match(groups, expected)
+        try:
+            assert_groups_match(groups, expected)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\nrestarted worker log:\n{restarted.log_tail(120)}") from None
     finally:
         worker.stop()
         if restarted:
             restarted.stop()
-
-
-async def wait_for_worker_events(cfg: RlstreamConfig, topic: str, worker: str, timeout_s: float) -> None:
-    """Until ``worker`` has reported processed input (streams.events_in > 0) on the metrics topic."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        metrics = [m for _, m in await read_all(cfg, topic, MetricEvent, timeout_s=3, quiet_s=0.5)]
-        if any(m.name == mn.STREAMS_EVENTS_IN and m.value > 0 and m.tags.get("worker") == worker for m in metrics):
-            return
-    raise AssertionError(f"{worker} processed nothing within {timeout_s:.0f} s")
 
 
 def test_two_workers_share_partitions_through_rebalances(rl_config: RlstreamConfig, tmp_path: Path) -> None:

@@ -21,13 +21,12 @@ from rlstream.transport.metric_names import (CURRICULUM_PERCENTILE, REWARD_MEAN,
                               VALIDATION_REWARD_MEAN)
 from rlstream.ops.toy import toy_dataset
 from rlstream.rollout.sampling import SamplingSettings
-from rlstream.transport.topic_reader import open_reader, partitions_of, read_to_end
 from rlstream.ops.vllm import VllmServer
-from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import CurriculumConfig, RlstreamConfig
 from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent, TrajectoryGroup, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.curriculum import keep_count, percentile_schedule
+from tests.learner_helpers import read_whole_topic
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
 
 vllm = vllm_fixture()
@@ -74,16 +73,6 @@ def file_config(rl_config: RlstreamConfig, model_dir: Path, output_dir: Path) ->
     return data
 
 
-async def read_topic(cfg: RlstreamConfig, topic: str, model: Any) -> list[Any]:
-    codec = AvroCodec()
-    consumer = await open_reader(cfg.kafka)
-    try:
-        consumer.assign(await partitions_of(consumer, topic))
-        return [codec.decode(r.value, model) async for r in read_to_end(consumer, topic)]
-    finally:
-        await consumer.stop()
-
-
 def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
     vllm: VllmServer, rl_config: RlstreamConfig, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -96,7 +85,7 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
     result = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "finetune", "--config_file", str(config_path),
            "--dataset", str(train), "--validation_dataset", str(held_out), "--validation_interval", "2",
-           "--endpoint", vllm.base_url, "--result_json_path", str(result),
+           "--inference_url", vllm.base_url, "--summary_json", str(result),
            "-o", "finetuning.num_epochs", str(EPOCHS), "-o", "finetuning.curriculum_learning.expansion_interval", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=Path(__file__).resolve().parents[2])
     (tmp_path / "finetune.log").write_text(proc.stderr)
@@ -151,18 +140,18 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
 
     # -- the Kafka side: one version per epoch, trained on the kept groups only; validation never trained on
     topics = TopicNames.from_config(rl_config.topics)
-    versions = [v for v in asyncio.run(read_topic(rl_config, topics.policy_versions, PolicyVersion))
+    versions = [v for v in asyncio.run(read_whole_topic(rl_config, topics.policy_versions, PolicyVersion))
                 if v.policy == rl_config.policy]
     assert [v.version for v in versions] == [1, 2, 3]
     assert [v.group_count for v in versions] == [r["filtered_groups"] for r in lines]
     assert all(v.kind.value == "lora" and v.run_id == rl_config.run_id for v in versions)
-    groups = [g for g in asyncio.run(read_topic(rl_config, topics.groups, TrajectoryGroup))
+    groups = [g for g in asyncio.run(read_whole_topic(rl_config, topics.groups, TrajectoryGroup))
               if g.run_id == rl_config.run_id]
     trained_ids = {g.group_id for g in groups if all(t.source == TrajectorySource.rollout for t in g.trajectories)}
     assert len(trained_ids) == EPOCHS * EXAMPLES
     flaky = next(g for g in groups if g.group_id == f"{rl_config.run_id}:{FLAKY_EXAMPLE}:0")
     assert flaky.completion.value == "timeout" and len(flaky.trajectories) == GENERATIONS - 1
-    trajectories = [t for t in asyncio.run(read_topic(rl_config, topics.trajectories, TrajectoryEvent))
+    trajectories = [t for t in asyncio.run(read_whole_topic(rl_config, topics.trajectories, TrajectoryEvent))
                     if t.run_id == rl_config.run_id]
     validation = [t for t in trajectories if t.source == TrajectorySource.validation]
     assert len(validation) == 3 * VALIDATION_EXAMPLES
@@ -173,7 +162,7 @@ def test_finetune_runs_epochs_writes_outputs_and_follows_the_curriculum(
     assert by_epoch == {0: {0}, 1: {1}, 2: {2}}
 
     # -- MetricEvents with the documented names, step = epoch, tag step_kind=epoch
-    metrics = [m for m in asyncio.run(read_topic(rl_config, topics.metrics, MetricEvent))
+    metrics = [m for m in asyncio.run(read_whole_topic(rl_config, topics.metrics, MetricEvent))
                if m.run_id == rl_config.run_id and m.source == "finetune"]
     by_name: dict[str, dict[int, float]] = {}
     for m in metrics:

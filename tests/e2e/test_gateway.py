@@ -105,3 +105,102 @@ async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, 
     assert len(session.turns) == (2 if continues else 1)
     rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
     assert [(r.trajectory_id, r.reward, r.components) for r in rewards] == [(plain_tid, 0.5, {"user": 0.5})]
+
+
+async def test_a_streamed_n_choice_answer_is_one_group_with_each_choices_own_tokens(
+        vllm: VllmServer, reference: Any, rl_config: Any, created_topics: Any) -> None:
+    request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, "n": 2,
+               "stream": True, "seed": 7}
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=1, session_idle_s=60)
+    texts: dict[int, str] = {0: "", 1: ""}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with serving(Gateway(config, publisher)) as url:
+            r = await http.post(f"{url}/v1/chat/completions", json=request)
+            assert r.status_code == 200, r.text
+            for chunk in sse_chunks(r.text):
+                for choice in chunk["choices"]:
+                    texts[choice["index"]] += (choice.get("delta") or {}).get("content") or ""
+            ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+            group = r.headers["x-rlstream-group-id"]
+    await publisher.close()
+
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=2)
+    assert sorted(e.trajectory_id for e in events) == sorted(ids)
+    assert {e.group_id for e in events} == {group} and {e.group_size for e in events} == {2}
+    by_index = {e.generation_index: e for e in events}
+    assert sorted(by_index) == [0, 1]
+    for index, event in by_index.items():
+        turn = event.turns[0]
+        assert event.messages[-1].content == texts[index]  # what this choice's client saw
+        assert turn.completion_token_ids and len(turn.completion_logprobs) == len(turn.completion_token_ids)
+        # the logprobs are this choice's own: they match the model on this choice's tokens
+        ref = reference_logprobs(reference, turn.prompt_token_ids, turn.completion_token_ids)
+        assert max_abs_diff(turn.completion_logprobs, ref) < TOLERANCE
+
+
+async def test_the_responses_api_through_the_gateway_to_real_vllm_is_answered_and_recorded(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    request = {"model": SERVED_MODEL, "instructions": "You are terse.", "input": "Repeat the letter a.",
+               "max_output_tokens": 8, "temperature": 0}
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=3, session_idle_s=60)
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = await http.post(f"{vllm.url}/v1/responses", json=request)
+        assert direct.status_code == 200, direct.text  # vLLM serves the Responses API
+        async with serving(Gateway(config, publisher)) as url:
+            r = await http.post(f"{url}/v1/responses", json=request)
+            assert r.status_code == 200, r.text
+            tid = r.headers["x-rlstream-trajectory-id"]
+    await publisher.close()
+
+    def output_text(payload: dict[str, Any]) -> str:
+        return "".join(part.get("text", "") for item in payload.get("output", []) if item.get("type") == "message"
+                       for part in item.get("content", []))
+
+    assert output_text(r.json()) == output_text(direct.json())  # greedy: the same answer as straight to vLLM
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=1)
+    assert [e.trajectory_id for e in events] == [tid]
+    event = events[0]
+    assert [m.role for m in event.messages] == ["system", "user", "assistant"] and event.policy_version == 3
+    assert event.messages[0].content == "You are terse." and event.messages[1].content == "Repeat the letter a."
+    assert event.messages[-1].content == output_text(r.json())
+
+
+async def test_langchain_streamed_tool_call_through_the_gateway_is_captured_as_a_tool_call(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    from langchain_core.messages import AIMessageChunk, HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    from rlstream.nat.examples import PICK_LETTER_TOOL
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=4, session_idle_s=60)
+    async with serving(Gateway(config, publisher)) as url:
+        llm = ChatOpenAI(model=SERVED_MODEL, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=64,
+                         streaming=True)
+        picker = llm.bind_tools([PICK_LETTER_TOOL], tool_choice={"type": "function",
+                                                                "function": {"name": "pick_letter"}})
+        received: AIMessageChunk | None = None
+        async for chunk in picker.astream([HumanMessage(content="Repeat the letter c.")]):
+            received = chunk if received is None else received + chunk
+    await publisher.close()
+    assert received is not None and received.tool_call_chunks, received
+    client_call = received.tool_call_chunks[0]  # the raw streamed deltas as the client joined them
+
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=1)
+    assert len(events) == 1
+    event = events[0]
+    assert [m.role for m in event.messages] == ["user", "assistant"]
+    (captured,) = event.messages[-1].tool_calls
+    assert captured.name == "pick_letter" == client_call["name"]
+    assert captured.arguments == client_call["args"] and captured.arguments  # the same deltas, put back together
+    turn = event.turns[0]
+    assert turn.prompt_token_ids and turn.completion_token_ids
+    assert turn.completion_logprobs is None  # a forced tool call: vLLM's logprobs are the grammar-masked ones

@@ -1,4 +1,6 @@
-"""The learning proof: `rlstream up` on the toy task, with its defaults, visibly learns within two minutes.
+"""The learning proof: `rlstream up` on the toy task, with its defaults, visibly learns by policy version 24
+(about two minutes on an idle 2-core machine; the run stops on the version, not on the clock, so that a loaded CI
+machine trains as much before the verdict, with --duration only as a cap).
 
 (The data flow of `rlstream up` from an installed wheel is tests/e2e/test_wheel_install.py.)
 The broker and Redis come from the test session (RLSTREAM_KAFKA_BOOTSTRAP / RLSTREAM_REDIS_URL), so
@@ -23,7 +25,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.topic_reader import open_reader, read_to_end
 
-DURATION_S = 120
+UNTIL_VERSION = 24
+DURATION_CAP_S = 480
 MIN_VERSIONS = 5
 
 
@@ -44,12 +47,15 @@ async def _latest_version(redis_url: str, policy: str) -> int:
         await control.close()
 
 
-def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path: Path, unique: str) -> None:
+def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, own_redis_url: str, tmp_path: Path,
+                                               unique: str) -> None:
     prefix = f"up{unique}."
-    env = {**os.environ, "RLSTREAM_KAFKA_BOOTSTRAP": local_stack.bootstrap, "RLSTREAM_REDIS_URL": local_stack.redis_url}
-    cmd = [sys.executable, "-m", "rlstream.cli", "up", "--duration", str(DURATION_S), "--no-live",
-           "--runs-dir", str(tmp_path / "runs"), "-o", "topics.prefix", prefix]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
+    env = {**os.environ, "RLSTREAM_KAFKA_BOOTSTRAP": local_stack.bootstrap, "RLSTREAM_REDIS_URL": own_redis_url}
+    cmd = [sys.executable, "-m", "rlstream.cli", "up", "--until-version", str(UNTIL_VERSION),
+           "--duration", str(DURATION_CAP_S), "--no-live",
+           "--runs-dir", str(tmp_path / "runs"), "-o", "topics.prefix", prefix,
+           "-o", "streams.app_id", f"streams-{unique}"]  # its own table changelogs and consumer group
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_CAP_S + 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary_line = next(line for line in proc.stdout.splitlines() if line.startswith("summary:"))
@@ -62,7 +68,7 @@ def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path
     versions = asyncio.run(_published_versions(kafka, names.policy_versions))
     assert len(versions) >= MIN_VERSIONS
     assert [v.version for v in versions] == sorted(v.version for v in versions)
-    latest = asyncio.run(_latest_version(local_stack.redis_url, "toy"))
+    latest = asyncio.run(_latest_version(own_redis_url, "toy"))
     # the pointer moves right after each announcement; a stop may fall between the two
     assert versions[-1].version - 1 <= latest <= versions[-1].version
     loaded = {int(v) for v in summary["loaded"].values()}
@@ -75,6 +81,7 @@ def test_rlstream_up_trains_and_visibly_learns(local_stack: LocalStack, tmp_path
     assert all(ends[topic] > 0 for topic in ("trajectories", "groups", "policy-versions", "metrics")), ends
     assert ends["trajectories"] >= ends["groups"] * 2
 
-    # held-out reward at least doubled and gained >= 0.3 on the 0-1 scale
+    # held-out reward at least doubled and gained >= 0.3 on the 0-1 scale by the requested version
     first, last = summary["heldout_first"], summary["heldout_last"]
+    assert scored[-1] >= UNTIL_VERSION, f"the {DURATION_CAP_S} s cap came first: {summary['heldout']}"
     assert last >= 2 * first and last - first >= 0.3, summary["heldout"]

@@ -35,16 +35,26 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_async_plain_chat_tokens_and_logprobs_equal_transformers(vllm: VllmServer, reference: Any, tokenizer: Any) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Repeat the letter a."}]
 
-    async def scenario() -> Recording:
+    async def scenario() -> tuple[Recording, Recording]:
         client = instrument(AsyncOpenAI(base_url=vllm.base_url, api_key="x"))
         with Recording(target_model=SERVED_MODEL) as rec:
             await client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=12,
                                                  temperature=1.0, seed=3)
+        with Recording(target_model=SERVED_MODEL) as streamed:  # the same call, streamed
+            stream = await client.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=12,
+                                                          temperature=1.0, seed=3, stream=True)
+            async for _ in stream:
+                pass
         await client.close()
-        return rec
+        return rec, streamed
 
-    rec = asyncio.run(scenario())
+    rec, streamed = asyncio.run(scenario())
     turn = rec.turns()[0]
+    (streamed_turn,) = streamed.turns()  # recorded from the chunks: same tokens, same logprobs, same text
+    assert streamed_turn.prompt_token_ids == turn.prompt_token_ids
+    assert streamed_turn.completion_token_ids == turn.completion_token_ids
+    assert max_abs_diff(streamed_turn.completion_logprobs, turn.completion_logprobs) < TOLERANCE
+    assert streamed.final_text() == rec.final_text()
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert turn.prompt_token_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert turn.completion_token_ids and len(turn.completion_token_ids) == len(turn.completion_logprobs)

@@ -153,3 +153,25 @@ def test_no_acknowledged_event_is_lost_across_a_broker_restart(tmp_path: Path, r
     assert len(acked) >= 20
     assert acked <= on_topic, f"acknowledged but lost: {acked - on_topic}"
     assert len(acked) + len(failed) == 40
+
+
+def test_the_sync_publisher_works_from_plain_threads(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    """Synchronous code (no event loop of its own, several threads) publishes and gets acknowledgements."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlstream import SyncTrajectoryPublisher
+
+    events = [make_trajectory(run_id=rl_config.run_id, example_id=f"sync-{i}") for i in range(6)]
+    with SyncTrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories,
+                                             created_topics.rewards) as pub:
+        with ThreadPoolExecutor(3) as pool:
+            metas = list(pool.map(pub.publish_trajectory, events))
+        reward = pub.publish_reward(make_reward(events[0], 1.0))
+        assert pub.stats.acknowledged == 7
+    assert all(m.topic == created_topics.trajectories and m.offset >= 0 for m in metas)
+    assert reward.topic == created_topics.rewards
+    records = asyncio.run(read_all(rl_config, created_topics.trajectories))
+    assert sorted(AvroCodec().decode(v, TrajectoryEvent).example_id for _, v in records) == sorted(
+        e.example_id for e in events)
+    with pytest.raises(RuntimeError):  # closed: the background loop is gone
+        pub.publish_trajectory(events[0])

@@ -24,7 +24,7 @@ def test_overrides_reach_every_section_and_explicit_options_win(tmp_path: Path) 
         overrides=[("finetuning.num_epochs", "4"), ("finetuning.curriculum_learning.expansion_interval", "1"),
                    ("learner.lora.r", "16"), ("finetuning.validation_interval", "3"), ("policy", "007")],
         dataset=tmp_path / "train.jsonl", validation_dataset=tmp_path / "val.jsonl", validation_interval=2,
-        endpoint="http://127.0.0.1:9000")
+        inference_url="http://127.0.0.1:9000")
     cfg = compose_config(opts)
     assert cfg.finetuning.num_epochs == 4 and cfg.finetuning.curriculum_learning.expansion_interval == 1
     assert cfg.learner.lora.r == 16 and cfg.policy == "007"

@@ -6,8 +6,10 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
-from rlstream.rollout.gateway.app import Gateway, _StreamAccumulator, create_app
+from rlstream.rollout.gateway.app import Gateway, create_app
+from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.filtering import client_asked, filter_response, upstream_request
 from rlstream.rollout.gateway.sessions import SessionStore, extends, recorded_call
@@ -72,7 +74,7 @@ def test_filtering_removes_only_what_the_gateway_added() -> None:
 
 
 def test_stream_accumulator_rebuilds_text_tokens_logprobs_and_tool_calls() -> None:
-    acc = _StreamAccumulator(None)
+    acc = StreamAccumulator(None)
     acc.add({"prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [5],
                           "logprobs": {"content": [{"logprob": -1.0}]}}]})
@@ -173,3 +175,120 @@ async def test_full_queue_drops_without_failing_the_response() -> None:
     finally:
         await gateway.stop()
     assert gateway.capture.stats.dropped_full >= 2
+
+
+def upstream_with_choices(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    n = int(body.get("n", 1))
+    return httpx.Response(200, json={
+        "model": "m", "prompt_token_ids": [1, 2],
+        "choices": [{"index": i, "message": {"role": "assistant", "content": f"answer {i}"}, "finish_reason": "stop",
+                     "token_ids": [10 + i, 20 + i],
+                     "logprobs": {"content": [{"token": "a", "logprob": -0.1 * (i + 1)},
+                                              {"token": "b", "logprob": -0.2}]}} for i in range(n)]})
+
+
+async def test_n_choices_become_one_group_of_n_trajectories() -> None:
+    publisher = FakePublisher()
+    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(upstream_with_choices)))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER], "n": 3},
+                             headers={"X-Rlstream-Task": "qa"})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3
+            ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+            assert len(ids) == 3 and r.headers["x-rlstream-trajectory-id"] == ids[0]
+            for tid, reward in zip(ids, (0.0, 0.5, 1.0)):  # each choice is rewarded on its own
+                assert (await c.post("/v1/feedback", json={"trajectory_id": tid, "reward": reward})).status_code == 202
+    finally:
+        await gateway.stop()
+    trajs = [e for _, e in publisher.sent if isinstance(e, TrajectoryEvent)]
+    rewards = [e for _, e in publisher.sent if isinstance(e, RewardEvent)]
+    assert [t.trajectory_id for t in trajs] == ids
+    assert {t.group_id for t in trajs} == {r.headers["x-rlstream-group-id"]} and {t.group_size for t in trajs} == {3}
+    assert [t.generation_index for t in trajs] == [0, 1, 2] and {t.example_id for t in trajs} == {"qa"}
+    assert [t.messages[-1].content for t in trajs] == ["answer 0", "answer 1", "answer 2"]
+    assert [t.turns[0].completion_token_ids for t in trajs] == [[10, 20], [11, 21], [12, 22]]
+    assert trajs[2].turns[0].completion_logprobs == pytest.approx([-0.3, -0.2])
+    assert all(t.turns[0].prompt_token_ids == [1, 2] for t in trajs)
+    assert {(r.trajectory_id, r.group_id) for r in rewards} == {(t.trajectory_id, t.group_id) for t in trajs}
+
+
+def streamed_choices_upstream(request: httpx.Request) -> httpx.Response:
+    """A streamed ``n``-choice answer as vLLM sends it: the choices' chunks interleaved, token ids and logprobs
+    per chunk, ``prompt_token_ids`` in the first chunk."""
+    n = int(json.loads(request.content)["n"])
+    chunks: list[dict[str, Any]] = [{"prompt_token_ids": [1, 2], "choices": [
+        {"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(n)]}]
+    for step in range(2):
+        for i in reversed(range(n)):  # not in index order: each chunk must go to its own choice
+            chunks.append({"choices": [{"index": i, "delta": {"content": f"{'ab'[step]}{i}"},
+                                        "token_ids": [10 * (i + 1) + step],
+                                        "logprobs": {"content": [{"token": "t", "logprob": -0.1 * (i + 1)}]}}]})
+    chunks.append({"choices": [{"index": i, "delta": {}, "finish_reason": "stop"} for i in range(n)]})
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+async def test_streamed_n_choices_become_one_group_of_n_trajectories() -> None:
+    publisher = FakePublisher()
+    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(streamed_choices_upstream)))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER], "n": 3, "stream": True})
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            assert 'token_ids":[' not in r.text and '"logprob":' not in r.text  # the client did not ask for them
+            ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+    finally:
+        await gateway.stop()
+    trajs = [e for _, e in publisher.sent if isinstance(e, TrajectoryEvent)]
+    assert sorted(t.trajectory_id for t in trajs) == sorted(ids) and len(ids) == 3
+    by_index = {t.generation_index: t for t in trajs}
+    assert {t.group_id for t in trajs} == {r.headers["x-rlstream-group-id"]} and {t.group_size for t in trajs} == {3}
+    assert [by_index[i].messages[-1].content for i in range(3)] == ["a0b0", "a1b1", "a2b2"]
+    assert [by_index[i].turns[0].completion_token_ids for i in range(3)] == [[10, 11], [20, 21], [30, 31]]
+    assert by_index[2].turns[0].completion_logprobs == pytest.approx([-0.3, -0.3])
+    assert all(t.turns[0].prompt_token_ids == [1, 2] for t in trajs)
+
+
+def responses_upstream(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    if body["model"] == "no-api":
+        return httpx.Response(404, json={"detail": "Not Found"})
+    return httpx.Response(200, json={
+        "id": "resp_1", "object": "response", "model": body["model"], "status": "completed",
+        "output": [{"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"q": "x"}'},
+                   {"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "the answer"}]}]})
+
+
+async def test_responses_api_is_passed_through_and_recorded() -> None:
+    publisher = FakePublisher()
+    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(responses_upstream)))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/responses", json={
+                "model": "m", "instructions": "be brief",
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "what is x?"}]},
+                          {"type": "function_call", "call_id": "c0", "name": "lookup", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c0", "output": "x is 1"}]})
+            assert r.status_code == 200 and r.json()["output"][1]["content"][0]["text"] == "the answer"
+            tid = r.headers["x-rlstream-trajectory-id"]
+            assert (await c.post("/v1/responses", json={"model": "no-api", "input": "hi"})).status_code == 404
+            bad = await c.post("/v1/responses", json={"model": "m", "input": 5})
+            assert bad.status_code == 400 and "input" in bad.json()["error"]["message"]
+    finally:
+        await gateway.stop()
+    (event,) = [e for _, e in publisher.sent if isinstance(e, TrajectoryEvent)]
+    assert event.trajectory_id == tid
+    assert [m.role for m in event.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert event.messages[1].content == "what is x?" and event.messages[3].tool_call_id == "c0"
+    answer = event.messages[4]
+    assert answer.content == "the answer" and answer.tool_calls[0].name == "lookup"
+    assert event.turns[0].message_index == 4 and event.turns[0].completion_token_ids is None

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlstream.learner.batch import samples_from_groups
+from rlstream.learner.batch import Sample, samples_from_groups
 from rlstream.learner.grpo import aggregate_loss, turn_advantages
 from rlstream.learner.policy import load_policy
-from rlstream.learner.step import GRPOTrainerStep, assign_advantages, trajectories_of
+from rlstream.learner.step import GRPOTrainerStep, assign_advantages, micro_batch_bounds, trajectories_of
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup, Turn
 from tests.learner_helpers import tiny_model
@@ -99,19 +99,48 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("traj"))
 
 
+def test_micro_batch_bounds_keep_rows_and_token_budget() -> None:
+    def sample(n: int) -> Sample:
+        return Sample(prompt_ids=[1] * n, completion_ids=[2] * n, behaviour_logprobs=None, reward=0.0, group=0,
+                      policy_version=0)
+
+    lengths = [4, 4, 4, 30, 4, 4]  # prompt + completion = 8, 8, 8, 60, 8, 8 tokens
+    samples = [sample(n) for n in lengths]
+    assert micro_batch_bounds(samples, 4) == [(0, 4), (4, 6)]
+    bounds = micro_batch_bounds(samples, 8, max_tokens=24)
+    assert bounds == [(0, 3), (3, 4), (4, 6)]  # the 60-token turn goes alone
+    for start, end in bounds:
+        longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples[start:end])
+        assert (end - start) * longest <= 24 or end - start == 1
+    assert micro_batch_bounds([], 4, 10) == []
+
+
+#: the same step cut four ways: one turn per micro-batch, all at once, by a token budget, and all at once with
+#: gradient checkpointing; the loss and the gradients must not change
+SPLITS = [{"micro_batch_size": 1}, {"micro_batch_size": 16}, {"micro_batch_size": 16, "micro_batch_tokens": 40},
+          {"micro_batch_size": 16, "gradient_checkpointing": True}]
+
+
 def test_trajectory_mean_gradients_do_not_depend_on_micro_batching(model_dir: Path) -> None:
     groups = [_group("g0", [_trajectory("A", 1.0, 4, 0), _trajectory("B", 0.0, 1, 1)]),
               _group("g1", [_trajectory("C", 0.2, 2, 0), _trajectory("D", 0.9, 3, 1)])]
     grads = []
-    for micro in (1, 16):  # one turn per micro-batch (a trajectory split over four) vs all at once
+    for split in SPLITS:
         torch.manual_seed(0)
         cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=True), loss_aggregation="trajectory_mean",
-                            micro_batch_size=micro, device="cpu")
+                            device="cpu", **split)  # type: ignore[arg-type]
         policy = load_policy(cfg)
         step = GRPOTrainerStep(policy, cfg)
         samples = samples_from_groups(groups, None, ["<workflow>"], None)
         assign_advantages(samples, "group")
-        figures = step.accumulate(samples)
+        prepared = step.prepare(samples)
+        if "micro_batch_tokens" in split:  # the budget really cut the step, and held
+            assert 1 < len(prepared.micro_batches) < len(samples)
+            assert all(mb.batch.input_ids.numel() <= 40 or mb.batch.input_ids.size(0) == 1
+                       for mb in prepared.micro_batches)
+        assert bool(getattr(policy.model, "is_gradient_checkpointing", False)) == split.get(
+            "gradient_checkpointing", False)
+        figures = step.accumulate(prepared)
         grads.append(({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None},
                       figures["loss"]))
     (first, loss), rest = grads[0], grads[1:]

@@ -120,3 +120,78 @@ def test_no_recording_passes_through_untouched() -> None:
     client = Client([completion("x")])
     instrument(client).chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}])
     assert "extra_body" not in client.completions.sent[0] and "logprobs" not in client.completions.sent[0]
+
+
+def chunks(text: str, token_ids: list[int], logprobs: list[float], prompt_ids: list[int]) -> list[Any]:
+    """vLLM's streamed chunks (one token each; the first carries the prompt's token ids) as the client parses them."""
+    from openai.types.chat import ChatCompletionChunk
+
+    out = []
+    for i, (piece, tid, lp) in enumerate(zip(text, token_ids, logprobs)):
+        choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": piece} if i == 0 else
+                                  {"content": piece}, "finish_reason": "stop" if i == len(text) - 1 else None,
+                                  "token_ids": [tid],
+                                  "logprobs": {"content": [{"token": piece, "logprob": lp, "bytes": None,
+                                                            "top_logprobs": []}]}}
+        body: dict[str, Any] = {"id": "s1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                                "choices": [choice]}
+        if i == 0:
+            body["prompt_token_ids"] = prompt_ids
+        out.append(ChatCompletionChunk.model_validate(body))
+    return out
+
+
+class StreamingCompletions:
+    def __init__(self, stream: list[Any]) -> None:
+        self.stream, self.sent = stream, []
+
+    def create(self, **kwargs: Any) -> Any:
+        self.sent.append(kwargs)
+        return iter(self.stream)
+
+
+class AsyncStreamingCompletions(StreamingCompletions):
+    async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.sent.append(kwargs)
+
+        async def gen() -> Any:
+            for chunk in self.stream:
+                yield chunk
+        return gen()
+
+
+def test_streamed_calls_are_recorded_with_token_data_sync_and_async() -> None:
+    stream = chunks("abc", [7, 8, 9], [-0.1, -0.2, -0.3], [1, 2])
+    sync = StreamingCompletions(stream)
+    client = instrument(type("C", (), {"chat": type("Chat", (), {"completions": sync})()})())
+    with Recording() as rec:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}], stream=True))
+    assert text == "abc"
+    assert sync.sent[0]["logprobs"] is True and sync.sent[0]["extra_body"]["return_token_ids"] is True
+    (turn,) = rec.turns()
+    assert turn.prompt_token_ids == [1, 2] and turn.completion_token_ids == [7, 8, 9]
+    assert turn.completion_logprobs == [-0.1, -0.2, -0.3] and turn.finish_reason == "stop"
+    assert rec.final_text() == "abc"
+
+    async def run() -> Recording:
+        inner = AsyncStreamingCompletions(stream)
+        aclient = instrument(type("C", (), {"chat": type("Chat", (), {"completions": inner})()})())
+        async with Recording() as arec:
+            got = await aclient.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                                        stream=True)
+            assert [c.choices[0].delta.content async for c in got] == ["a", "b", "c"]
+        return arec
+
+    arec = asyncio.run(run())
+    assert [t.completion_token_ids for t in arec.turns()] == [[7, 8, 9]]
+
+
+def test_a_stream_left_unfinished_is_not_recorded() -> None:
+    sync = StreamingCompletions(chunks("abc", [7, 8, 9], [-0.1, -0.2, -0.3], [1, 2]))
+    client = instrument(type("C", (), {"chat": type("Chat", (), {"completions": sync})()})())
+    with Recording() as rec:
+        stream = iter(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                                     stream=True))
+        next(stream)  # the caller stops reading after one chunk
+    assert rec.turns() == []

@@ -19,9 +19,10 @@ SASL = "sasl-Pa55word"
 SSL_KEY = "ssl-key-pw-0001"
 REDIS_PW = "redis-pw-9x9"
 REGISTRY_PW = "registry-pw-77"
+API_KEY = "sk-live-api-key-31"
 REDIS_URL = f"redis://:{REDIS_PW}@redis.internal:6379/0"
 REGISTRY_URL = f"https://svc:{REGISTRY_PW}@registry.internal:8081"
-ALL_SECRETS = (SASL, SSL_KEY, REDIS_PW, REGISTRY_PW)
+ALL_SECRETS = (SASL, SSL_KEY, REDIS_PW, REGISTRY_PW, API_KEY)
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +36,7 @@ def secret_overrides() -> list[tuple[str, str]]:
     return [("kafka.bootstrap_servers", "broker:9093"), ("kafka.security_protocol", "SASL_SSL"),
             ("kafka.sasl_mechanism", "PLAIN"), ("kafka.sasl_plain_username", "svc"),
             ("kafka.sasl_plain_password", SASL), ("kafka.ssl_password", SSL_KEY),
-            ("kafka.schema_registry_url", REGISTRY_URL), ("redis.url", REDIS_URL)]
+            ("kafka.schema_registry_url", REGISTRY_URL), ("redis.url", REDIS_URL), ("rollout.api_key", API_KEY)]
 
 
 def secret_config() -> RlstreamConfig:
@@ -53,12 +54,14 @@ def test_config_show_masks_every_secret(tmp_path: Path, as_json: bool) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"kafka": {"ssl_password": SSL_KEY, "schema_registry_url": REGISTRY_URL}}))
     args = ["config", "show", "-c", str(path), "-o", "kafka.security_protocol", "SASL_SSL",
-            "-o", "kafka.sasl_mechanism", "PLAIN", "-o", "redis.url", REDIS_URL] + (["--json"] if as_json else [])
+            "-o", "kafka.sasl_mechanism", "PLAIN", "-o", "redis.url", REDIS_URL,
+            "-o", "rollout.api_key", API_KEY] + (["--json"] if as_json else [])
     result = CliRunner().invoke(app, args, env={"RLSTREAM_KAFKA__SASL_PLAIN_PASSWORD": SASL})
     assert result.exit_code == 0, result.output
     assert_no_secret(result.output)
     shown = json.loads(result.stdout) if as_json else yaml.safe_load(result.stdout)
     assert shown["kafka"]["sasl_plain_password"] == MASK and shown["kafka"]["ssl_password"] == MASK
+    assert shown["rollout"]["api_key"] == MASK
     assert shown["redis"]["url"] == f"redis://:{MASK}@redis.internal:6379/0"
     assert shown["kafka"]["schema_registry_url"] == f"https://svc:{MASK}@registry.internal:8081"
 
@@ -121,7 +124,7 @@ def test_run_config_file_holds_no_secret_and_children_get_them_by_env(tmp_path: 
     from rlstream.ops.up import UpOptions, compose_config
 
     user = tmp_path / "mine.yaml"
-    user.write_text(yaml.safe_dump({"learner": {"model": "/models/m"},
+    user.write_text(yaml.safe_dump({"learner": {"model": "/models/m"}, "rollout": {"api_key": API_KEY},
                                     "kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN",
                                               "sasl_plain_password": SASL, "ssl_password": SSL_KEY}}))
     stack = LocalStack(kafka=ServiceProcess("kafka", "127.0.0.1:1", external=True),
@@ -197,3 +200,14 @@ async def test_status_masks_the_redis_password(monkeypatch: pytest.MonkeyPatch) 
     text = json.dumps(report)
     assert_no_secret(text)
     assert f"redis://:{MASK}@redis.internal:6379/0" in text
+
+
+def test_a_section_update_keeps_every_secret() -> None:
+    """finetune's with_section copies a section through model_dump (python mode): nothing is masked on the way."""
+    from rlstream.finetune.runtime import with_section
+
+    cfg = secret_config()
+    updated = with_section(with_section(cfg, "redis", retry_max_s=5.0), "rollout", temperature=0.5)
+    assert updated.redis.url == REDIS_URL and updated.redis.retry_max_s == 5.0
+    assert updated.rollout.api_key.get_secret_value() == API_KEY and updated.rollout.temperature == 0.5
+    assert updated.kafka.sasl_plain_password.get_secret_value() == SASL

@@ -166,4 +166,18 @@ def test_online_curriculum_filter_keeps_state_per_partition() -> None:
     assert worse.reason == CURRICULUM
     other_partition = apply_filters(finished_group([0.0, 0.2], example="c"), config, 0, store, 1)
     assert other_partition.reason is None
-    assert set(store) == {"curriculum:0", "curriculum:1"}
+    assert set(store) == {"curriculum:0:policy", "curriculum:1:policy"}
+
+
+def test_online_curriculum_keeps_one_window_per_policy() -> None:
+    """Two policies on one partition: a weak policy's groups are ranked among its own, not against the other's
+    (in a shared window this group would be rejected, as the test above shows for one policy)."""
+    config = StreamsConfig(curriculum=CurriculumConfig(enabled=True, initial_percentile=0.5), curriculum_window=4)
+    store: dict[str, Any] = {}
+    strong = finished_group([0.0, 1.0], example="a")
+    assert apply_filters(strong, config, 0, store, 0).reason is None
+    weak = finished_group([0.0, 0.2], example="b")
+    weak = weak.model_copy(update={"policy": "weak-policy"})
+    verdict = apply_filters(weak, config, 0, store, 0)
+    assert verdict.reason is None and verdict.group.curriculum.rank == 0
+    assert set(store) == {"curriculum:0:policy", "curriculum:0:weak-policy"}

@@ -31,6 +31,23 @@ class RecordingConsumer:
 T0, T1, R0 = TP("traj", 0), TP("traj", 1), TP("rew", 0)
 
 
+class ScriptedProbe:
+    """A probe answering from a script (None: no answer from the broker); records what it was asked."""
+
+    def __init__(self, *answers: int | None) -> None:
+        self.answers = list(answers)
+        self.asked: list[tuple[TP, int]] = []
+
+    async def __call__(self, tp: TP, offset: int) -> int | None:
+        self.asked.append((tp, offset))
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def records_missing() -> ScriptedProbe:
+    """The broker holds a visible record right at the expected offset: a hole is records not delivered yet."""
+    return ScriptedProbe(5)
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -38,7 +55,7 @@ def run(coro: Any) -> Any:
 def test_resync_seeks_to_marker_plus_one_or_committed_offset() -> None:
     table = {progress_key("traj", 0): 41}
     consumer = RecordingConsumer({T0, T1, R0, TP("changelog", 0)}, committed={T1: 7, R0: None})
-    gate = ProgressGate(table, consumer, {"traj", "rew"})
+    gate = ProgressGate(table, consumer, {"traj", "rew"}, records_missing())
     seeks = run(gate.resync())
     assert seeks == {T0: 42, T1: 7, R0: 0}
     assert not gate.resync_needed
@@ -49,7 +66,7 @@ def test_resync_seeks_to_marker_plus_one_or_committed_offset() -> None:
 def test_applied_records_are_skipped_and_the_next_one_admitted() -> None:
     table: dict[str, int] = {}
     consumer = RecordingConsumer({T0}, committed={T0: 10})
-    gate = ProgressGate(table, consumer, {"traj"})
+    gate = ProgressGate(table, consumer, {"traj"}, records_missing())
     run(gate.resync())
     assert run(gate.admit("traj", 0, 9)) is Admission.APPLIED  # below the committed offset
     assert run(gate.admit("traj", 0, 10)) is Admission.PROCESS
@@ -62,7 +79,7 @@ def test_applied_records_are_skipped_and_the_next_one_admitted() -> None:
 def test_a_hole_seeks_back_and_defers_until_the_missing_record_comes() -> None:
     table = {progress_key("traj", 0): 4}
     consumer = RecordingConsumer({T0})
-    gate = ProgressGate(table, consumer, {"traj"})
+    gate = ProgressGate(table, consumer, {"traj"}, records_missing())
     consumer.seeks.clear()
     assert run(gate.admit("traj", 0, 9)) is Admission.LATER
     assert consumer.seeks == [(T0, 5)]
@@ -74,17 +91,40 @@ def test_a_hole_seeks_back_and_defers_until_the_missing_record_comes() -> None:
     assert consumer.seeks == [(T0, 5)]  # the missing record came: nothing to repeat
 
 
-def test_a_seek_back_is_repeated_then_a_persistent_gap_is_accepted(monkeypatch: Any) -> None:
+def test_a_hole_with_records_in_it_is_never_accepted_on_a_timer(monkeypatch: Any) -> None:
     table = {progress_key("traj", 0): 4}
     consumer = RecordingConsumer({T0})
-    gate = ProgressGate(table, consumer, {"traj"})
+    probe = records_missing()
+    gate = ProgressGate(table, consumer, {"traj"}, probe)
     monkeypatch.setattr(progress, "SEEK_BACK_RETRY_S", 0.0)
-    assert run(gate.admit("traj", 0, 9)) is Admission.LATER
-    for _ in range(progress.MAX_SEEK_BACKS - 1):
+    monkeypatch.setattr(progress, "PROBE_RETRY_S", 0.0)
+    for _ in range(20):  # far longer than any fixed patience: the records are there, so they must come
         assert run(gate.admit("traj", 0, 9)) is Admission.LATER
         run(gate.maintain())
-    assert consumer.seeks == [(T0, 5)] * progress.MAX_SEEK_BACKS
+    assert len(consumer.seeks) == 21 and set(consumer.seeks) == {(T0, 5)}
+    assert len(probe.asked) == 20 and set(probe.asked) == {(T0, 5)}
+    assert run(gate.admit("traj", 0, 5)) is Admission.PROCESS  # the missing record, at last
+
+
+def test_offsets_without_visible_records_are_skipped_at_once() -> None:
+    table = {progress_key("traj", 0): 4}
+    consumer = RecordingConsumer({T0})
+    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(9))  # 5..8: transaction markers / aborted
     assert run(gate.admit("traj", 0, 9)) is Admission.PROCESS
+    assert consumer.seeks == []
+
+
+def test_an_unanswered_probe_defers_the_record_and_is_asked_again_later(monkeypatch: Any) -> None:
+    table = {progress_key("traj", 0): 4}
+    consumer = RecordingConsumer({T0})
+    probe = ScriptedProbe(None, 9)
+    gate = ProgressGate(table, consumer, {"traj"}, probe)
+    assert run(gate.admit("traj", 0, 9)) is Admission.LATER  # no answer: never a guess
+    assert run(gate.admit("traj", 0, 9)) is Admission.LATER  # not asked again right away
+    assert len(probe.asked) == 1
+    monkeypatch.setattr(progress, "PROBE_RETRY_S", 0.0)
+    assert run(gate.admit("traj", 0, 9)) is Admission.PROCESS
+    assert len(probe.asked) == 2
 
 
 class FaustLikeConsumer(RecordingConsumer):
@@ -99,7 +139,7 @@ def test_seeks_move_fausts_read_offset_back_so_deferred_records_come_again() -> 
     table = {progress_key("traj", 0): 41}
     consumer = FaustLikeConsumer({T0, T1}, committed={T1: 0})
     consumer._read_offset.update({T0: 57, T1: 12})  # records handed to the stream (and deferred) before the resync
-    gate = ProgressGate(table, consumer, {"traj"})
+    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(42))
     run(gate.resync())
     assert consumer._read_offset == {T0: 42, T1: None}  # None: what faust's Consumer.seek stores for offset 0
     consumer._read_offset[T0] = 60

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -18,10 +20,15 @@ from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.filtering import (ClientAsked, client_asked, filter_response, rejects_extensions,
                                                 upstream_request)
 from rlstream.rollout.gateway.queue import CaptureQueue, Submitter
+from rlstream.rollout.gateway.responses import request_messages, response_message
+from rlstream.rollout.gateway.spool import Spool
 from rlstream.rollout.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
+from rlstream.rollout.streaming import StreamAccumulator
+from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
-from rlstream.schemas.models import RewardEvent
+from rlstream.transport.metrics import MetricsPublisher
+from rlstream.schemas.models import RewardEvent, new_id
 
 log = get_logger(__name__)
 
@@ -52,16 +59,36 @@ class Feedback(BaseModel):
         return self
 
 
+def requested_choices(body: dict[str, Any]) -> int:
+    """The ``n`` a chat request asks for (1 when absent or not a positive integer: the upstream judges it)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def upstream_json(response: httpx.Response, raw: bytes) -> dict[str, Any] | Response:
+    """The upstream's JSON answer, or the response to hand the client: the upstream's own error as it came, or
+    a 502 when a 200 is not JSON."""
+    if response.status_code != 200:
+        return Response(raw, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
+    try:
+        return json.loads(raw)  # type: ignore[no-any-return]
+    except json.JSONDecodeError:
+        return openai_error(502, "upstream answered with invalid JSON", "upstream_error")
+
+
 class Gateway:
-    """State of one gateway: the upstream client, open sessions, the capture queue."""
+    """State of one gateway: the upstream client, open sessions, the capture queue; with ``metrics``, the
+    gateway's overhead per captured call (``metric_names.GATEWAY_OVERHEAD_S``, Prometheus only)."""
 
     def __init__(self, config: GatewayConfig, publisher: Submitter, route: RouteSource | None = None,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None) -> None:
         self.config = config
         self.publisher = publisher
         self.route = route
+        self.metrics = metrics
         self.sessions = SessionStore(config.session_idle_s, config.remembered_trajectories)
-        self.capture = CaptureQueue(publisher, config.queue_size)
+        self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s)
         self._client = client
         self._own_client = client is None
         self._sweeper: asyncio.Task[None] | None = None
@@ -72,6 +99,9 @@ class Gateway:
         if self._client is None:
             headers = {"authorization": f"Bearer {self.config.upstream_api_key}"} if self.config.upstream_api_key else {}
             self._client = httpx.AsyncClient(timeout=self.config.upstream_timeout_s, headers=headers)
+        if self.config.spool_dir is not None and self.capture.spool is None:
+            self.capture.use_spool(await asyncio.to_thread(
+                Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes))
         self.capture.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-sessions")
 
@@ -158,6 +188,37 @@ class Gateway:
             traj.closed = True
             self.publish(traj)
 
+    def _begin_choices(self, n: int, version: int, task: str | None) -> tuple[list[Trajectory], dict[str, str]]:
+        """``n > 1``: one trajectory per choice, together one GRPO group (the N generations of one prompt)."""
+        group = new_id()
+        trajs = []
+        for index in range(n):
+            traj = Trajectory(session_id=None, policy_version=version, task=task, choices_group=group,
+                              group_size=n, generation_index=index)
+            self.sessions.remember(traj)
+            trajs.append(traj)
+        ids = [t.trajectory_id for t in trajs]
+        return trajs, {"x-rlstream-trajectory-id": ids[0], "x-rlstream-trajectory-ids": ",".join(ids),
+                       "x-rlstream-group-id": group, "x-rlstream-policy-version": str(version)}
+
+    def _capture_choices(self, body: dict[str, Any], payload: dict[str, Any], version: int, task: str | None,
+                         served: str) -> dict[str, str]:
+        """The choices of a whole (not streamed) ``n > 1`` answer, captured as one group."""
+        choices = payload.get("choices") or []
+        trajs, headers = self._begin_choices(len(choices), version, task)
+        for index, (traj, choice) in enumerate(zip(trajs, choices)):
+            prompt_ids, completion_ids, logprobs = token_data(payload, choice_index=index)
+            self._finish(traj, body, choice.get("message") or {"role": "assistant"}, prompt_ids, completion_ids,
+                         logprobs, choice.get("finish_reason"), served)
+        return headers
+
+    async def _overhead(self, route: str, streamed: bool, started: float, upstream_s: float) -> None:
+        """Report the time since ``started`` (``time.perf_counter``) that was not spent waiting for the upstream."""
+        if self.metrics is not None:
+            overhead_s = max(0.0, time.perf_counter() - started - upstream_s)
+            await self.metrics.emit(mn.GATEWAY_OVERHEAD_S, overhead_s,
+                                    tags={"route": route, "streamed": "true" if streamed else "false"})
+
     # -- upstream --
     async def _send(self, body: dict[str, Any], stream: bool) -> httpx.Response:
         url = self.config.upstream_base + "/chat/completions"
@@ -175,6 +236,7 @@ class Gateway:
 
     # -- routes --
     async def chat_completions(self, request: Request) -> Response:
+        started = time.perf_counter()
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -187,34 +249,94 @@ class Gateway:
         model, version = await self._route(str(body.get("model", "")))
         upstream_body = {**body, "model": model}
         stream = bool(body.get("stream"))
+        upstream_started = time.perf_counter()
         try:
             response = await self._send(upstream_body, stream)
         except httpx.HTTPError as exc:
             return openai_error(502, f"upstream {self.config.upstream_base} unreachable: {exc}", "upstream_error")
         if stream and response.status_code == 200:
-            return await self._stream(response, body, asked, session_id, task, version, model)
+            return await self._stream(response, body, asked, session_id, task, version, model, started,
+                                      upstream_started)
         raw = await response.aread() if stream else response.content
+        upstream_s = time.perf_counter() - upstream_started
         if response.status_code != 200:
             await response.aclose()
-            return Response(raw, status_code=response.status_code,
-                            media_type=response.headers.get("content-type", "application/json"))
-        try:
-            payload = json.loads(raw)
-        except json.JSONDecodeError:
-            return openai_error(502, "upstream answered with invalid JSON", "upstream_error")
+        payload = upstream_json(response, raw)
+        if isinstance(payload, Response):
+            return payload
         prompt_ids, completion_ids, logprobs = token_data(payload)
-        traj, headers = self._begin(session_id, body, prompt_ids, version, task)
         choices = payload.get("choices") or []
-        if choices:
-            self._finish(traj, body, choices[0].get("message") or {"role": "assistant"}, prompt_ids,
-                         completion_ids, logprobs, choices[0].get("finish_reason"), model)
+        if len(choices) > 1 and session_id is None:
+            headers = self._capture_choices(body, payload, version, task, model)
+        else:
+            if len(choices) > 1:
+                log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
+                            choices=len(choices))
+            traj, headers = self._begin(session_id, body, prompt_ids, version, task)
+            if choices:
+                self._finish(traj, body, choices[0].get("message") or {"role": "assistant"}, prompt_ids,
+                             completion_ids, logprobs, choices[0].get("finish_reason"), model)
         out = filter_response(payload, asked)
         if "model" in out and out.get("model") == model:
             out["model"] = body.get("model", model)
-        return JSONResponse(out, headers=headers)
+        answer = JSONResponse(out, headers=headers)
+        await self._overhead("chat_completions", False, started, upstream_s)
+        return answer
+
+    async def responses(self, request: Request) -> Response:
+        """``/v1/responses`` passed to the upstream (where it has the API) and recorded like a chat call (no token
+        data: the Responses API has no token-id extension). Streamed responses are passed through, not recorded."""
+        started = time.perf_counter()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return openai_error(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return openai_error(400, "a Responses request is a JSON object")
+        try:
+            messages = request_messages(body)
+        except ValueError as exc:
+            return openai_error(400, str(exc))
+        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
+        task = request.headers.get(TASK_HEADER) or None
+        model, version = await self._route(str(body.get("model", "")))
+        url = self.config.upstream_base + "/responses"
+        stream = bool(body.get("stream"))
+        upstream_started = time.perf_counter()
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", url, json={**body, "model": model}),
+                                              stream=stream)
+        except httpx.HTTPError as exc:
+            return openai_error(502, f"upstream {self.config.upstream_base} unreachable: {exc}", "upstream_error")
+        upstream_s = time.perf_counter() - upstream_started
+        if upstream.status_code == 404:
+            await upstream.aclose()
+            return openai_error(404, f"the upstream {self.config.upstream_base} has no Responses API",
+                                "not_found_error")
+        if stream:
+            log.warning("streamed Responses call passed through without capture")
+            return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
+                                     media_type=upstream.headers.get("content-type", "text/event-stream"),
+                                     background=BackgroundTask(upstream.aclose))
+        payload = upstream_json(upstream, upstream.content)
+        if isinstance(payload, Response):
+            return payload
+        chat_body = {"model": body.get("model", model), "messages": messages}
+        traj, headers = self._begin(session_id, chat_body, None, version, task)
+        status = payload.get("status")
+        self._finish(traj, chat_body, response_message(payload), None, None, None,
+                     "stop" if status in (None, "completed") else str(status), model)
+        if payload.get("model") == model:
+            payload["model"] = body.get("model", model)
+        answer = JSONResponse(payload, headers=headers)
+        await self._overhead("responses", False, started, upstream_s)
+        return answer
 
     async def _stream(self, response: httpx.Response, body: dict[str, Any], asked: ClientAsked,
-                      session_id: str | None, task: str | None, version: int, model: str) -> Response:
+                      session_id: str | None, task: str | None, version: int, model: str, started: float,
+                      upstream_started: float) -> Response:
+        """Pass a streamed answer on while accumulating it; the overhead reported is the time up to handing on the
+        first event, less the upstream's time to it (``started``, ``upstream_started``: ``time.perf_counter``)."""
         lines = response.aiter_lines()
         pending: list[str] = []
         first: dict[str, Any] | None = None
@@ -228,9 +350,18 @@ class Gateway:
         except httpx.HTTPError as exc:
             await response.aclose()
             return openai_error(502, f"upstream stream failed: {exc}", "upstream_error")
+        upstream_s = time.perf_counter() - upstream_started
         prompt_ids = (first or {}).get("prompt_token_ids")
-        traj, headers = self._begin(session_id, body, prompt_ids, version, task)
-        acc = _StreamAccumulator(prompt_ids)
+        n = requested_choices(body)
+        if n > 1 and session_id is None:  # the headers go out first: the group's trajectories exist up front
+            trajs, headers = self._begin_choices(n, version, task)
+        else:
+            if n > 1:
+                log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
+                            choices=n)
+            traj, headers = self._begin(session_id, body, prompt_ids, version, task)
+            trajs = [traj]
+        accumulators = [StreamAccumulator(prompt_ids, choice_index=index) for index in range(len(trajs))]
         client_model = body.get("model", model)
 
         def render(line: str) -> str | None:
@@ -243,7 +374,8 @@ class Gateway:
                 chunk = json.loads(data)
             except json.JSONDecodeError:
                 return line + "\n"
-            acc.add(chunk)
+            for acc in accumulators:
+                acc.add(chunk)
             out = filter_response(chunk, asked)
             if out.get("model") == model:
                 out["model"] = client_model
@@ -251,19 +383,22 @@ class Gateway:
 
         async def events() -> AsyncIterator[str]:
             try:
-                for line in pending:
+                for index, line in enumerate(pending):
                     text = render(line)
                     if text is not None:
                         yield text
+                    if index == len(pending) - 1:  # the first event is handed on
+                        await self._overhead("chat_completions", True, started, upstream_s)
                 async for line in lines:
                     text = render(line)
                     if text is not None:
                         yield text
             finally:
                 await response.aclose()
-                if acc.chunks:
-                    self._finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
-                                 acc.finish_reason, model)
+                for traj, acc in zip(trajs, accumulators):
+                    if acc.chunks:
+                        self._finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(),
+                                     acc.logprobs(), acc.finish_reason, model)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
@@ -313,6 +448,7 @@ class Gateway:
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse({"capture": asdict(self.capture.stats), "queue_depth": self.capture.queue.qsize(),
+                             "spool": self.capture.figures(),
                              "open_sessions": len(self.sessions.open),
                              "request_token_data": self.request_token_data})
 
@@ -320,68 +456,12 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
 
-class _StreamAccumulator:
-    """The first choice of a streamed chat completion, put back together from its chunks."""
-
-    def __init__(self, prompt_ids: list[int] | None) -> None:
-        self.prompt_ids = [int(t) for t in prompt_ids] if prompt_ids is not None else None
-        self.chunks = 0
-        self.role = "assistant"
-        self.content: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.token_ids: list[int] = []
-        self.saw_token_ids = False
-        self._logprobs: list[float] = []
-        self.saw_logprobs = False
-        self.finish_reason: str | None = None
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        if self.prompt_ids is None and chunk.get("prompt_token_ids") is not None:
-            self.prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            self.chunks += 1
-            delta = choice.get("delta") or {}
-            self.role = delta.get("role") or self.role
-            if delta.get("content"):
-                self.content.append(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                slot = self.tool_calls.setdefault(int(call.get("index", 0)), {
-                    "id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-                slot["id"] = call.get("id") or slot["id"]
-                fn = call.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
-            if choice.get("token_ids") is not None:
-                self.saw_token_ids = True
-                self.token_ids.extend(int(t) for t in choice["token_ids"])
-            content = (choice.get("logprobs") or {}).get("content")
-            if content:
-                self.saw_logprobs = True
-                self._logprobs.extend(float(item["logprob"]) for item in content)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-
-    def message(self) -> dict[str, Any]:
-        text = "".join(self.content)
-        out: dict[str, Any] = {"role": self.role, "content": text if text or not self.tool_calls else None}
-        if self.tool_calls:
-            out["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        return out
-
-    def completion_ids(self) -> list[int] | None:
-        return self.token_ids if self.saw_token_ids else None
-
-    def logprobs(self) -> list[float] | None:
-        return self._logprobs if self.saw_logprobs else None
-
-
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app of ``gateway`` (its lifespan starts and stops the gateway)."""
     routes = []
     for prefix in ("", "/s/{session_id}"):
         routes += [Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+                   Route(prefix + "/v1/responses", gateway.responses, methods=["POST"]),
                    Route(prefix + "/v1/models", gateway.models, methods=["GET"])]
     routes += [
         Route("/v1/sessions/{session_id}/end", gateway.end_session, methods=["POST"]),

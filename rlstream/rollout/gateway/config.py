@@ -1,6 +1,9 @@
 """Settings of ``rlstream gateway`` (a typed model; the CLI fills it from options and the main config)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -21,15 +24,34 @@ class GatewayConfig(BaseModel):
     policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
     session_idle_s: float = Field(300.0, gt=0, description="an open session trajectory is published this long "
                                   "after its last call")
-    queue_size: int = Field(10_000, ge=1, description="events waiting for Kafka; past it events are dropped "
-                            "(counted and logged), never the response")
+    queue_size: int = Field(10_000, ge=1, description="events waiting in memory to be sent (or spooled); past it "
+                            "events are dropped (counted and logged), never the response")
+    spool_dir: Path | None = Field(None, description="on-disk spool (append-only, fsync'd segments): while Kafka is "
+                                   "slow or down events go there and are re-sent in order once it answers, also "
+                                   "after a restart. None: no spool (events Kafka does not take are counted and "
+                                   "dropped); `rlstream gateway serve` defaults to default_spool_dir(port)")
+    spool_max_bytes: int = Field(1 << 30, ge=1, description="disk the spool may use; past it events are dropped "
+                                 "(counted and logged), never the response")
+    spool_segment_bytes: int = Field(16 << 20, ge=1024, description="a spool segment file is closed past this size "
+                                     "(and deleted once Kafka acknowledged all of it)")
+    spool_after_s: float = Field(2.0, gt=0, description="an event Kafka has not taken or acknowledged within this "
+                                 "long sends capture to the spool until the spool is drained")
     remembered_trajectories: int = Field(100_000, ge=1, description="trajectory ids kept for /v1/feedback")
     request_token_data: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
     producer_id: str = "gateway"
     drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
+    prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve the gateway's metrics to "
+                                        "Prometheus on this port (0 = a free port)")
 
     @property
     def upstream_base(self) -> str:
         """The upstream URL ending in ``/v1``."""
         url = self.upstream_url.rstrip("/")
         return url if url.endswith("/v1") else url + "/v1"
+
+
+def default_spool_dir(port: int) -> Path:
+    """``$XDG_STATE_HOME/rlstream/gateway-spool/<port>`` (``~/.local/state`` without XDG_STATE_HOME): a gateway
+    restarted on the same port finds what its predecessor spooled."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "rlstream" / "gateway-spool" / str(port)

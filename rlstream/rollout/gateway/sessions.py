@@ -39,15 +39,19 @@ class Trajectory:
     closed: bool = False
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
+    choices_group: str | None = None  # n > 1: the group of the request's choices (one trajectory per choice)
+    group_size: int = 1
+    generation_index: int = 0
 
     @property
     def example_id(self) -> str:
-        """The task names the baseline key; without one each trajectory is its own example."""
-        return self.task or self.trajectory_id
+        """The task names the baseline key; without one the trajectory (or its request's choices) is its own
+        example."""
+        return self.task or self.choices_group or self.trajectory_id
 
     @property
     def group_id(self) -> str:
-        return self.trajectory_id
+        return self.choices_group or self.trajectory_id
 
     def add(self, call: RecordedCall) -> None:
         self.recording.add(call)
@@ -60,7 +64,8 @@ class Trajectory:
         if self.task:
             meta["task"] = self.task
         event = self.recording.to_event(
-            run_id=run_id, example_id=self.example_id, group_id=self.group_id, group_size=1, generation_index=0,
+            run_id=run_id, example_id=self.example_id, group_id=self.group_id, group_size=self.group_size,
+            generation_index=self.generation_index,
             policy=policy, policy_version=self.policy_version, reward=self.reward,
             reward_components=self.reward_components, metadata=meta, source=TrajectorySource.production,
             producer_id=producer_id)

@@ -12,35 +12,39 @@ consumer group committed.
   longer rebalancing) and a resync has sought every assigned source partition to M + 1 (no marker:
   the committed offset stands);
 * a record at or below M was applied already and is skipped (replays after a seek are cheap);
-* a record above M + 1 means records in between were never delivered (stale buffered records from
-  an older position, or records Faust dropped on a flow resume): it is skipped *un-acked* (so the
-  committed offset cannot pass it) and the partition is sought back to M + 1, so the records come
-  again in order. A gap that repeated seeks back could not fill (e.g. transaction markers in the
-  input) is accepted.
+* a record above M + 1 means records in between were not delivered (stale buffered records from an
+  older position, or records Faust dropped on a flow resume), or that the offsets in between hold no
+  record a read_committed consumer sees (transaction markers, aborted records). A
+  :class:`VisibleOffsetProbe` (a group-less read_committed consumer) tells the two apart: when the first
+  visible offset at or after M + 1 is the record's own, the gap is real and the record is processed;
+  otherwise the record is skipped *un-acked* (so the committed offset cannot pass it) and the partition
+  is sought back to M + 1, again and again, until the missing records come in order. A gap is never
+  accepted on a timer: under load a seek back can take longer than any fixed patience.
 
 Every seek of the gate also moves Faust's read offset for the partition back (as Faust's own
 ``Consumer.seek`` does): Faust drops fetched records below the offset it last handed to the stream, so
 records the gate deferred (e.g. while the app was still rebalancing) would otherwise never come again, and
-the gate would end up accepting a gap that loses them.
+the gate would end up skipping them.
 """
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.types import TP
 
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
 
-#: a seek back that has not brought the missing record within this time is done again ...
+#: a seek back that has not brought the missing record within this time is done again (without limit)
 SEEK_BACK_RETRY_S = 2.0
-#: ... and after this many, a later offset is taken as a real gap (e.g. a transaction marker the
-#: consumer did not record as one)
-MAX_SEEK_BACKS = 5
+#: an inconclusive probe (the broker did not answer in time) is asked again after this long
+PROBE_RETRY_S = 10.0
 
 
 class Admission(enum.Enum):
@@ -56,15 +60,57 @@ def progress_key(topic: str, partition: int) -> str:
     return f"{topic}:{partition}"
 
 
+#: ``probe(tp, offset)``: the first offset at or after ``offset`` holding a visible record (None: no answer)
+Probe = Callable[[TP, int], Awaitable["int | None"]]
+
+
+class VisibleOffsetProbe:
+    """The first offset at or after a given one where a group-less read_committed consumer finds a record:
+    the consumer's own answer to "are records missing before this one, or only markers?"."""
+
+    def __init__(self, consumer_factory: Callable[[], AIOKafkaConsumer], timeout_s: float = 10.0) -> None:
+        self._factory = consumer_factory
+        self._consumer: AIOKafkaConsumer | None = None
+        self._lock = asyncio.Lock()
+        self.timeout_s = timeout_s
+
+    async def __call__(self, tp: TP, offset: int) -> int | None:
+        async with self._lock:
+            try:
+                if self._consumer is None:
+                    consumer = self._factory()
+                    await consumer.start()
+                    self._consumer = consumer
+                part = TopicPartition(tp.topic, tp.partition)
+                self._consumer.assign([part])
+                self._consumer.seek(part, offset)
+                deadline = time.monotonic() + self.timeout_s
+                while time.monotonic() < deadline:
+                    batch = await self._consumer.getmany(part, timeout_ms=500, max_records=1)
+                    if batch.get(part):
+                        return int(batch[part][0].offset)
+            except Exception as exc:  # inconclusive: the gate keeps the record back and asks again later
+                log.warning("offset probe failed", topic=tp.topic, partition=tp.partition, offset=offset,
+                            error=str(exc))
+            return None
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+
 class ProgressGate:
     """Per-record gate over a ``progress`` table (see the module docstring)."""
 
-    def __init__(self, table: MutableMapping[str, Any], consumer: Any, topics: set[str]) -> None:
+    def __init__(self, table: MutableMapping[str, Any], consumer: Any, topics: set[str], probe: Probe) -> None:
         self.table = table
         self.consumer = consumer
         self.topics = topics
+        self.probe = probe
         self.resync_needed = True
         self._seek_back: dict[TP, tuple[int, float, int]] = {}  # offset, when, attempt
+        self._probed: dict[TP, tuple[int, float]] = {}  # the expected offset last probed, and when
         # partitions without a marker: the offset before the position they were sought to at resync
         self._floor: dict[TP, int] = {}
 
@@ -116,13 +162,17 @@ class ProgressGate:
         if offset == expected:
             return Admission.PROCESS
         tp = TP(topic, partition)
+        probed = self._probed.get(tp)
+        if probed is None or probed[0] != expected or time.monotonic() - probed[1] >= PROBE_RETRY_S:
+            self._probed[tp] = (expected, time.monotonic())
+            first_visible = await self.probe(tp, expected)
+            if first_visible is not None and first_visible >= offset:
+                log.info("offsets without visible records skipped (transaction markers or aborted records)",
+                         topic=topic, partition=partition, first=expected, last=offset - 1)
+                return Admission.PROCESS
         sought = self._seek_back.get(tp)
         if sought is not None and sought[0] == expected:
-            if sought[2] < MAX_SEEK_BACKS or time.monotonic() - sought[1] < SEEK_BACK_RETRY_S:
-                return Admission.LATER  # stale records still in the buffer; the seek back is under way
-            log.warning("offset gap accepted after repeated seeks back", topic=topic, partition=partition,
-                        expected=expected, offset=offset)
-            return Admission.PROCESS
+            return Admission.LATER  # stale records still in the buffer; the seek back is under way
         await self._seek_back_to(tp, expected, 1)
         log.warning("records missing before this one; partition sought back", topic=topic, partition=partition,
                     expected=expected, offset=offset)
@@ -148,7 +198,7 @@ class ProgressGate:
             if marker is not None and marker >= offset:
                 del self._seek_back[tp]  # the missing records came
             elif now - at >= SEEK_BACK_RETRY_S and tp in self.consumer.assignment():
-                await self._seek_back_to(tp, offset, min(attempt + 1, MAX_SEEK_BACKS))
+                await self._seek_back_to(tp, offset, attempt + 1)
                 log.info("partition sought back again", topic=tp.topic, partition=tp.partition, offset=offset,
                          attempt=attempt + 1)
 

@@ -15,8 +15,13 @@ read per rebalance, which compaction keeps proportional to the live state.
 A transaction whose commit was requested just before a crash or rebalance gets its commit markers
 written partition by partition. Recovery reads each changelog up to its *last stable* offset, so a
 recovery started in that window would hold the transaction's writes in one table and not in another.
-:class:`SettledTransactions` makes the recovery wait (bounded) until no transaction is pending on the
-changelog partitions it is about to read: the recovered state is then one transactional snapshot.
+:class:`SettledTransactions` makes the recovery wait until no transaction is pending on the changelog
+partitions it is about to read: the recovered state is then one transactional snapshot. The wait has no
+deadline (recovering a torn snapshot would break the guarantee silently); it says every
+``report_every_s`` which partitions it waits for. It ends in practice within moments: a worker only recovers
+the changelogs of partitions it was just assigned, and Faust's transactional ids are per partition, so the
+worker's own producers fence the previous owner and abort its open transaction when they start (Kafka also
+aborts a transaction after ``transaction.timeout.ms``).
 
 Where recovery stops matters as much as where it starts. Under exactly_once Faust takes each changelog
 partition's end from ``AIOKafkaConsumer.last_stable_offset()``, the value cached from the *last fetch
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -41,31 +46,37 @@ log = get_logger(__name__)
 
 
 def wipe_store(store: Any, partitions: set[int]) -> int:
-    """Remove the local data (and persisted changelog offsets) of ``partitions``; returns keys removed."""
-    removed = 0
-    if hasattr(store, "_dbs"):  # RocksDB: one database per partition, the persisted offset is a key in it
+    """Remove the local data (and persisted changelog offsets) of ``partitions``; returns keys removed.
+
+    The store kind is told by its class, and each kind's internals are checked at start-up
+    (streams/exactly_once/internals.py): a store of neither kind is an error, never a silent no-op."""
+    from faust.stores.memory import Store as MemoryStore
+
+    if isinstance(store, MemoryStore):
+        removed = len(store.data)
+        store.data.clear()
+        store._key_partition.clear()
+        return removed
+    if type(store).__module__ == "faust.stores.rocksdb":  # one database per partition, its offset a key in it
+        removed = 0
         for partition in sorted(partitions):
             db = store._db_for_partition(partition)
             keys = list(db.keys())
             for key in keys:
                 del db[key]
             removed += len(keys)
-        if hasattr(store, "_key_index"):
-            store._key_index.clear()
+        store._key_index.clear()
         return removed
-    removed = len(store.data)
-    store.data.clear()
-    if hasattr(store, "_key_partition"):
-        store._key_partition.clear()
-    return removed
+    raise TypeError(f"cannot wipe a {type(store).__module__}.{type(store).__name__} before recovery: "
+                    "streams.store must be memory or rocksdb")
 
 
 class SettledTransactions:
     """Waits until the last stable offset equals the high watermark on a set of partitions."""
 
-    def __init__(self, make_consumer: Callable[[str], AIOKafkaConsumer], timeout_s: float = 30.0) -> None:
+    def __init__(self, make_consumer: Callable[[str], AIOKafkaConsumer], report_every_s: float = 30.0) -> None:
         self.make_consumer = make_consumer
-        self.timeout_s = timeout_s
+        self.report_every_s = report_every_s
         self._committed: AIOKafkaConsumer | None = None
         self._uncommitted: AIOKafkaConsumer | None = None
 
@@ -77,12 +88,13 @@ class SettledTransactions:
             self._committed, self._uncommitted = committed, uncommitted
         return self._committed, self._uncommitted
 
-    async def wait(self, tps: set[Any]) -> bool:
-        """True once no transaction is pending on ``tps``; False after the timeout (logged)."""
+    async def wait(self, tps: set[Any]) -> None:
+        """Return once no transaction is pending on ``tps`` (no deadline; the wait is logged while it lasts)."""
         if not tps:
-            return True
+            return
         parts = [TopicPartition(tp.topic, tp.partition) for tp in tps]
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        next_report = started + self.report_every_s
         pending: list[str] = []
         while True:
             try:
@@ -93,10 +105,11 @@ class SettledTransactions:
             except Exception as exc:  # the broker is busy or gone: retry until the deadline
                 pending = [f"error: {exc}"]
             if not pending:
-                return True
-            if time.monotonic() >= deadline:
-                log.warning("recovery goes on with transactions still pending", partitions=pending[:8])
-                return False
+                return
+            if time.monotonic() >= next_report:
+                next_report += self.report_every_s
+                log.warning("recovery waits for open transactions on its changelogs to be decided",
+                            waited_s=round(time.monotonic() - started), partitions=pending[:8])
             await asyncio.sleep(0.2)
 
     async def stable_offsets(self, tps: set[Any]) -> dict[Any, int]:

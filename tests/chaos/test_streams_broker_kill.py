@@ -1,0 +1,66 @@
+"""The broker SIGKILLed while the streams worker has transactions open, then restarted on the same port and data:
+under read_committed every group comes out exactly once.
+
+The worker may stop on the way: a producer error the broker's restart causes (noida-db keeps no transaction or
+producer-sequence state across a SIGKILL, so the commit in flight gets InvalidTxnState and later sends
+OutOfOrderSequenceNumber) is fatal to a transactional producer, and the worker fails fast instead of guessing. It
+is then restarted, as compose's `restart: unless-stopped` or any supervisor would, and resumes from the committed
+state: what the interrupted transaction wrote is never visible, what it had applied is applied again once."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from rlstream.ops.infra import free_port, start_kafka
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.topics import TopicNames
+from rlstream.streams.app import prepare_topics
+from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_groups,
+                                   wait_for_count)
+
+
+def test_broker_sigkill_mid_transaction_loses_and_duplicates_nothing(rl_config: RlstreamConfig,
+                                                                    tmp_path: Path) -> None:
+    data_dir, port = tmp_path / "broker", free_port()
+    broker = start_kafka(data_dir, port)
+    cfg = rl_config.model_copy(deep=True)
+    cfg.kafka.bootstrap_servers = f"127.0.0.1:{port}"
+    asyncio.run(prepare_topics(cfg))
+    names = TopicNames.from_config(cfg.topics)
+    records, expected = interleaved_stream(cfg, n_examples=200, group_size=4, seed=31, late_fraction=0.3)
+    half = len(records) // 2
+    worker = Worker(cfg, "w1", tmp_path).start()
+    restarts: list[float] = []
+    stopping = threading.Event()
+
+    def supervise() -> None:  # restart the worker whenever it has stopped (a process supervisor's job)
+        while not stopping.wait(0.5):
+            if not worker.alive():
+                restarts.append(time.monotonic())
+                worker.start()
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        asyncio.run(publish(cfg, records[:half], pace_every=40, pace_s=0.2))
+        asyncio.run(wait_for_count(cfg, names.groups, 20, timeout_s=90))
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGKILL)  # no flush, no clean close: transactions in flight
+        time.sleep(3)
+        broker = start_kafka(data_dir, port)  # same port, same data
+        asyncio.run(publish(cfg, records[half:], pace_every=40, pace_s=0.2))
+        groups = asyncio.run(read_groups(cfg, names.groups, expect=len(expected), timeout_s=180, quiet_s=5))
+        try:
+            assert_groups_match(groups, expected)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n{len(restarts)} restarts; worker log:\n{worker.log_tail(80)}") from None
+        assert len(restarts) <= 3, f"the worker kept stopping: {len(restarts)} restarts\n{worker.log_tail(40)}"
+    finally:
+        stopping.set()
+        supervisor.join(5)
+        worker.stop()
+        broker.stop()
