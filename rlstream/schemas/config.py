@@ -148,6 +148,10 @@ class StreamsConfig(Section):
                                     "app_id-worker_id, so a restarted worker takes its old place")
     rebalance_timeout_s: float = Field(20.0, gt=0, description="how long a rebalance waits for members to rejoin "
                                        "(a killed member holds the group this long)")
+    exit_on_broker_loss: bool = Field(True, description="exactly_once: exit (code 75, for a supervisor to restart "
+                                      "the worker) as soon as the broker stops listening, so no open transaction is "
+                                      "resumed on a restarted broker; needed with brokers that lose transaction state "
+                                      "on a restart (the embedded noida-db), optional with Apache Kafka")
     stop_timeout_s: float = Field(7.0, gt=0, description="after SIGTERM/SIGINT, how long a clean stop may take "
                                   "before the worker exits anyway (its uncommitted transaction is aborted by the "
                                   "broker; committed work stays committed)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -40,9 +41,11 @@ from rlstream.streams.baseline import BaselineRules
 from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, Reject, SourceRef
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
-from rlstream.streams.shutdown import DeadlineWorker, StopDeadline
+from rlstream.streams.shutdown import DeadlineWorker, StopDeadline, flush_standard_streams
 from rlstream.streams.staging import StagedWrites, base64_json_size, oversized_writes
 from rlstream.streams.telemetry import Telemetry
+from rlstream.streams.exactly_once.broker_watch import (BROKER_LOST_EXIT_CODE, BrokerConnectionWatch,
+                                                       first_bootstrap_address)
 from rlstream.streams.exactly_once.internals import check_internals, forget_unacked, send_queued_changelogs
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate, VisibleOffsetProbe
 from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
@@ -267,6 +270,13 @@ class StreamsApp:
             if problem is not None:
                 log.error("streams worker stops: wrong transaction mode", problem=problem)
                 await self.app.crash(RuntimeError(problem))
+
+        if self.cfg.streams.processing_guarantee == "exactly_once" and self.cfg.streams.exit_on_broker_loss:
+            @app.task
+            async def exit_on_broker_loss() -> None:
+                # a transaction resumed on a restarted broker can stay open forever (streams/exactly_once/broker_watch.py)
+                address = first_bootstrap_address(self.cfg.kafka.bootstrap_servers)
+                await BrokerConnectionWatch(address, exit_for_broker_loss).run()
 
         @app.task
         async def follow_policy_versions() -> None:
@@ -528,6 +538,14 @@ async def prepare_topics(cfg: RlstreamConfig) -> None:
                 pass
     finally:
         await admin.close()
+
+
+def exit_for_broker_loss(reason: str) -> None:
+    """End the worker process now, without a clean stop: its open transactions must not reach a restarted broker."""
+    log.error("streams worker exits: its broker went away while transactions may be open; a supervisor restarts it "
+              "and it resumes from the committed state", reason=reason, exit_code=BROKER_LOST_EXIT_CODE)
+    flush_standard_streams()
+    os._exit(BROKER_LOST_EXIT_CODE)
 
 
 def run_worker(cfg: RlstreamConfig, worker_id: str, loglevel: str = "WARNING") -> None:

@@ -26,6 +26,15 @@ from rlstream.transport.log import get_logger
 log = get_logger(__name__)
 
 
+def flush_standard_streams() -> None:
+    """Flush stdout and stderr before a hard exit (``os._exit`` skips it); a broken stream is ignored."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+
+
 class StopDeadline:
     """Ends the process ``timeout_s`` after the first stop signal, unless it has ended by then."""
 
@@ -56,11 +65,7 @@ class StopDeadline:
         log.error("streams worker did not stop cleanly in time; exiting now (open transactions are aborted by the "
                   "broker, committed work stays committed)", timeout_s=self.timeout_s,
                   signal=signal.Signals(signum).name)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed or broken stream must not keep the process alive
-                pass
+        flush_standard_streams()
         self.exit_process(128 + signum)
 
     def install(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:

@@ -81,8 +81,9 @@ def sigterm_and_time(worker: Worker, limit_s: float = 30.0) -> tuple[float, int 
 
 def start_and_feed(cfg: RlstreamConfig, tmp_path: Path, names: TopicNames
                    ) -> tuple[Worker, dict[str, dict[str, float]]]:
-    """A worker that has emitted some groups and holds open ones (a transaction may be open)."""
-    worker = Worker(cfg, "w1", tmp_path).start()
+    """A worker that has emitted some groups and holds open ones (a transaction may be open). Its broker watch is
+    off: these tests are about a worker that is still there when the broker goes away (Apache Kafka's setting)."""
+    worker = Worker(cfg, "w1", tmp_path, **{"streams.exit_on_broker_loss": False}).start()
     records, expected = interleaved_stream(cfg, n_examples=8, group_size=3, seed=3, late_fraction=0.5)
     asyncio.run(publish(cfg, records))
     asyncio.run(wait_for_count(cfg, names.groups, len(expected), timeout_s=45))
