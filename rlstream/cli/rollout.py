@@ -207,7 +207,7 @@ async def _shadow(cfg, reward_fn, settings, base_url, max_groups, duration):  # 
     from rlstream.rollout.routing import VersionRouter
     from rlstream.rollout.sampling import SamplingSettings
     from rlstream.rollout.shadow import ShadowSampler
-    from rlstream.schemas.codec import AvroCodec
+    from rlstream.schemas.codec import codec_for
     from rlstream.schemas.masking import PLACEHOLDER_API_KEY, secret_value
     from rlstream.schemas.models import TrajectoryEvent
     from rlstream.schemas.topics import TopicNames
@@ -223,7 +223,7 @@ async def _shadow(cfg, reward_fn, settings, base_url, max_groups, duration):  # 
     client = AsyncOpenAI(base_url=base_url, api_key=secret_value(cfg.rollout.api_key) or PLACEHOLDER_API_KEY)
     sampler = ShadowSampler(instrument(client), VersionRouter(control, cfg.policy, cfg.rollout.model), publisher,
                             reward_fn, SamplingSettings.from_config(cfg.rollout), settings)
-    reader = TopicReader(consumer, AvroCodec.from_config(cfg.kafka), TrajectoryEvent)
+    reader = TopicReader(consumer, codec_for(cfg), TrajectoryEvent)
     await publisher.start()
     await consumer.start()
     try:

@@ -22,10 +22,10 @@ from rlstream.ops.infra import LocalStack, terminate_as_interrupt
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.topic_reader import Decoded, TopicReader, codec_for, open_reader, partitions_of
+from rlstream.transport.topic_reader import Decoded, TopicReader, open_reader, partitions_of
 from rlstream.ops.up import Supervisor, rlstream_command
 from rlstream.ops.vllm import VllmServer, start_vllm_server
-from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.masking import public_config_text, secret_env
 from rlstream.schemas.models import TrajectoryGroup, TrajectorySource
@@ -261,7 +261,7 @@ class FinetuneContext:
     def __post_init__(self) -> None:
         self.output_dir = Path(self.cfg.finetuning.output_dir).resolve()
         self.worker_id = f"finetune-{self.cfg.run_id}"
-        self.codec = codec_for(self.cfg.kafka)
+        self.codec = codec_for(self.cfg)
         self.topics = TopicNames.from_config(self.cfg.topics)
 
     @property

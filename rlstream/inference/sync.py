@@ -44,9 +44,9 @@ from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, 
 from rlstream.inference.manifest import (ManifestError, StaleFencingToken, UntrustedVersion, VersionJump, local_dir,
                                         stage, verify)
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
-from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import PolicyVersion, WeightsKind
+from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, WeightsKind
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -85,7 +85,8 @@ class InferenceSyncWorker:
         self.icfg = cfg.inference
         self.backend = backend
         self.control = control
-        self.codec = codec or AvroCodec()
+        self.codec = codec or codec_for(cfg)
+        self.codec.ensure_registered([MetricEvent.avro_name, DeadLetter.avro_name])  # a registry problem stops it now
         self.topics = TopicNames.from_config(cfg.topics)
         self.producer = producer or make_producer(cfg.kafka)
         self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics,

@@ -42,9 +42,10 @@ from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import TrajectoryGroup, TrajectorySource, WeightsKind
+from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, TrajectorySource,
+                                     WeightsKind)
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -75,7 +76,9 @@ class Learner:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
         self.kill_after_step = kill_after_step  # fault injection for tests: SIGKILL self after this step
         check_report_to(self.lcfg.report_to)  # a missing tracker package fails now, not after the first step
-        self.codec = AvroCodec()
+        self.codec = codec_for(cfg)
+        # a registry that is down or refuses a schema stops the learner now, not after its first step
+        self.codec.ensure_registered([PolicyVersion.avro_name, MetricEvent.avro_name, DeadLetter.avro_name])
         self.output_dir = Path(self.lcfg.output_dir)
         self.store = CheckpointStore(self.output_dir / "checkpoints", keep=self.lcfg.keep_checkpoints)
         self.versions_root = self.output_dir / "versions"

@@ -17,11 +17,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from rlstream.schemas.codec import codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import OffsetRange, PolicyVersion, SourceOffset, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import SourceRecord, TopicReader, codec_for, open_reader, read_slice, read_to_end
+from rlstream.transport.topic_reader import SourceRecord, TopicReader, open_reader, read_slice, read_to_end
 
 log = get_logger(__name__)
 
@@ -106,7 +107,7 @@ async def find_version(consumer: AIOKafkaConsumer, cfg: RlstreamConfig, version:
     """The record of ``policy``'s ``version`` on ``policy-versions`` (the last one, should it have been announced
     twice, e.g. after an interrupted publication); :class:`LineageError` when there is none."""
     topic = TopicNames.from_config(cfg.topics).policy_versions
-    reader = TopicReader(consumer, codec_for(cfg.kafka), PolicyVersion)  # read-only: an undecodable record is skipped
+    reader = TopicReader(consumer, codec_for(cfg), PolicyVersion)  # read-only: an undecodable record is skipped
     found: PolicyVersion | None = None
     known: set[int] = set()
     async for item in reader.stream(read_to_end(consumer, topic)):
@@ -141,7 +142,7 @@ async def resolve_groups(consumer: AIOKafkaConsumer, cfg: RlstreamConfig,
     def rejected(source: SourceRecord, reason: BaseException | str) -> None:
         unresolved.append(Unresolved(source.topic, source.partition, source.offset, f"does not decode: {reason}"))
 
-    reader = TopicReader(consumer, codec_for(cfg.kafka), TrajectoryGroup, on_reject=rejected)
+    reader = TopicReader(consumer, codec_for(cfg), TrajectoryGroup, on_reject=rejected)
     groups: list[GroupLineage] = []
     for rng in version.trained_on:
         tp = TopicPartition(rng.topic, rng.partition)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import TopicReader, codec_for, open_reader, read_to_end
+from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
+from rlstream.schemas.codec import codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
@@ -58,7 +59,7 @@ class RunMetrics:
 
 async def load_run_metrics(cfg: RlstreamConfig, run_id: str) -> RunMetrics:
     """The plotted metric series of ``run_id``, read from the beginning of the metrics topic."""
-    codec = codec_for(cfg.kafka)
+    codec = codec_for(cfg)
     topic = TopicNames.from_config(cfg.topics).metrics
     events: list[MetricEvent] = []
     reader = await open_reader(cfg.kafka)

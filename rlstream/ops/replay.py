@@ -33,8 +33,8 @@ from rlstream.transport import metric_names
 from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import TopicReader, codec_for, open_reader, partitions_of, read_slice, read_to_end
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.transport.topic_reader import TopicReader, open_reader, partitions_of, read_slice, read_to_end
+from rlstream.schemas.codec import AvroCodec, CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent, RewardEvent, TrajectoryEvent, TrajectorySource
 from rlstream.schemas.topics import TopicNames
@@ -249,7 +249,7 @@ async def replay(
     target_names = TopicNames(prefix=into_prefix) if into_prefix is not None else names
     if into_prefix is not None and into_prefix != names.prefix:
         await create_topics(cfg.kafka, cfg.topics.model_copy(update={"prefix": into_prefix}))
-    codec = codec_for(cfg.kafka)
+    codec = codec_for(cfg)
     report = ReplayReport(new_run_id=new_run_id, source_topic=names.trajectories,
                           target_topic=target_names.trajectories)
     consumer = await open_reader(cfg.kafka)

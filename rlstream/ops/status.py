@@ -17,8 +17,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import client_options
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, codec_for, open_reader, partitions_of,
+from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, open_reader, partitions_of,
                                              read_to_end)
+from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.masking import mask_data, mask_url
 from rlstream.schemas.models import MetricEvent, PolicyVersion
@@ -94,7 +95,7 @@ async def topic_end_offsets(kafka: KafkaConfig, names: TopicNames) -> dict[str, 
 
 async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: int = 5) -> list[PolicyVersion]:
     """The newest ``limit`` PolicyVersion messages of ``policy``, newest first."""
-    codec = codec_for(kafka)
+    codec = AvroCodec.from_config(kafka, {})  # reads only: no subject is ever named
     found: list[PolicyVersion] = []
     reader = await open_reader(kafka)
     try:
@@ -110,7 +111,7 @@ async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: in
 
 async def latest_metrics(kafka: KafkaConfig, topic: str, run_id: str | None, tail: int = 500) -> list[MetricEvent]:
     """The last event of each (source, name) among the last ``tail`` per partition, for ``run_id`` (or all)."""
-    codec = codec_for(kafka)
+    codec = AvroCodec.from_config(kafka, {})  # reads only: no subject is ever named
     last: dict[tuple[str, str], MetricEvent] = {}
     reader = await open_reader(kafka)
     try:

@@ -25,8 +25,8 @@ from typing import Any, AsyncIterator, Callable, TextIO
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from rlstream.transport.log import get_logger
-from rlstream.transport.topic_reader import codec_for, open_reader, partitions_of
-from rlstream.schemas.codec import AvroCodec, CodecError
+from rlstream.transport.topic_reader import open_reader, partitions_of
+from rlstream.schemas.codec import AvroCodec, CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, WireModel
 from rlstream.schemas.topics import TopicNames
@@ -79,7 +79,7 @@ class Tailer:
         self.options = options
         self.topic = topic_for(kind, TopicNames.from_config(cfg.topics))
         self.model = _MODELS[kind]
-        self.codec: AvroCodec = codec_for(cfg.kafka)
+        self.codec: AvroCodec = codec_for(cfg)
         self.consumer: AIOKafkaConsumer | None = None
         self.partitions: list[TopicPartition] = []
         self.highwater: dict[int, int] = {}

@@ -262,14 +262,14 @@ class Watcher:
     async def follow_topics(self, stop: asyncio.Event) -> None:
         from rlstream.transport.kafka import make_consumer
         from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch
-        from rlstream.schemas.codec import AvroCodec
+        from rlstream.schemas.codec import codec_for
         from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup
 
         def undecodable(source: SourceRecord, reason: BaseException | str) -> None:
             log.warning("undecodable record in live view", topic=source.topic, error=str(reason))
 
         names = TopicNames.from_config(self.cfg.topics)
-        codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes * 4)
+        codec = codec_for(self.cfg, max_bytes=self.cfg.kafka.max_message_bytes * 4)
         consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, group_id=None,
                                  isolation_level="read_committed")
         # one consumer, one typed reader per topic; the live view only looks, so nothing is dead-lettered
@@ -445,7 +445,7 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
 
     from rlstream.transport.kafka import make_producer
     from rlstream.transport.metrics import MetricsPublisher
-    from rlstream.schemas.codec import AvroCodec
+    from rlstream.schemas.codec import codec_for
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -454,7 +454,7 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
     control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
     producer = make_producer(cfg.kafka)
     await producer.start()
-    metrics = MetricsPublisher(producer, AvroCodec(), TopicNames.from_config(cfg.topics).metrics, source="up",
+    metrics = MetricsPublisher(producer, codec_for(cfg), TopicNames.from_config(cfg.topics).metrics, source="up",
                                run_id=cfg.run_id)
 
     async def on_score(score: VersionScore) -> None:

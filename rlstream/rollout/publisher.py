@@ -74,13 +74,18 @@ class TrajectoryPublisher:
     def from_config(cls, kafka: KafkaConfig, trajectories_topic: str, rewards_topic: str,
                     max_in_flight: int = 256, delivery_timeout_s: float = 120.0,
                     **producer_options: object) -> "TrajectoryPublisher":
-        """A publisher over a new idempotent producer built from the Kafka config."""
-        return cls(make_producer(kafka, **producer_options), trajectories_topic, rewards_topic,
+        """A publisher over a new idempotent producer built from the Kafka config (and its schema registry)."""
+        codec = AvroCodec.from_config(kafka, {TrajectoryEvent.avro_name: trajectories_topic,
+                                              RewardEvent.avro_name: rewards_topic})
+        return cls(make_producer(kafka, **producer_options), trajectories_topic, rewards_topic, codec=codec,
                    max_in_flight=max_in_flight, delivery_timeout_s=delivery_timeout_s)
 
     async def start(self) -> "TrajectoryPublisher":
         async with self._start_lock:  # the gateway's sender and spool drainer may both be first
             if not self._started:
+                # a registry that is down or refuses the schemas stops the publisher now, not its first events
+                await asyncio.to_thread(self.codec.ensure_registered, [TrajectoryEvent.avro_name,
+                                                                       RewardEvent.avro_name])
                 await self.producer.start()
                 self._started = True
         return self

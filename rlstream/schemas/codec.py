@@ -7,7 +7,10 @@ Two framings, both read by :meth:`AvroCodec.decode`:
   fingerprint among the schemas it knows (by the specification's fingerprint, and by the one the
   Apache ``avro`` Python package computes, which differs for schemas with logical types).
 * Confluent wire format (registry configured): ``00`` + 4-byte big-endian schema id + body;
-  the writer schema comes from the registry.
+  the writer schema comes from the registry. Writers register each schema once per process under the subject
+  that the configured strategy names (:class:`SubjectNames`: Confluent's TopicNameStrategy by default), through
+  confluent-kafka's registry client (basic auth, TLS, retries, caching); ids the registry could not resolve are
+  remembered for ``failure_ttl_s``, so a stream of records with an unknown id costs one request, not one each.
 
 Every failure raises a :class:`CodecError` subclass with a message a person can act on.
 
@@ -20,15 +23,20 @@ from __future__ import annotations
 import io
 import json
 import struct
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from rlstream.schemas.models import EVENT_MODELS, WireModel
+
+if TYPE_CHECKING:
+    from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 
 AVSC_DIR = Path(__file__).parent / "avsc"
 #: earlier versions of event schemas (fully expanded JSON), known to every codec as writer schemas
@@ -60,12 +68,43 @@ class PayloadTooLargeError(CodecError):
     """An encoded event is over the configured size limit."""
 
 
+class SchemaRegistryUnavailable(RuntimeError):
+    """The schema registry did not register a writer's schema (down, refused, or the schema is incompatible).
+
+    Not a :class:`CodecError`: the event is fine, the infrastructure is not, so it must not be dead-lettered."""
+
+
 class SchemaRegistry(Protocol):
     """The two calls the codec needs from a Confluent-compatible schema registry."""
 
     def register(self, subject: str, schema_json: str) -> int: ...
 
     def get_schema(self, schema_id: int) -> str: ...
+
+
+SubjectStrategy = Literal["topic_name", "record_name", "topic_record_name"]
+
+
+@dataclass(frozen=True)
+class SubjectNames:
+    """The registry subject of each schema, as Confluent's serializers name value subjects.
+
+    ``topic_name`` (TopicNameStrategy, their default): ``<topic>-value``; ``record_name``: the record's full name;
+    ``topic_record_name``: ``<topic>-<full name>``. ``topic_of`` maps a record's full name to the topic it is
+    written to (one schema per topic in rlstream, DESIGN.md)."""
+
+    strategy: SubjectStrategy = "topic_name"
+    topic_of: Mapping[str, str] = field(default_factory=dict)
+
+    def subject(self, full_name: str) -> str:
+        if self.strategy == "record_name":
+            return full_name
+        topic = self.topic_of.get(full_name)
+        if topic is None:
+            raise SchemaRegistryUnavailable(
+                f"no topic is known for {full_name}, so the {self.strategy} subject strategy cannot name its subject; "
+                "use kafka.schema_registry_subject_strategy=record_name for records outside rlstream's topics")
+        return f"{topic}-value" if self.strategy == "topic_name" else f"{topic}-{full_name}"
 
 
 def _named_schema_files() -> dict[str, dict[str, Any]]:
@@ -204,9 +243,13 @@ class AvroCodec:
     writer schema has the reader's fingerprint is read with the reader schema alone (no resolution).
     """
 
-    def __init__(self, registry: SchemaRegistry | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, registry: SchemaRegistry | None = None, max_bytes: int = DEFAULT_MAX_BYTES, *,
+                 subjects: SubjectNames | None = None, failure_ttl_s: float = 30.0) -> None:
         self.registry = registry
         self.max_bytes = max_bytes
+        self.subjects = subjects or SubjectNames("record_name")
+        self.failure_ttl_s = failure_ttl_s
+        self._failed_ids: dict[int, tuple[float, str]] = {}  # schema id -> (retry after, monotonic; the error)
         self._by_fingerprint: dict[bytes, _Known] = {}  # both fingerprints of every known version
         self._spec_fingerprints: set[bytes] = set()  # those that are a schema's specification fingerprint
         self._by_registry_id: dict[int, _Known] = {}
@@ -218,11 +261,17 @@ class AvroCodec:
             self.add_schema(path.read_text())
 
     @classmethod
-    def from_config(cls, kafka: Any) -> "AvroCodec":
-        """A codec for a :class:`schemas.config.KafkaConfig`: its size limit, and the Confluent
-        wire format when ``schema_registry_url`` is set."""
-        registry = HttpSchemaRegistry(kafka.schema_registry_url) if kafka.schema_registry_url else None
-        return cls(registry=registry, max_bytes=kafka.max_message_bytes)
+    def from_config(cls, kafka: "KafkaConfig", topic_of: Mapping[str, str], *,
+                    max_bytes: int | None = None) -> "AvroCodec":
+        """A codec for a :class:`schemas.config.KafkaConfig`: its size limit (or ``max_bytes``), and the Confluent
+        wire format through the configured registry when ``schema_registry_url`` is set. ``topic_of`` maps each
+        record's full name to its topic, for the subject strategy."""
+        limit = max_bytes if max_bytes is not None else kafka.max_message_bytes
+        if not kafka.schema_registry_url:
+            return cls(max_bytes=limit)
+        return cls(registry=ConfluentRegistry(registry_client_conf(kafka)), max_bytes=limit,
+                   subjects=SubjectNames(kafka.schema_registry_subject_strategy, dict(topic_of)),
+                   failure_ttl_s=kafka.schema_registry_failure_ttl_s)
 
     # -- schemas -----------------------------------------------------------------
     def add_schema(self, schema: dict[str, Any] | str, *, reader: bool = False) -> Any:
@@ -287,12 +336,26 @@ class AvroCodec:
             )
         return header + body.getvalue()
 
+    def ensure_registered(self, full_names: list[str]) -> None:
+        """Register the schemas a writer will use now (with a registry; otherwise nothing to do), so that a registry
+        that is down or refuses a schema stops the writer at start, before it takes any work.
+        Raises :class:`SchemaRegistryUnavailable`."""
+        if self.registry is not None:
+            for name in full_names:
+                self._header(self._reader(name))
+
     def _header(self, known: _Known) -> bytes:
         if self.registry is None:
             return known.header
         header = self._confluent_headers.get(known.json)
-        if header is None:  # registered once per schema version (subject: the full name)
-            schema_id = self.registry.register(known.name, known.json)
+        if header is None:  # registered once per schema version, under the strategy's subject
+            subject = self.subjects.subject(known.name)
+            try:
+                schema_id = self.registry.register(subject, known.json)
+            except Exception as exc:
+                raise SchemaRegistryUnavailable(
+                    f"schema {known.name} not registered under subject {subject!r}: {type(exc).__name__}: {exc}"
+                ) from exc
             self._by_registry_id[schema_id] = known
             header = self._confluent_headers[known.json] = CONFLUENT_MAGIC + struct.pack(">I", schema_id)
         return header
@@ -375,16 +438,21 @@ class AvroCodec:
             raise UnknownSchemaError(
                 f"payload uses Confluent wire format (schema id {schema_id}) but no schema registry is configured"
             )
+        failed = self._failed_ids.get(schema_id)
+        if failed is not None and time.monotonic() < failed[0]:
+            raise UnknownSchemaError(f"{failed[1]} (remembered; asked again after kafka.schema_registry_failure_ttl_s)")
         try:
             schema_str = self.registry.get_schema(schema_id)
-        except Exception as exc:
-            raise UnknownSchemaError(f"schema id {schema_id} not found in the registry: {exc}") from exc
-        try:
             known = _compile(schema_str)
-        except Exception as exc:  # a registry answer that is not an Avro schema
-            raise UnknownSchemaError(
-                f"schema id {schema_id} from the registry is not a usable Avro schema: {type(exc).__name__}: {exc}"
-            ) from exc
+        except Exception as exc:
+            problem = (f"schema id {schema_id} could not be resolved by the registry: {type(exc).__name__}: {exc}"
+                       if not isinstance(exc, (ValueError, TypeError, KeyError, AttributeError,
+                                               fastavro.schema.SchemaParseException))
+                       else f"schema id {schema_id} from the registry is not a usable Avro schema: "
+                            f"{type(exc).__name__}: {exc}")
+            self._failed_ids[schema_id] = (time.monotonic() + self.failure_ttl_s, problem)
+            raise UnknownSchemaError(problem) from exc
+        self._failed_ids.pop(schema_id, None)
         self._by_registry_id[schema_id] = known
         return known
 
@@ -393,24 +461,42 @@ def _name_of(parsed: Any) -> str:
     return parsed.get("name", "?") if isinstance(parsed, dict) else str(parsed)
 
 
-class HttpSchemaRegistry:
-    """Confluent Schema Registry REST client (register by subject, fetch by id)."""
+def registry_client_conf(kafka: "KafkaConfig") -> dict[str, Any]:
+    """confluent-kafka ``SchemaRegistryClient`` settings from a :class:`schemas.config.KafkaConfig`."""
+    conf: dict[str, Any] = {"url": str(kafka.schema_registry_url), "timeout": kafka.schema_registry_timeout_s,
+                            "max.retries": kafka.schema_registry_retries, "retries.wait.ms": 200,
+                            "retries.max.wait.ms": 5000}
+    if kafka.schema_registry_basic_auth is not None:
+        conf["basic.auth.user.info"] = kafka.schema_registry_basic_auth.get_secret_value()
+    for key, path in (("ssl.ca.location", kafka.schema_registry_ca_file),
+                      ("ssl.certificate.location", kafka.schema_registry_cert_file),
+                      ("ssl.key.location", kafka.schema_registry_key_file)):
+        if path is not None:
+            conf[key] = str(path)
+    return conf
 
-    def __init__(self, url: str, timeout_s: float = 10.0, auth: tuple[str, str] | None = None) -> None:
-        import httpx
 
-        self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, auth=auth)
+class ConfluentRegistry:
+    """:class:`SchemaRegistry` over confluent-kafka's ``SchemaRegistryClient`` (its REST client, auth, TLS, retries
+    and caches); ``conf`` as :func:`registry_client_conf` builds it (``mock://`` URLs give its in-process registry)."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        self.client = SchemaRegistryClient.new_client(conf)
 
     def register(self, subject: str, schema_json: str) -> int:
-        resp = self._client.post(
-            f"/subjects/{subject}/versions",
-            json={"schema": schema_json},
-            headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
-        )
-        resp.raise_for_status()
-        return int(resp.json()["id"])
+        from confluent_kafka.schema_registry import Schema
+
+        return int(self.client.register_schema(subject, Schema(schema_json, "AVRO")))
 
     def get_schema(self, schema_id: int) -> str:
-        resp = self._client.get(f"/schemas/ids/{schema_id}")
-        resp.raise_for_status()
-        return str(resp.json()["schema"])
+        return str(self.client.get_schema(schema_id).schema_str)
+
+
+def codec_for(cfg: "RlstreamConfig", *, max_bytes: int | None = None) -> AvroCodec:
+    """The codec of this deployment: Confluent framing through the configured registry when there is one, the
+    subjects named after the configured topics."""
+    from rlstream.schemas.topics import TopicNames
+
+    return AvroCodec.from_config(cfg.kafka, TopicNames.from_config(cfg.topics).schema_topics(), max_bytes=max_bytes)

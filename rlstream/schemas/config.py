@@ -88,8 +88,26 @@ class KafkaConfig(Section):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     ssl_password: Secret | None = Field(None, description="password of ssl_keyfile (a secret)")
-    schema_registry_url: SecretUrl | None = Field(None, description="Confluent schema registry; a password in "
+    schema_registry_url: SecretUrl | None = Field(None, description="Confluent schema registry: when set, every "
+                                                  "writer and reader uses it (Confluent wire format); a password in "
                                                   "the URL (https://user:pw@host) is masked in every output")
+    schema_registry_basic_auth: Secret | None = Field(None, description="registry basic auth as user:password (a "
+                                                      "secret; env RLSTREAM_KAFKA__SCHEMA_REGISTRY_BASIC_AUTH); or "
+                                                      "put the credentials in the URL, not both")
+    schema_registry_ca_file: Path | None = Field(None, description="CA bundle that signs the registry's TLS "
+                                                 "certificate (https URLs)")
+    schema_registry_cert_file: Path | None = Field(None, description="client certificate for mutual TLS")
+    schema_registry_key_file: Path | None = Field(None, description="key of schema_registry_cert_file")
+    schema_registry_subject_strategy: Literal["topic_name", "record_name", "topic_record_name"] = Field(
+        "topic_name", description="subject a schema is registered under, as Confluent's serializers name them: "
+        "topic_name = <topic>-value (their default), record_name = <full record name>, topic_record_name = "
+        "<topic>-<full record name>")
+    schema_registry_timeout_s: float = Field(10.0, gt=0, description="timeout of one registry request")
+    schema_registry_retries: int = Field(3, ge=0, description="retries of a registry request that failed with a "
+                                         "retriable status (429, 5xx), with exponential backoff")
+    schema_registry_failure_ttl_s: float = Field(30.0, ge=0, description="a schema id the registry could not "
+                                                 "resolve is not asked for again for this long (records with it "
+                                                 "fail at once, without a blocking request each)")
     max_message_bytes: int = Field(1_000_000, ge=1024)
     request_timeout_ms: int = Field(30_000, ge=1000)
     session_timeout_ms: int = Field(10_000, ge=6000)

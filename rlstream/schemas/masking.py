@@ -140,6 +140,8 @@ def secret_env(cfg: "RlstreamConfig") -> dict[str, str]:
         env["RLSTREAM_KAFKA__SASL_PLAIN_PASSWORD"] = kafka.sasl_plain_password.get_secret_value()
     if kafka.ssl_password is not None:
         env["RLSTREAM_KAFKA__SSL_PASSWORD"] = kafka.ssl_password.get_secret_value()
+    if kafka.schema_registry_basic_auth is not None:
+        env["RLSTREAM_KAFKA__SCHEMA_REGISTRY_BASIC_AUTH"] = kafka.schema_registry_basic_auth.get_secret_value()
     if url_password(kafka.schema_registry_url):
         env["RLSTREAM_KAFKA__SCHEMA_REGISTRY_URL"] = str(kafka.schema_registry_url)
     if cfg.rollout.api_key is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlstream.schemas.config import TopicsConfig
+from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, RewardEvent, TrajectoryEvent,
+                                     TrajectoryGroup)
 
 TRAJECTORIES = "trajectories"
 REWARDS = "rewards"
@@ -43,6 +45,12 @@ class TopicNames:
     @property
     def dlq(self) -> str:
         return self.prefix + DLQ
+
+    def schema_topics(self) -> dict[str, str]:
+        """The topic each event schema (full name) is written to: one schema per topic (a registry subject each)."""
+        return {TrajectoryEvent.avro_name: self.trajectories, RewardEvent.avro_name: self.rewards,
+                TrajectoryGroup.avro_name: self.groups, PolicyVersion.avro_name: self.policy_versions,
+                MetricEvent.avro_name: self.metrics, DeadLetter.avro_name: self.dlq}
 
     def all(self) -> list[str]:
         return [self.prefix + t for t in ALL_TOPICS]

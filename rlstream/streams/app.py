@@ -32,9 +32,9 @@ from rlstream.transport.deadletter import dead_letter, fit_dead_letter
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger, logging_dict_config
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import RewardEvent, TrajectoryEvent
+from rlstream.schemas.models import DeadLetter, MetricEvent, RewardEvent, TrajectoryEvent, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
@@ -197,7 +197,10 @@ class StreamsApp:
     telemetry: Telemetry = field(default_factory=Telemetry)
 
     def __post_init__(self) -> None:
-        self.codec = AvroCodec(max_bytes=self.cfg.kafka.max_message_bytes)
+        self.codec = codec_for(self.cfg)
+        # a registry that is down or refuses a schema stops the worker now, before it takes a partition
+        self.codec.ensure_registered([TrajectoryGroup.avro_name, DeadLetter.avro_name, MetricEvent.avro_name,
+                                      TrajectoryEvent.avro_name])
         # changelog recovery (read_committed) must not drop records committed after an aborted transaction
         aborted_index.install()
         self.names = TopicNames.from_config(self.cfg.topics)

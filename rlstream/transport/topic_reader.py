@@ -24,12 +24,6 @@ log = get_logger(__name__)
 T = TypeVar("T", bound=WireModel)
 
 
-def codec_for(kafka: KafkaConfig) -> AvroCodec:
-    """The codec of this deployment (Confluent framing and registry look-ups when a registry is configured)."""
-    factory = getattr(AvroCodec, "from_config", None)
-    return factory(kafka) if factory else AvroCodec()
-
-
 class TopicMissingError(RuntimeError):
     """The topic does not exist on the cluster."""
 

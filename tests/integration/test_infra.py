@@ -10,7 +10,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from rlstream.transport.control import ControlPlane, LeaseLost
 from rlstream.transport.kafka import client_options, create_topics, list_topics, make_consumer, make_producer
-from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
@@ -46,7 +46,7 @@ async def test_topics_carry_the_configured_retention(rl_config: RlstreamConfig, 
 
 async def test_idempotent_producer_and_consumer_group(rl_config: RlstreamConfig, created_topics: TopicNames,
                                                       consumer_group: str) -> None:
-    codec = AvroCodec.from_config(rl_config.kafka)
+    codec = codec_for(rl_config)
     sent = [make_trajectory(example_id=f"ex-{i}", seed=i) for i in range(6)]
     producer = make_producer(rl_config.kafka)
     await producer.start()

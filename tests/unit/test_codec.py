@@ -265,7 +265,7 @@ def test_non_bytes_input_is_corrupt() -> None:
 def test_from_config_uses_the_kafka_limit() -> None:
     from rlstream.schemas.config import KafkaConfig
 
-    codec = AvroCodec.from_config(KafkaConfig(max_message_bytes=50_000))
+    codec = AvroCodec.from_config(KafkaConfig(max_message_bytes=50_000), {})
     assert codec.registry is None and codec.max_bytes == 50_000
 
 
