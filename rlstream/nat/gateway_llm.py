@@ -9,6 +9,8 @@ trajectory; ``POST /v1/feedback`` with that session id rewards it, hours later i
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from nat.builder.builder import Builder
@@ -40,6 +42,24 @@ def session_headers(task: str | None) -> dict[str, str]:
     return headers
 
 
+@asynccontextmanager
+async def openai_chat_model(config: OpenAIModelConfig, *,
+                            request_hooks: Sequence[Callable[[Any], Awaitable[None]]] = (),
+                            response_hooks: Sequence[Callable[[Any], Awaitable[None]]] = (),
+                            **chat_options: Any) -> AsyncIterator[Any]:
+    """LangChain's ``ChatOpenAI`` for a NAT ``openai``-style config, over an httpx client with these event hooks
+    (closed when the context ends); ``chat_options`` go to ``ChatOpenAI``."""
+    import httpx
+    from langchain_openai import ChatOpenAI
+
+    api_key = config.api_key.get_secret_value() if config.api_key is not None else os.getenv("OPENAI_API_KEY", "none")
+    hooks = {"request": list(request_hooks), "response": list(response_hooks)}
+    async with httpx.AsyncClient(event_hooks=hooks, timeout=config.request_timeout or 600.0) as http:
+        yield ChatOpenAI(model=config.model_name, base_url=config.base_url, api_key=api_key,  # type: ignore[arg-type]
+                         temperature=config.temperature, top_p=config.top_p, seed=config.seed,
+                         max_retries=config.max_retries, http_async_client=http, **chat_options)
+
+
 @register_llm_provider(config_type=RlstreamGatewayLLMConfig)
 async def rlstream_gateway_llm(config: RlstreamGatewayLLMConfig, _builder: Builder) -> AsyncIterator[LLMProviderInfo]:
     yield LLMProviderInfo(config=config, description="an OpenAI-compatible model behind the rlstream gateway")
@@ -47,15 +67,13 @@ async def rlstream_gateway_llm(config: RlstreamGatewayLLMConfig, _builder: Build
 
 @register_llm_client(config_type=RlstreamGatewayLLMConfig, wrapper_type=LLMFrameworkEnum.LANGCHAIN)
 async def rlstream_gateway_langchain(config: RlstreamGatewayLLMConfig, _builder: Builder) -> AsyncIterator[Any]:
-    import httpx
-    from langchain_openai import ChatOpenAI
+    async with openai_chat_model(config, request_hooks=[session_hook(config.task)]) as model:
+        yield model
 
-    async def add_session(request: httpx.Request) -> None:
-        request.headers.update(session_headers(config.task))
 
-    api_key = config.api_key.get_secret_value() if config.api_key is not None else os.getenv("OPENAI_API_KEY", "none")
-    async with httpx.AsyncClient(event_hooks={"request": [add_session]},
-                                 timeout=config.request_timeout or 600.0) as http:
-        yield ChatOpenAI(model=config.model_name, base_url=config.base_url, api_key=api_key,  # type: ignore[arg-type]
-                         temperature=config.temperature, top_p=config.top_p, seed=config.seed,
-                         max_retries=config.max_retries, http_async_client=http)
+def session_hook(task: str | None) -> Callable[[Any], Awaitable[None]]:
+    """An httpx request hook that adds the current NAT request's gateway headers (:func:`session_headers`)."""
+    async def add_session(request: Any) -> None:
+        request.headers.update(session_headers(task))
+
+    return add_session

@@ -16,7 +16,6 @@ bounded in-process map.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -132,20 +131,9 @@ async def token_capture_llm(config: TokenCaptureLLMConfig, _builder: Builder) ->
 
 @register_llm_client(config_type=TokenCaptureLLMConfig, wrapper_type=LLMFrameworkEnum.LANGCHAIN)
 async def token_capture_langchain(config: TokenCaptureLLMConfig, _builder: Builder) -> AsyncIterator[Any]:
-    import httpx
-    from langchain_openai import ChatOpenAI
+    from rlstream.nat.gateway_llm import openai_chat_model, session_hook
 
-    from rlstream.nat.gateway_llm import session_headers
-
-    async def add_session(request: httpx.Request) -> None:
-        request.headers.update(session_headers(config.task))
-
-    hooks: dict[str, list[Any]] = {"response": [_record_response]}
-    if config.session_headers:
-        hooks["request"] = [add_session]
-    api_key = config.api_key.get_secret_value() if config.api_key is not None else os.getenv("OPENAI_API_KEY", "none")
-    async with httpx.AsyncClient(event_hooks=hooks, timeout=config.request_timeout or 600.0) as http:
-        yield ChatOpenAI(model=config.model_name, base_url=config.base_url, api_key=api_key,  # type: ignore[arg-type]
-                         temperature=config.temperature, top_p=config.top_p, seed=config.seed,
-                         max_retries=config.max_retries, http_async_client=http, logprobs=True,
-                         extra_body={"return_token_ids": True})
+    request_hooks = [session_hook(config.task)] if config.session_headers else []
+    async with openai_chat_model(config, request_hooks=request_hooks, response_hooks=[_record_response],
+                                 logprobs=True, extra_body={"return_token_ids": True}) as model:
+        yield model

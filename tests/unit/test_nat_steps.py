@@ -170,3 +170,22 @@ def test_one_bad_trajectory_is_rejected_and_its_group_still_trains() -> None:
     assert ("r:epoch0:ex1", "episode starts with assistant, not user or system") in reasons
     assert ("r:epoch0:ex2", "non-finite reward nan") in reasons
     assert any(g == "r:epoch0:ex2" and "fewer than streams.min_group_size" in r for g, r in reasons)
+
+
+async def test_one_chat_model_builder_serves_the_gateway_and_the_capturing_llms() -> None:
+    """Both LLM types build LangChain's ChatOpenAI the same way; only their httpx hooks and options differ."""
+    from rlstream.nat.gateway_llm import RlstreamGatewayLLMConfig, openai_chat_model, session_hook
+    from rlstream.nat.token_capture import _record_response
+
+    config = RlstreamGatewayLLMConfig(model_name="toy", base_url="http://127.0.0.1:9/v1", temperature=0.5,
+                                      task="letters")
+    async with openai_chat_model(config, request_hooks=[session_hook(config.task)]) as gateway_model:
+        hooks = gateway_model.http_async_client.event_hooks
+        assert len(hooks["request"]) == 1 and hooks["response"] == []
+        assert gateway_model.model_name == "toy" and gateway_model.temperature == 0.5 and not gateway_model.logprobs
+    async with openai_chat_model(config, response_hooks=[_record_response], logprobs=True,
+                                 extra_body={"return_token_ids": True}) as capturing_model:
+        hooks = capturing_model.http_async_client.event_hooks
+        assert hooks["request"] == [] and hooks["response"] == [_record_response]
+        assert capturing_model.logprobs and capturing_model.extra_body == {"return_token_ids": True}
+    assert gateway_model.http_async_client.is_closed and capturing_model.http_async_client.is_closed
