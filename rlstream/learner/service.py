@@ -86,6 +86,8 @@ class Learner:
         self._stop = asyncio.Event()
         self.lease: Lease | None = None
         self.lease_lost = False
+        self._metrics: MetricsPublisher | None = None
+        self._lease_reported: bool | None = None  # the last learner/lease_held value emitted
         self.policy: Policy | None = None  # the trained model, once loaded
         self.skipped: Counter[str] = Counter()  # groups consumed without training, by reason (since start)
         self.validation_groups_skipped = 0
@@ -173,8 +175,9 @@ class Learner:
             await producer.start()
             await announcer.start()
             announcer_started = True
-            metrics = MetricsPublisher(producer, self.codec, self.topics.metrics, SERVICE, self.cfg.run_id,
-                                       prometheus_port=self.lcfg.prometheus_port)
+            metrics = self._metrics = MetricsPublisher(producer, self.codec, self.topics.metrics, SERVICE,
+                                                       self.cfg.run_id, prometheus_port=self.lcfg.prometheus_port)
+            await self._report_lease(not self.lease_lost)
             await self._finish_interrupted_publication(state, policy, announcer, control)
             await consumer.start()
             await self._assign_and_seek(consumer, state)
@@ -230,12 +233,26 @@ class Learner:
             await asyncio.sleep(self.lcfg.lease_ttl_s / 3)
             try:
                 await control.renew_lease(self.cfg.policy, self.lease, self.lcfg.lease_ttl_s)
+                await self._report_lease(True)
             except LeaseLost as exc:
+                await self._report_lease(False)
                 if not await self._regain(control, exc):
                     return
             except Exception as exc:  # noqa: BLE001 - Redis gone past redis.retry_max_s: keep trying, never die
+                await self._report_lease(False)
                 log.warning("lease renewal failed; retrying (no checkpoint or version until it succeeds)",
                             error=str(exc))
+
+    async def _report_lease(self, held: bool) -> None:
+        """Emit ``learner/lease_held`` when it changes (once the metrics publisher exists)."""
+        if self._metrics is None or held == self._lease_reported:
+            return
+        try:
+            await self._metrics.emit(metric_names.LEARNER_LEASE_HELD, 1.0 if held else 0.0,
+                                     tags={"policy": self.cfg.policy})
+            self._lease_reported = held
+        except Exception as exc:  # noqa: BLE001 - Kafka unreachable too: the next change or renewal tries again
+            log.warning("lease state not reported", held=held, error=str(exc))
 
     async def _regain(self, control: ControlPlane, exc: LeaseLost) -> bool:
         """After a failed renewal: take the lease back when it merely expired (Redis was unreachable for longer
@@ -429,11 +446,14 @@ class Learner:
         try:
             await control.renew_lease(self.cfg.policy, self.lease, self.lcfg.lease_ttl_s,
                                       patience_s=REDIS_PATIENCE_IN_STEP_S)
+            await self._report_lease(True)
             return True
         except LeaseLost as exc:
+            await self._report_lease(False)
             if await self._regain(control, exc) and not self.lease_lost:
                 return await self._lease_confirmed(control)
         except Exception as exc:  # noqa: BLE001 - Redis unreachable: retry at the next due step
+            await self._report_lease(False)
             log.warning("lease not confirmed (Redis unreachable?); no checkpoint or version this step",
                         error=str(exc))
         return False

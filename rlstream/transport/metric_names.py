@@ -99,6 +99,9 @@ LEARNER_GROUPS_SKIPPED = "learner/groups_skipped"
 LEARNER_DLQ_TOTAL = "learner/dlq_total"
 #: 1 per publication refused (tag ``reason``: ``nonfinite_weights``); the version is neither written nor announced.
 LEARNER_PUBLISH_REFUSED = "learner/publish_refused"
+#: 1 while the learner holds its Redis lease and Redis confirms it, 0 from a failed renewal until a renewal succeeds,
+#: and once the lease is lost (then no checkpoint or version is written); emitted when it changes.
+LEARNER_LEASE_HELD = "learner/lease_held"
 
 # --- stream app (source ``streams:<worker>``, tag ``worker``; counters are totals since the worker started) --------
 #: The prefix of every stream-app name. A counter may carry a reason after one more dot
@@ -156,7 +159,7 @@ LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEAR
            LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES, LEARNER_OPTIMIZER_STEPS,
            LEARNER_NONFINITE_SKIPPED, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
 #: The learner's counters outside a step's figures.
-LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED)
+LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
            STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_ASSEMBLY_LATENCY_S,
            STREAMS_CONSUMER_LAG,
@@ -301,6 +304,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "but not trained on"),
     _total(LEARNER_DLQ_TOTAL, "rlstream_learner_dead_letters_total", _LEARNER, "Records of the groups topic the "
            "learner dead-lettered"),
+    _gauge(LEARNER_LEASE_HELD, "rlstream_learner_lease_held", _LEARNER, "1 while the learner's Redis lease is held and "
+           "confirmed, 0 after a failed renewal or once it is lost"),
     _counter(LEARNER_PUBLISH_REFUSED, "rlstream_learner_publish_refused_total", ("policy", "reason"), "Publications "
              "the learner refused (weights not finite)"),
     # stream app: its counters report running totals since the worker started

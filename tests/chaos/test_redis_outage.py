@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rlstream.ops.infra import start_redis, stop_pid
 from rlstream.schemas.config import RlstreamConfig, dump_config
-from rlstream.schemas.models import PolicyVersion
+from rlstream.schemas.models import MetricEvent, PolicyVersion
+from rlstream.transport import metric_names as mn
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from tests.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
@@ -79,6 +80,10 @@ def test_the_learner_rides_out_a_60s_redis_outage(rl_config: RlstreamConfig, cre
         assert tokens == sorted(tokens) and tokens[-1] > tokens[0]  # the retaken lease is a new one
         trained = [(r.partition, o) for v in versions for r in v.trained_on for o in range(r.first, r.last + 1)]
         assert len(trained) == STEPS and len(set(trained)) == STEPS  # every group once: none lost, none twice
+        # the lease series the alert reads: held, not confirmed during the outage, held again
+        lease = [m.value for m in asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
+                 if m.name == mn.LEARNER_LEASE_HELD and m.tags.get("policy") == cfg.policy]
+        assert lease[:3] == [1.0, 0.0, 1.0], lease
     finally:
         if redis.pid:
             os.kill(redis.pid, signal.SIGCONT)
