@@ -79,6 +79,30 @@ def ensure_vllm_venv(venv_dir: Path | None = None, log_file: Path | None = None,
     python = venv_python(venv_dir)
     if vllm_venv_ready(venv_dir):
         return python
+    from filelock import FileLock, Timeout
+
+    venv_dir.parent.mkdir(parents=True, exist_ok=True)
+    # one installer at a time (two test workers, two `rlstream up`): the others wait, then find it ready
+    lock = FileLock(str(install_lock_path(venv_dir)))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is installing the vLLM virtualenv; waiting for it", venv=str(venv_dir))
+        lock.acquire()
+    try:
+        if vllm_venv_ready(venv_dir):
+            return python
+        return _install_vllm_venv(venv_dir, python, log_file, timeout_s)
+    finally:
+        lock.release()
+
+
+def install_lock_path(venv_dir: Path) -> Path:
+    """The lock file that one vLLM virtualenv install holds while it runs."""
+    return venv_dir.parent / f".{venv_dir.name}.install.lock"
+
+
+def _install_vllm_venv(venv_dir: Path, python: Path, log_file: Path | None, timeout_s: float) -> Path:
     venv_dir.mkdir(parents=True, exist_ok=True)
     log_file = Path(log_file) if log_file else venv_dir / "rlstream-install.log"
     log.info("creating vLLM virtualenv (takes minutes)", venv=str(venv_dir), log=str(log_file))

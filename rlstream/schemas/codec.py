@@ -481,7 +481,11 @@ class ConfluentRegistry:
     and caches); ``conf`` as :func:`registry_client_conf` builds it (``mock://`` URLs give its in-process registry)."""
 
     def __init__(self, conf: dict[str, Any]) -> None:
-        from confluent_kafka.schema_registry import SchemaRegistryClient
+        try:
+            from confluent_kafka.schema_registry import SchemaRegistryClient
+        except ImportError as exc:
+            raise SchemaRegistryUnavailable(f"kafka.schema_registry_url is set but the registry client is not "
+                                            f"installed ({exc}): pip install 'rlstream[registry]'") from exc
 
         self.client = SchemaRegistryClient.new_client(conf)
 
