@@ -9,6 +9,7 @@ a handle that stops it by PID.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -209,7 +210,11 @@ def start_vllm_server(
         "--model", str(model_dir), "--served-model-name", served_model_name,
         "--host", LOOPBACK, "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
-        "--max-loras", str(max_loras), "--seed", "0", *(extra_args or []),
+        "--max-loras", str(max_loras), "--seed", "0",
+        # forced tool calls and JSON outputs in compact JSON: a small model may otherwise spend its whole token
+        # budget on the whitespace the JSON grammar allows, and the call's arguments never close
+        "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+        *(extra_args or []),
     ]
     with open(log_file, "ab") as out:  # its own process group (its engine and workers too); dies with this process
         proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(workdir / "cache"), cwd=str(workdir))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -204,3 +204,54 @@ async def test_langchain_streamed_tool_call_through_the_gateway_is_captured_as_a
     turn = event.turns[0]
     assert turn.prompt_token_ids and turn.completion_token_ids
     assert turn.completion_logprobs is None  # a forced tool call: vLLM's logprobs are the grammar-masked ones
+
+
+async def test_an_openai_agents_sdk_agent_with_a_function_tool_is_captured_and_rewarded(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    """The OpenAI Agents SDK through the gateway, unchanged but for its base URL and a session header: the agent's
+    forced function-tool call is answered by vLLM, the tool runs, and the session becomes one trajectory whose
+    reward comes later by session id."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
+    picked: list[str] = []
+
+    @function_tool
+    def pick_letter(letter: Literal["a", "b", "c", "d", "e", "f", "g", "h"]) -> str:
+        """Choose the letter to write."""
+        picked.append(letter)
+        return letter * 3
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=5, session_idle_s=60)
+    session = "agents-sdk-session-1"
+    async with serving(Gateway(config, publisher)) as url:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        agent = Agent(name="letters", tools=[pick_letter],
+                      model=OpenAIChatCompletionsModel(model=SERVED_MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="pick_letter", temperature=0, max_tokens=64,
+                                                   extra_headers={"X-Session-Id": session}),
+                      tool_use_behavior="stop_on_first_tool")
+        result = await Runner.run(agent, "Repeat the letter c.")
+        async with httpx.AsyncClient(timeout=30) as http:
+            ended = await http.post(f"{url}/v1/sessions/{session}/end")
+            assert ended.status_code == 200, ended.text
+            feedback = await http.post(f"{url}/v1/feedback", json={"session_id": session, "reward": 0.75})
+            assert feedback.status_code == 202, feedback.text  # accepted: the reward is queued for Kafka
+    await publisher.close()
+    assert len(picked) == 1 and result.final_output == picked[0] * 3, [getattr(i.raw_item, "arguments", i.raw_item) for i in result.new_items]
+
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=1)
+    assert len(events) == 1
+    event = events[0]
+    assert event.metadata["session_id"] == session and event.policy_version == 5
+    assert [m.role for m in event.messages] == ["user", "assistant"]
+    (call,) = event.messages[-1].tool_calls
+    assert call.name == "pick_letter" and json.loads(call.arguments) == {"letter": picked[0]}
+    assert event.turns[0].prompt_token_ids and event.turns[0].completion_token_ids
+    (reward,) = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
+    assert reward.trajectory_id == event.trajectory_id and reward.reward == 0.75
