@@ -53,12 +53,14 @@ async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-unty
     from rlstream.rollout.gateway.server import serve_forever
     from rlstream.rollout.publisher import TrajectoryPublisher
     from rlstream.rollout.routing import VersionRouter
+    from rlstream.schemas.codec import codec_for
     from rlstream.schemas.topics import TopicNames
     from rlstream.transport.control import ControlPlane
     from rlstream.transport.metrics import MetricsPublisher
 
     topics = TopicNames.from_config(cfg.topics)
-    publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards)
+    publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards,
+                                                codec=codec_for(cfg))  # its metrics go through it too
     metrics = None
     if gw.prometheus_port is not None:  # its figures go to Prometheus only (see metric_names.GATEWAY_OVERHEAD_S)
         metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",

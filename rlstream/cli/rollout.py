@@ -74,6 +74,7 @@ async def _run(cfg):  # type: ignore[no-untyped-def]
     from rlstream.rollout.publisher import TrajectoryPublisher
     from rlstream.rollout.runner import RolloutRunner, dataset_examples, topic_examples
     from rlstream.rollout.workflows import check_workflow
+    from rlstream.schemas.codec import codec_for
     from rlstream.schemas.masking import PLACEHOLDER_API_KEY, secret_value
     from rlstream.schemas.topics import TopicNames
 
@@ -86,7 +87,8 @@ async def _run(cfg):  # type: ignore[no-untyped-def]
     topics = TopicNames.from_config(cfg.topics)
     publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards,
                                                 max_in_flight=rcfg.max_in_flight,
-                                                delivery_timeout_s=rcfg.delivery_timeout_s)
+                                                delivery_timeout_s=rcfg.delivery_timeout_s,
+                                                codec=codec_for(cfg))  # its metrics go through it too
     await publisher.start()
     metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="rollout", run_id=cfg.run_id,
                                prometheus_port=rcfg.prometheus_port)

@@ -72,11 +72,12 @@ class TrajectoryPublisher:
 
     @classmethod
     def from_config(cls, kafka: KafkaConfig, trajectories_topic: str, rewards_topic: str,
-                    max_in_flight: int = 256, delivery_timeout_s: float = 120.0,
+                    max_in_flight: int = 256, delivery_timeout_s: float = 120.0, codec: AvroCodec | None = None,
                     **producer_options: object) -> "TrajectoryPublisher":
-        """A publisher over a new idempotent producer built from the Kafka config (and its schema registry)."""
-        codec = AvroCodec.from_config(kafka, {TrajectoryEvent.avro_name: trajectories_topic,
-                                              RewardEvent.avro_name: rewards_topic})
+        """A publisher over a new idempotent producer built from the Kafka config (and its schema registry).
+        Pass ``codec`` (``schemas.codec.codec_for(cfg)``) when the producer also writes other topics (metrics)."""
+        codec = codec or AvroCodec.from_config(kafka, {TrajectoryEvent.avro_name: trajectories_topic,
+                                                       RewardEvent.avro_name: rewards_topic})
         return cls(make_producer(kafka, **producer_options), trajectories_topic, rewards_topic, codec=codec,
                    max_in_flight=max_in_flight, delivery_timeout_s=delivery_timeout_s)
 
