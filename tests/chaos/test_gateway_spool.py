@@ -1,8 +1,8 @@
 """The capture gateway's durable capture against a real broker (noida-db) that goes away: trajectories wait in the
 on-disk spool and reach their topic exactly once when the broker is back, also when the gateway itself was SIGKILLed
-meanwhile. (The in-process broker-outage test, with rewards and a 10 s bound on every response, was withdrawn after
-it hung past pytest's 600 s limit in one clean-clone CI run of three: see the issue note.) The upstream is a tiny OpenAI-compatible stub (the
-thing under test is the gateway's capture, not vLLM)."""
+meanwhile. The gateway runs as a process (`rlstream gateway serve`), so every step of a test is bounded by the test's
+own waits and a process stop (an earlier in-process version of the outage test hung past pytest's limit once). The
+upstream is a tiny OpenAI-compatible stub (the thing under test is the gateway's capture, not vLLM)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from rlstream.ops.infra import ServiceProcess, free_port, start_kafka, stop_pid
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import TrajectoryEvent
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import create_topics
 from tests.learner_helpers import read_whole_topic
@@ -254,3 +254,42 @@ async def _spool_holds(http: httpx.AsyncClient, url: str, n: int) -> bool:
 
 async def _queued(http: httpx.AsyncClient, url: str, n: int) -> bool:
     return (await stats(http, url))["capture"]["queued"] >= n
+
+
+async def test_broker_down_for_200_requests_then_back_every_event_once(rl_config: RlstreamConfig,
+                                                                      tmp_path: Path) -> None:
+    """The broker stopped for the length of 200 requests: every request is answered at once, and once the broker is
+    back all 200 trajectories (and the rewards given during the outage) are on their topics, each once."""
+    n, rewarded = 200, 40
+    broker, cfg, topics = await own_broker(rl_config, tmp_path)
+    gateway = None
+    try:
+        with explained(lambda: (gateway,)):
+            async with stub_upstream() as upstream, httpx.AsyncClient(timeout=30) as http:
+                gateway = GatewayProcess(cfg, upstream, free_port(), tmp_path / "gateway.log",
+                                         "--spool-dir", str(tmp_path / "spool")).start()
+                await gateway.ready(http)
+                await broker.stop()
+                ids, slowest = await chat_burst(http, gateway.url, n)
+                assert slowest < 3.0, f"a response waited {slowest:.1f} s on capture"
+                for tid in ids[:rewarded]:  # feedback during the outage too
+                    r = await http.post(f"{gateway.url}/v1/feedback", json={"trajectory_id": tid, "reward": 0.5})
+                    assert r.status_code == 202, r.text
+                await eventually(lambda: _spool_holds(http, gateway.url, n), f"{n} events in the spool", 30)
+                await broker.start()
+                await eventually(lambda: _acked(http, gateway.url, n + rewarded),
+                                 f"{n + rewarded} events acknowledged after the broker came back", 90)
+                await eventually(lambda: _spool_empty(http, gateway.url), "the spool drained", 30)
+                gateway.stop()
+                assert gateway.proc is not None and gateway.proc.returncode == 0, gateway.log_tail()
+            trajectories = await read_whole_topic(cfg, topics.trajectories, TrajectoryEvent)
+            rewards = await read_whole_topic(cfg, topics.rewards, RewardEvent)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        await broker.stop()
+    on_topic = Counter(e.trajectory_id for e in trajectories)
+    assert set(on_topic) == set(ids), f"lost: {len(set(ids) - set(on_topic))}"
+    assert max(on_topic.values()) == 1 and len(trajectories) == n, f"duplicates: {len(trajectories) - n}"
+    rewarded_ids = Counter(r.trajectory_id for r in rewards)
+    assert set(rewarded_ids) == set(ids[:rewarded]) and max(rewarded_ids.values()) == 1
