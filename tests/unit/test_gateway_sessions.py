@@ -50,6 +50,7 @@ def test_session_store_joins_then_splits_and_idles() -> None:
     t2.add(call([1, 2, 3, 4], [5]))
     t3, closed = store.begin("s", [9, 9], [], 4)
     assert t3 is not t1 and closed is t1 and t1.closed
+    assert store.splits == 1  # the split is counted (GET /rlstream/stats: session_splits)
     event = t1.to_event(run_id="r", policy="p", producer_id="g")
     assert event.trajectory_id == t1.trajectory_id and event.source == TrajectorySource.production
     assert event.group_size == 1 and len(event.turns) == 2 and event.policy_version == 3

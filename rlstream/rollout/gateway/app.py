@@ -161,6 +161,9 @@ class Gateway:
             messages = [to_message(m) for m in body.get("messages", [])]
         traj, closed = self.sessions.begin(session_id, prompt_ids, messages, version, task)
         if closed is not None:
+            log.info("session split: the call does not extend its session's trajectory token for token",
+                     session_id=session_id, closed_trajectory_id=closed.trajectory_id,
+                     new_trajectory_id=traj.trajectory_id)
             self.publish(closed)
         headers = {"x-rlstream-trajectory-id": traj.trajectory_id, "x-rlstream-policy-version": str(version)}
         if session_id:
@@ -450,6 +453,7 @@ class Gateway:
         return JSONResponse({"capture": asdict(self.capture.stats), "queue_depth": self.capture.queue.qsize(),
                              "spool": self.capture.figures(),
                              "open_sessions": len(self.sessions.open),
+                             "session_splits": self.sessions.splits,
                              "request_token_data": self.request_token_data})
 
     async def health(self, request: Request) -> Response:

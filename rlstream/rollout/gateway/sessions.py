@@ -90,6 +90,7 @@ class SessionStore:
         self.open: dict[str, Trajectory] = {}
         self.known: OrderedDict[str, KnownTrajectory] = OrderedDict()
         self.session_last: OrderedDict[str, str] = OrderedDict()  # session id -> its latest trajectory id
+        self.splits = 0  # calls of a session that did not extend its open trajectory and started a new one
 
     def remember(self, traj: Trajectory) -> None:
         self.known[traj.trajectory_id] = KnownTrajectory(traj.trajectory_id, traj.example_id, traj.group_id)
@@ -114,6 +115,8 @@ class SessionStore:
                 return current, None
             if current is not None:
                 closed = self.close(session_id)
+                if closed is not None:
+                    self.splits += 1
         traj = Trajectory(session_id=session_id, policy_version=policy_version, task=task)
         if session_id is not None:
             self.open[session_id] = traj
