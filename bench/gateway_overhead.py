@@ -2,16 +2,19 @@
 (capturing to the embedded broker), in one run, at 1 and 16 concurrent clients. Prints the latency p50/p99 of
 non-streamed calls and the time to first token of streamed ones, both ways, and what the gateway adds.
 
-    .venv/bin/python bench/gateway_overhead.py --requests 200
+    .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process]
 
 The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
-machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server).
+machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server). The gateway runs
+as deployed, its own process (`rlstream gateway serve`); `--in-process` serves it on the benchmark's own event loop
+instead, where the load generator's work is added to the gateway's.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rlstream.ops.infra import LocalStack  # noqa: E402
+from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid  # noqa: E402
 from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
 from rlstream.rollout.gateway.app import Gateway  # noqa: E402
@@ -92,6 +95,34 @@ async def measure(direct: str, gateway: str, n: int, rounds: int) -> dict[tuple[
     return results
 
 
+async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, args: argparse.Namespace
+                                  ) -> tuple[dict[tuple[str, int], dict[str, list[float]]], Any]:
+    """The gateway as deployed: ``rlstream gateway serve`` in its own process, capturing to the embedded broker."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve", "--upstream", upstream,
+           "--port", str(port), "--served-model", MODEL, "--no-route-versions", "--spool-dir", str(root / "spool"),
+           "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix", "bench.", "-o", "policy", MODEL]
+    with open(root / "gateway.log", "ab") as log:
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(300):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the gateway exited: see {root / 'gateway.log'}")
+                try:
+                    if (await http.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            results = await measure(upstream, url, args.requests, args.rounds)
+            stats = (await http.get(f"{url}/rlstream/stats")).json()["capture"]
+        return results, stats
+    finally:
+        stop_pid(proc.pid, timeout_s=20)
+
+
 async def main_async(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="rlstream-bench-gw-"))
     stack = LocalStack.start(root / "infra")
@@ -100,13 +131,17 @@ async def main_async(args: argparse.Namespace) -> None:
         cfg = load_config(None, [("kafka.bootstrap_servers", stack.bootstrap), ("topics.prefix", "bench.")])
         await create_topics(cfg.kafka, cfg.topics)
         names = TopicNames.from_config(cfg.topics)
-        publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
-        await publisher.start()
-        gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL), publisher)
-        async with serving(gateway) as gateway_url:
-            results = await measure(server.url, gateway_url, args.requests, args.rounds)
-            stats: Any = vars(gateway.capture.stats)
-        await publisher.close()
+        if args.in_process:
+            publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
+            await publisher.start()
+            gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL),
+                              publisher)
+            async with serving(gateway) as gateway_url:
+                results = await measure(server.url, gateway_url, args.requests, args.rounds)
+                stats: Any = vars(gateway.capture.stats)
+            await publisher.close()
+        else:
+            results, stats = await measure_gateway_process(server.url, stack.bootstrap, root, args)
     finally:
         server.stop()
         stack.stop()
@@ -127,6 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200, help="requests per cell (way x clients x measure)")
     parser.add_argument("--rounds", type=int, default=4, help="alternations of direct and gateway per cell")
+    parser.add_argument("--in-process", action="store_true", help="serve the gateway on the benchmark's own loop")
     asyncio.run(main_async(parser.parse_args()))
 
 
