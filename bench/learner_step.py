@@ -49,8 +49,10 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, workdir: Pa
 
     if name == "smollm2":
         model_dir = smollm2_model_dir(workdir / "smollm2")
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device), \
-            AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer.pad_token is None:  # TRL and the batch padding need one; the learner falls back to EOS too
+            tokenizer.pad_token = tokenizer.eos_token
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device), tokenizer
     tiny = build_tiny_model(workdir / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     if name == "tiny":
