@@ -29,47 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlstream.learner.batch import Sample  # noqa: E402
 from rlstream.learner.policy import Policy  # noqa: E402
 from rlstream.learner.step import GRPOTrainerStep  # noqa: E402
-from rlstream.ops.toy import build_tiny_model, toy_dataset, toy_reward  # noqa: E402
+from rlstream.ops.toy import (build_tiny_model, held_out_toy_reward, sample_completions, toy_dataset,  # noqa: E402
+                              toy_reward)
 from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
-
-MAX_NEW_TOKENS = 8
-
-
-def prompt_ids(tokenizer: Any, example: dict[str, Any]) -> list[int]:
-    out = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-@torch.no_grad()
-def sample(model: Any, tokenizer: Any, examples: list[dict[str, Any]], n: int, seed: int
-           ) -> list[tuple[list[int], list[tuple[list[int], list[float]]], list[str]]]:
-    """``n`` completions of each example: (prompt ids, [(completion ids, behaviour logprobs)], texts)."""
-    torch.manual_seed(seed)
-    model.eval()
-    out = []
-    for example in examples:
-        prompt = prompt_ids(tokenizer, example)
-        ids = torch.tensor([prompt] * n)
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                             temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-        seqs = gen.sequences[:, len(prompt):]
-        logps = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).gather(-1, seqs[..., None]).squeeze(-1)
-        completions, texts = [], []
-        for row, lp in zip(seqs.tolist(), logps.tolist()):
-            cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-            completions.append((row[:cut], lp[:cut]))
-            texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-        out.append((prompt, completions, texts))
-    return out
-
-
-def held_out_reward(model: Any, tokenizer: Any, held: list[dict[str, Any]]) -> float:
-    rewards = [toy_reward(ex, text) for ex, (_, _, texts) in zip(held, sample(model, tokenizer, held, 4, seed=123))
-               for text in texts]
-    return sum(rewards) / len(rewards)
-
 
 def train(model_dir: Path, lag: int, args: argparse.Namespace) -> list[tuple[int, float]]:
     """Held-out reward per evaluated step of one run whose rollouts come from the policy ``lag`` steps old."""
@@ -85,7 +47,7 @@ def train(model_dir: Path, lag: int, args: argparse.Namespace) -> list[tuple[int
     trainer = GRPOTrainerStep(policy, cfg)
     train_set, held = toy_dataset(args.steps * args.prompts, seed=1), toy_dataset(24, seed=999)
     versions: deque[Any] = deque([copy.deepcopy(model).eval()], maxlen=lag + 1)  # the last lag+1 policies
-    curve = [(0, held_out_reward(model, tokenizer, held))]
+    curve = [(0, held_out_toy_reward(model.eval(), tokenizer, held))]
     for step in range(args.steps):
         behaviour = versions[0]  # lag steps old once there are that many (the oldest kept before)
         behaviour_version = step - (len(versions) - 1)
@@ -93,13 +55,13 @@ def train(model_dir: Path, lag: int, args: argparse.Namespace) -> list[tuple[int
         samples = [Sample(prompt, completion, logprobs, reward=toy_reward(example, text), group=i,
                           policy_version=behaviour_version)
                    for i, (example, (prompt, completions, texts)) in
-                   enumerate(zip(batch, sample(behaviour, tokenizer, batch, args.group_size, seed=step)))
+                   enumerate(zip(batch, sample_completions(behaviour, tokenizer, batch, args.group_size, seed=step)))
                    for (completion, logprobs), text in zip(completions, texts)]
         model.train()
         trainer.step(samples)
         versions.append(copy.deepcopy(model).eval())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            curve.append((step + 1, held_out_reward(model, tokenizer, held)))
+            curve.append((step + 1, held_out_toy_reward(model.eval(), tokenizer, held)))
             print(f"lag {lag}: step {step + 1}, held-out reward {curve[-1][1]:.3f}", flush=True)
     return curve
 

@@ -283,3 +283,43 @@ def toy_reward(example: dict[str, Any], completion_text: str) -> float:
         return 0.0
     credit = sum(1.0 if c == target else TOY_NEAR_CREDIT if c in TOY_LETTERS else 0.0 for c in chars)
     return credit / len(chars)
+
+
+#: One sampled prompt: (prompt token ids, [(completion token ids, behaviour logprobs)], completion texts).
+SampledPrompt = tuple[list[int], list[tuple[list[int], list[float]]], list[str]]
+
+
+def sample_completions(model: Any, tokenizer: Any, examples: list[dict[str, Any]], n: int, seed: int,
+                       max_new_tokens: int = 8) -> list[SampledPrompt]:
+    """``n`` completions of each example's chat prompt with transformers ``generate`` (temperature 1, no top-k),
+    with the sampling policy's logprob of every completion token (the behaviour logprobs a learner needs)."""
+    import torch
+
+    torch.manual_seed(seed)
+    out: list[SampledPrompt] = []
+    with torch.no_grad():
+        for example in examples:
+            rendered = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True)
+            prompt = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            ids = torch.tensor([prompt] * n)
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                 temperature=1.0, max_new_tokens=max_new_tokens, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            seqs = gen.sequences[:, len(prompt):]
+            logps = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).gather(-1, seqs[..., None]).squeeze(-1)
+            completions, texts = [], []
+            for row, lp in zip(seqs.tolist(), logps.tolist()):
+                cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+                completions.append((row[:cut], lp[:cut]))
+                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+            out.append((prompt, completions, texts))
+    return out
+
+
+def held_out_toy_reward(model: Any, tokenizer: Any, held: list[dict[str, Any]], samples: int = 4) -> float:
+    """Mean toy reward of ``samples`` sampled completions (fixed seed) of each held-out example."""
+    rewards = [toy_reward(example, text)
+               for example, (_, _, texts) in zip(held, sample_completions(model, tokenizer, held, samples, seed=123))
+               for text in texts]
+    return sum(rewards) / len(rewards)

@@ -9,51 +9,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import torch
-
 from rlstream.learner.publish import load_published
 from rlstream.learner.service import Learner
 from rlstream.transport.control import ControlPlane
-from rlstream.ops.toy import toy_dataset, toy_reward
+from rlstream.ops.toy import held_out_toy_reward, sample_completions, toy_dataset, toy_reward
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from tests.learner_helpers import make_group, produce_groups, tiny_model
 
 GROUP_SIZE, PROMPTS_PER_STEP, STEPS, MAX_NEW = 4, 8, 24, 8
-
-
-def _prompt_ids(tokenizer, example) -> list[int]:
-    out = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-@torch.no_grad()
-def _sample(model, tokenizer, examples, n: int, seed: int):
-    """n completions per example: (prompt ids, [(completion ids, behaviour logprobs)], [texts])."""
-    torch.manual_seed(seed)
-    out = []
-    for ex in examples:
-        prompt = _prompt_ids(tokenizer, ex)
-        ids = torch.tensor([prompt] * n)
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                             temperature=1.0, max_new_tokens=MAX_NEW, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-        seqs = gen.sequences[:, len(prompt):]
-        logps = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).gather(-1, seqs[..., None]).squeeze(-1)
-        comps, texts = [], []
-        for row, lp in zip(seqs.tolist(), logps.tolist()):
-            cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-            comps.append((row[:cut], lp[:cut]))
-            texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-        out.append((prompt, comps, texts))
-    return out
-
-
-def _held_out_reward(model, tokenizer, held) -> float:
-    rewards = [toy_reward(ex, t) for ex, (_, _, texts) in zip(held, _sample(model, tokenizer, held, 4, seed=123))
-               for t in texts]
-    return sum(rewards) / len(rewards)
 
 
 def test_toy_reward_rises_on_held_out_prompts(rl_config: RlstreamConfig, created_topics: TopicNames,
@@ -68,7 +32,7 @@ def test_toy_reward_rises_on_held_out_prompts(rl_config: RlstreamConfig, created
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     train, held = toy_dataset(STEPS * PROMPTS_PER_STEP, seed=1), toy_dataset(24, seed=999)
-    before = _held_out_reward(base, tokenizer, held)
+    before = held_out_toy_reward(base, tokenizer, held)
 
     async def scenario() -> str:
         learner = Learner(cfg, holder="toy")
@@ -78,7 +42,8 @@ def test_toy_reward_rises_on_held_out_prompts(rl_config: RlstreamConfig, created
         try:
             for step in range(STEPS):
                 batch = train[step * PROMPTS_PER_STEP:(step + 1) * PROMPTS_PER_STEP]
-                rollouts = await asyncio.to_thread(_sample, model, tokenizer, batch, GROUP_SIZE, step)
+                rollouts = await asyncio.to_thread(sample_completions, model, tokenizer, batch, GROUP_SIZE, step,
+                                                   MAX_NEW)
                 groups = [make_group(policy=cfg.policy, run_id=cfg.run_id, example_id=ex["id"], prompt_ids=prompt,
                                      completions=comps, rewards=[toy_reward(ex, t) for t in texts], version=version)
                           for ex, (prompt, comps, texts) in zip(batch, rollouts)]
@@ -95,6 +60,6 @@ def test_toy_reward_rises_on_held_out_prompts(rl_config: RlstreamConfig, created
             await control.close()
 
     final_uri = asyncio.run(scenario())
-    after = _held_out_reward(load_published(Path(final_uri)).eval(), tokenizer, held)
+    after = held_out_toy_reward(load_published(Path(final_uri)).eval(), tokenizer, held)
     assert after >= before + 0.15, (before, after)
     assert after >= 1.5 * before, (before, after)
