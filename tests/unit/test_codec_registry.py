@@ -126,3 +126,29 @@ def test_the_registry_password_is_a_secret() -> None:
                                                    "schema_registry_basic_auth": "svc:s3cret"}})
     assert "s3cret" not in cfg.model_dump_json()
     assert secret_env(cfg)["RLSTREAM_KAFKA__SCHEMA_REGISTRY_BASIC_AUTH"] == "svc:s3cret"
+
+
+async def test_the_writers_not_run_live_against_the_registry_build_their_codec_on_it() -> None:
+    """The sync worker, the learner and the rollout and gateway publishers take the configured registry and name
+    their subjects after the configured topics (the publisher, streams worker and learner also run live against a
+    registry in tests/integration/test_schema_registry.py)."""
+    from rlstream.inference.sync import InferenceSyncWorker
+    from rlstream.learner.service import Learner
+    from rlstream.rollout.publisher import TrajectoryPublisher
+    from rlstream.schemas.models import MetricEvent, PolicyVersion
+
+    cfg = registry_config(bootstrap_servers="127.0.0.1:9")  # clients are built, never started
+    names = TopicNames.from_config(cfg.topics)
+    sync = InferenceSyncWorker(cfg, backend=None, control=None)  # type: ignore[arg-type]
+    learner = Learner(cfg)
+    cli_publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards, codec=codec_for(cfg))
+    sdk_publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
+    for codec, schemas in ((sync.codec, [MetricEvent, DeadLetter]), (learner.codec, [PolicyVersion, MetricEvent]),
+                           (cli_publisher.codec, [TrajectoryEvent, MetricEvent]),
+                           (sdk_publisher.codec, [TrajectoryEvent, RewardEvent])):
+        assert isinstance(codec.registry, ConfluentRegistry)
+        assert [codec.subjects.subject(s.avro_name) for s in schemas] == [
+            f"{names.schema_topics()[s.avro_name]}-value" for s in schemas]
+    await sync.producer.stop()
+    for publisher in (cli_publisher, sdk_publisher):
+        await publisher.producer.stop()
