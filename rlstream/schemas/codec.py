@@ -443,18 +443,22 @@ class AvroCodec:
             raise UnknownSchemaError(f"{failed[1]} (remembered; asked again after kafka.schema_registry_failure_ttl_s)")
         try:
             schema_str = self.registry.get_schema(schema_id)
-            known = _compile(schema_str)
         except Exception as exc:
-            problem = (f"schema id {schema_id} could not be resolved by the registry: {type(exc).__name__}: {exc}"
-                       if not isinstance(exc, (ValueError, TypeError, KeyError, AttributeError,
-                                               fastavro.schema.SchemaParseException))
-                       else f"schema id {schema_id} from the registry is not a usable Avro schema: "
-                            f"{type(exc).__name__}: {exc}")
-            self._failed_ids[schema_id] = (time.monotonic() + self.failure_ttl_s, problem)
-            raise UnknownSchemaError(problem) from exc
+            raise self._failed(schema_id, f"schema id {schema_id} could not be resolved by the registry: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        try:
+            known = self._compiled(schema_str)
+        except IncompatibleSchemaError as exc:
+            raise self._failed(schema_id, f"schema id {schema_id} from the registry is not a usable Avro schema: "
+                                          f"{exc}") from exc
         self._failed_ids.pop(schema_id, None)
         self._by_registry_id[schema_id] = known
         return known
+
+    def _failed(self, schema_id: int, problem: str) -> UnknownSchemaError:
+        """Remember that ``schema_id`` could not be resolved (for ``failure_ttl_s``); the error to raise."""
+        self._failed_ids[schema_id] = (time.monotonic() + self.failure_ttl_s, problem)
+        return UnknownSchemaError(problem)
 
 
 def _name_of(parsed: Any) -> str:
