@@ -111,6 +111,10 @@ class KafkaConfig(Section):
     max_message_bytes: int = Field(1_000_000, ge=1024)
     request_timeout_ms: int = Field(30_000, ge=1000)
     session_timeout_ms: int = Field(10_000, ge=6000)
+    empty_fetch_wait_ms: float = Field(20.0, ge=0, le=1000, description=(
+        "a fetch answered empty sooner than this waits out the rest before the next fetch to that broker: a broker "
+        "that does not hold empty fetches (noida-db) is otherwise asked thousands of times a second by every idle "
+        "consumer; no effect on Apache Kafka, which holds them; 0 = off (rlstream/transport/fetch_wait.py)"))
 
     @model_validator(mode="after")
     def _sasl_needs_mechanism(self) -> "KafkaConfig":

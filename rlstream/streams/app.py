@@ -26,7 +26,7 @@ from typing import Any
 
 import faust
 
-from rlstream.transport import aborted_index
+from rlstream.transport import aborted_index, fetch_wait
 from rlstream.transport import metric_names as mn
 from rlstream.transport.deadletter import dead_letter, fit_dead_letter
 from rlstream.transport.kafka import make_consumer, make_producer
@@ -203,6 +203,7 @@ class StreamsApp:
                                       TrajectoryEvent.avro_name])
         # changelog recovery (read_committed) must not drop records committed after an aborted transaction
         aborted_index.install()
+        fetch_wait.install(self.cfg.kafka.empty_fetch_wait_ms)  # Faust's consumer too (transport/fetch_wait.py)
         self.names = TopicNames.from_config(self.cfg.topics)
         self.ticks = ticks_topic_name(self.cfg)
         settings = faust_settings(self.cfg, self.worker_id)

@@ -15,8 +15,9 @@ this process has already read (a marker of that producer id at or after the tran
 before the fetch offset) is left out of the list. A consumer that starts past an ABORT marker it never read
 is not covered (the streams worker's changelog recovery and the test readers start at the log start).
 :func:`rlstream.transport.kafka.make_consumer` installs it for every read_committed consumer (streams, learner,
-sync worker, operator tools). This is the one place rlstream patches aiokafka; :func:`install` checks the
-internals it needs and fails at start-up, naming them, when an aiokafka release no longer has them.
+sync worker, operator tools). rlstream patches aiokafka in two modules of ``rlstream/transport/``, this one and
+``fetch_wait``; each :func:`install` checks the internals it needs and fails at start-up, naming them, when an
+aiokafka release no longer has them.
 """
 from __future__ import annotations
 

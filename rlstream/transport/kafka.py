@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from rlstream.transport import aborted_index
+from rlstream.transport import aborted_index, fetch_wait
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import KafkaConfig, TopicsConfig
 from rlstream.schemas.topics import POLICY_VERSIONS, TopicNames
@@ -76,6 +76,7 @@ def make_consumer(kafka: KafkaConfig, *topics: str, group_id: str | None, **extr
         auto_offset_reset="earliest",
     )
     opts.update(extra)
+    fetch_wait.install(kafka.empty_fetch_wait_ms)  # see fetch_wait: no busy polling of a broker that never waits
     if opts.get("isolation_level") == "read_committed":
         aborted_index.install()  # see aborted_index: committed records after an aborted transaction stay visible
     return AIOKafkaConsumer(*topics, **opts)
