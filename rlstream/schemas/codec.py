@@ -336,6 +336,49 @@ class AvroCodec:
             )
         return header + body.getvalue()
 
+    def encode_body(self, record: dict[str, Any], full_name: str) -> bytes:
+        """The unframed Avro body of ``record`` in schema ``full_name`` (to be placed inside another record)."""
+        body = io.BytesIO()
+        try:
+            fastavro.schemaless_writer(body, self._reader(full_name).parsed, record)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise CorruptPayloadError(f"record does not match schema {full_name}: {exc}") from exc
+        return body.getvalue()
+
+    def body_as_written(self, data: bytes, full_name: str) -> bytes | None:
+        """The Avro body of framed ``data`` when its writer schema is this codec's own ``full_name`` (the body can then
+        be placed inside another record as it is); None when the writer schema differs (decode and encode instead)."""
+        writer, start = self._writer_schema(bytes(data[:10]))
+        return bytes(data[start:]) if writer.fingerprint == self._reader(full_name).fingerprint else None
+
+    def encode_with_bodies(self, event: WireModel, array_field: str, bodies: list[bytes]) -> bytes:
+        """Encode ``event`` with its array of records ``array_field`` (empty in ``event``) holding ``bodies``, Avro
+        bodies of the array's item schema placed as they are (no decode, no encode). Avro writes a record's fields
+        one after another, an empty array as one zero byte and a non-empty one as its item count (a zigzag varint),
+        the items and a zero: the event is encoded with the empty array and the items go where that zero byte is."""
+        known = self._reader(event.avro_name)
+        record = event.model_dump()
+        if record.get(array_field):
+            raise ValueError(f"{event.avro_name}.{array_field} must be empty: its items are given as bodies")
+        whole = io.BytesIO()
+        head = io.BytesIO()
+        try:
+            fastavro.schemaless_writer(whole, known.parsed, record)
+            fastavro.schemaless_writer(head, _fields_before(known, array_field), record)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise CorruptPayloadError(f"record does not match schema {known.name}: {exc}") from exc
+        encoded, cut = whole.getvalue(), head.tell()
+        if encoded[cut:cut + 1] != b"\x00":  # not where an empty array must be: never place bytes blindly
+            raise RuntimeError(f"{known.name}.{array_field} is not at byte {cut} of the encoded record")
+        items = _avro_long(len(bodies)) + b"".join(bodies) + b"\x00" if bodies else b"\x00"
+        header = self._header(known)
+        size = len(header) + len(encoded) - 1 + len(items)
+        if size > self.max_bytes:
+            raise PayloadTooLargeError(
+                f"encoded {known.name} is {size} bytes, over the limit of {self.max_bytes} bytes "
+                "(codec max_bytes; keep it under the broker's message.max.bytes)")
+        return header + encoded[:cut] + items + encoded[cut + 1:]
+
     def ensure_registered(self, full_names: list[str]) -> None:
         """Register the schemas a writer will use now (with a registry; otherwise nothing to do), so that a registry
         that is down or refuses a schema stops the writer at start, before it takes any work.
@@ -459,6 +502,32 @@ class AvroCodec:
         """Remember that ``schema_id`` could not be resolved (for ``failure_ttl_s``); the error to raise."""
         self._failed_ids[schema_id] = (time.monotonic() + self.failure_ttl_s, problem)
         return UnknownSchemaError(problem)
+
+
+def _avro_long(value: int) -> bytes:
+    """``value`` as Avro writes a long: zigzag, then a little-endian base-128 varint."""
+    zigzag = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while zigzag > 0x7F:
+        out.append((zigzag & 0x7F) | 0x80)
+        zigzag >>= 7
+    out.append(zigzag)
+    return bytes(out)
+
+
+@lru_cache(maxsize=64)
+def _fields_before_cached(schema_json: str, array_field: str) -> Any:
+    schema = json.loads(schema_json)
+    names = [f["name"] for f in schema["fields"]]
+    if array_field not in names:
+        raise KeyError(f"{schema['name']} has no field {array_field!r}")
+    head = schema["fields"][:names.index(array_field)]
+    return fastavro.parse_schema({"type": "record", "name": f"{schema['name']}_head", "fields": head})
+
+
+def _fields_before(known: _Known, array_field: str) -> Any:
+    """A record schema of ``known``'s fields before ``array_field`` (their encoding is the start of the record's)."""
+    return _fields_before_cached(known.json, array_field)
 
 
 def _name_of(parsed: Any) -> str:

@@ -143,7 +143,12 @@ class StreamsConfig(Section):
     group_timeout_s: float = Field(300.0, gt=0)
     min_group_size: int = Field(2, ge=1)
     reward_window_s: float = Field(86_400.0, gt=0, description="how long a single response (group_size 1: "
-                                   "production traffic) waits for its reward (feedback may come hours later)")
+                                   "production traffic) waits for its reward (feedback may come hours later); "
+                                   "the trajectories topic's retention must outlast it (waiting records are read "
+                                   "back from it)")
+    payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="waiting members' records kept in memory "
+                                     "by a worker (least recently used out first); the state holds only their offsets "
+                                     "and a record not cached is read back from its topic when its group leaves")
     baseline_method: Literal["window", "ema"] = Field(
         "window", description="baseline of single responses per (policy, task): window = mean and std of the last "
         "baseline_window rewards (leave-one-out: a reward is never in its own baseline); ema = exponential moving "

@@ -15,7 +15,6 @@ changelogs (streams/state_reset.py) and records are admitted only from marker + 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import time
@@ -38,11 +37,13 @@ from rlstream.schemas.models import DeadLetter, MetricEvent, RewardEvent, Trajec
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
-from rlstream.streams.assembly import AssemblyRules, Finished, GroupAssembler, Outcome, Reject, SourceRef
+from rlstream.streams.assembly import (AssemblyRules, Finished, GroupAssembler, OpenGroup, Outcome, Reject,
+                                       SourceRef, group_state_from_json)
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.shutdown import DeadlineWorker, StopDeadline, flush_standard_streams
-from rlstream.streams.staging import StagedWrites, base64_json_size, oversized_writes
+from rlstream.streams.payloads import OffsetReader, PayloadCache
+from rlstream.streams.staging import StagedWrites, oversized_writes
 from rlstream.streams.telemetry import Telemetry
 from rlstream.streams.exactly_once.broker_watch import (BROKER_LOST_EXIT_CODE, BrokerConnectionWatch,
                                                        first_bootstrap_address)
@@ -105,38 +106,6 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
             keyfile=str(cfg.kafka.ssl_keyfile) if cfg.kafka.ssl_keyfile else None,
             password=cfg.kafka.ssl_password.get_secret_value() if cfg.kafka.ssl_password else None)
     return settings
-
-
-class Base64Values(MutableMapping[str, bytes]):
-    """Bytes values kept as base64 text in a JSON table (Faust's changelog recovery is JSON-safe)."""
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-
-    def __getitem__(self, key: str) -> bytes:
-        value = self.table[key]
-        if value is None:
-            raise KeyError(key)
-        return base64.b64decode(value)
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        value = self.table.get(key)
-        return default if value is None else base64.b64decode(value)
-
-    def __setitem__(self, key: str, value: bytes) -> None:
-        self.table[key] = base64.b64encode(value).decode("ascii")
-
-    def __delitem__(self, key: str) -> None:
-        del self.table[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.table
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.table)
-
-    def __len__(self) -> int:
-        return len(self.table)
 
 
 class DetachedValues(MutableMapping[str, Any]):
@@ -218,7 +187,6 @@ class StreamsApp:
         parts = self.cfg.topics.partitions
         json_schema = faust.Schema(key_serializer="json", value_serializer="json")
         self.group_table = self.app.Table("groups", default=None, partitions=parts, schema=json_schema)
-        self.member_table = self.app.Table("members", default=None, partitions=parts, schema=json_schema)
         self.curriculum_table = self.app.Table("curriculum", default=None, partitions=parts, schema=json_schema)
         # "<topic>:<partition>" -> last applied offset, in the same transaction as the record's effects
         self.progress_table = self.app.Table("progress", default=None, partitions=parts, schema=json_schema)
@@ -241,8 +209,12 @@ class StreamsApp:
                                    baseline=BaselineRules(self.cfg.streams.baseline_method,
                                                           self.cfg.streams.baseline_window,
                                                           self.cfg.streams.baseline_ema_alpha))
-        self.groups_view, self.members_view = DetachedValues(self.group_table), Base64Values(self.member_table)
-        self.assembler = GroupAssembler(self.groups_view, self.members_view, self.codec, self.rules)
+        self.groups_view = DetachedValues(self.group_table)
+        # members' records stay on their topic: a bounded cache, and a read back by offset on a miss
+        self.payloads = PayloadCache(self.cfg.streams.payload_cache_bytes)
+        self.offset_reader = OffsetReader(lambda: make_consumer(self.cfg.kafka, group_id=None,
+                                                                isolation_level="read_committed"))
+        self.assembler = GroupAssembler(self.groups_view, self.payloads, self.codec, self.rules)
         self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
@@ -324,6 +296,7 @@ class StreamsApp:
                 await self._side_producer.stop()
             await self.settled.close()
             await self.offset_probe.close()
+            await self.offset_reader.close()
 
     # -- per event ---------------------------------------------------------------------------
     async def admit_and_handle(self, msg: Any) -> "Admission":
@@ -353,14 +326,16 @@ class StreamsApp:
         self.telemetry.processed(msg.topic, msg.partition, msg.offset)
         if msg.topic == self.ticks:
             try:
-                outcome = self.assembler.on_tick(msg.partition, now)
+                due = self.assembler.due(msg.partition, now)
+                await self.read_back([state for _, state in due if state is not None])
+                outcome = self.assembler.time_out(due, now)
             except Exception:  # a tick carries no data: log it, the next tick checks again
                 log.exception("tick could not be processed", partition=msg.partition)
                 outcome = Outcome()
         else:
             self.telemetry.count(mn.STREAMS_EVENTS_IN)
             try:
-                outcome = self._ingest(msg, src, now)
+                outcome = await self._ingest(msg, src, now)
             except v.Rejected as rej:
                 outcome = Outcome(rejects=[Reject(rej.invalid.reason, rej.invalid.message, src, msg.key, msg.value)])
             except Exception as exc:  # a bug must not stop the stream: the record goes to the dlq
@@ -379,39 +354,57 @@ class StreamsApp:
         outputs and its state changes)."""
         await send_queued_changelogs(self.app.producer.buffer)
 
-    def _ingest(self, msg: Any, src: SourceRef, now: float) -> Outcome:
+    async def _ingest(self, msg: Any, src: SourceRef, now: float) -> Outcome:
         """Validate and assemble one input record; its table writes are applied only once all of them fit (see
         streams/staging.py), so a rejected or failing record leaves the state as it was."""
-        groups, members = StagedWrites(self.groups_view), StagedWrites(self.members_view)
-        outcome = self._assemble(GroupAssembler(groups, members, self.codec, self.rules), msg, src, now)
+        event = self._decode_valid(msg)
+        stored = self.groups_view.get(event.group_id)
+        if stored is not None:  # this record may finish the group: its members' records must be at hand
+            state = group_state_from_json(stored)
+            if isinstance(state, OpenGroup):
+                await self.read_back([state])
+        groups = StagedWrites(self.groups_view)
+        assembler = GroupAssembler(groups, self.payloads, self.codec, self.rules)
+        record_ts = float(msg.timestamp or now)
+        if isinstance(event, TrajectoryEvent):
+            outcome = assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
+        else:
+            outcome = assembler.on_reward(event, bytes(msg.value), msg.key, src, record_ts, now)
         limit = self.cfg.kafka.max_message_bytes
-        too_large = oversized_writes(groups, limit) + oversized_writes(members, limit, base64_json_size)
+        too_large = oversized_writes(groups, limit)
         if too_large:
             key, size = too_large[0]
             raise v.Rejected(v.Invalid(v.STATE_TOO_LARGE, (
                 f"holding this record needs a {size}-byte state record (key {key[:80]!r}), over "
-                f"kafka.max_message_bytes ({limit}); make the trajectory smaller (e.g. drop token data or "
-                "split it into turns)")))
+                f"kafka.max_message_bytes ({limit}); the group holds too many members")))
         groups.apply()
-        members.apply()
         return outcome
 
-    def _assemble(self, assembler: GroupAssembler, msg: Any, src: SourceRef, now: float) -> Outcome:
-        record_ts = float(msg.timestamp or now)
+    def _decode_valid(self, msg: Any) -> TrajectoryEvent | RewardEvent:
+        """The record decoded and checked (raises :class:`streams.validation.Rejected`)."""
         if msg.topic == self.names.trajectories:
             event = v.decode_event(self.codec, msg.value, TrajectoryEvent)
             assert isinstance(event, TrajectoryEvent)
             invalid = v.check_key(msg.key, event.example_id) or v.validate_trajectory(
                 event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size)
-            if invalid:
-                raise v.Rejected(invalid)
-            return assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
-        reward = v.decode_event(self.codec, msg.value, RewardEvent)
-        assert isinstance(reward, RewardEvent)
-        invalid = v.check_key(msg.key, reward.example_id) or v.validate_reward(reward)
+        else:
+            event = v.decode_event(self.codec, msg.value, RewardEvent)
+            assert isinstance(event, RewardEvent)
+            invalid = v.check_key(msg.key, event.example_id) or v.validate_reward(event)
         if invalid:
             raise v.Rejected(invalid)
-        return assembler.on_reward(reward, bytes(msg.value), msg.key, src, record_ts, now)
+        return event
+
+    async def read_back(self, states: list[OpenGroup]) -> None:
+        """Put the records of these groups' members that are not cached back into the cache, read by their offsets
+        (after a restart, a rebalance or an eviction; see streams/payloads.py)."""
+        missing = [m.source for state in states for m in state.members.values() if m.source not in self.payloads]
+        if not missing:
+            return
+        found = await self.offset_reader.read(missing)
+        for ref, value in found.items():
+            self.payloads[ref] = value
+        self.telemetry.count(mn.STREAMS_PAYLOADS_READ_BACK, len(found))
 
     async def publish(self, outcome: Outcome, partition: int) -> None:
         """Send the outcome's dead letters and the groups that pass the filters; count everything."""
@@ -441,24 +434,19 @@ class StreamsApp:
                  offset=reject.source.offset)
 
     async def _emit(self, finished: Finished, partition: int) -> None:
-        group = finished.group
+        group = finished.header
         verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
-                                DetachedValues(self.curriculum_table), partition)
+                                DetachedValues(self.curriculum_table), partition, member_rewards=finished.rewards)
         if verdict.reason is not None:
             self.telemetry.count(mn.STREAMS_GROUPS_FILTERED, reason=verdict.reason)
             log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)
             return
         try:
-            value = self.codec.encode(verdict.group)
+            value = finished.encode(verdict.group)  # the members' records placed as consumed (no re-encoding)
         except Exception as exc:  # e.g. over the size limit: every member goes to the dlq instead
-            for t, off in zip(group.trajectories, [o for o in group.source_offsets if o.topic == self.names.trajectories]):
-                try:
-                    member: bytes | None = self.codec.encode(t)
-                except Exception:  # the letter names the source record; its bytes stay on the input topic
-                    member = None
+            for member in finished.members:
                 await self._dead_letter(Reject(v.GROUP_TOO_LARGE, f"group {group.group_id} not emitted: {exc}",
-                                               SourceRef(off.topic, off.partition, off.offset),
-                                               t.example_id.encode(), member))
+                                               member.source, group.example_id.encode(), member.payload))
             return
         await self.groups_out.send(key=group.example_id.encode(), value=value)
         self.telemetry.count(mn.STREAMS_EVENTS_OUT)

@@ -2,9 +2,14 @@
 
 ``groups`` maps group_id -> the group's state as JSON (:class:`OpenGroup` or :class:`ClosedGroup`,
 written with ``to_json()`` and read back with :func:`group_state_from_json`; the short keys are the
-changelog layout, so existing changelogs recover unchanged); ``members`` maps trajectory_id -> the
-member's Avro bytes. The Faust app passes changelog-backed tables; tests pass dicts. Every call returns
-what must go out: finished groups (:class:`Finished`) and rejected records (:class:`Reject`), plus counters.
+changelog layout, so existing changelogs recover unchanged). The state is small: ids, rewards, versions and
+where each record came from (about 200 bytes per waiting trajectory), never a payload. ``payloads`` maps a
+record's source (topic, partition, offset) -> its bytes as consumed: in the app a bounded in-memory cache that
+is not a changelog (streams/payloads.py), refilled by reading a record back by its offset when a group is about to
+leave and a payload is not cached (after a restart, a rebalance or an eviction). The Faust app passes a
+changelog-backed table for ``groups``; tests pass dicts. Every call returns what must go out: finished groups
+(:class:`Finished`, members as consumed, so an unchanged member is never decoded or re-encoded) and rejected
+records (:class:`Reject`), plus counters.
 
 Rules: a trajectory_id already held (or already emitted) is ignored; a reward before its trajectory is
 held; a group completes when ``group_size`` members have rewards; after ``group_timeout_s`` since its
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, MutableMapping
 
 from rlstream.schemas.codec import AvroCodec
@@ -48,8 +54,9 @@ class SourceRef:
 # -- stored state ------------------------------------------------------------------------------
 # JSON keys (the changelog layout): group "g" group_id, "e" example_id, "r" run_id, "pol" policy,
 # "n" group_size, "p" partition, "t0" opened_at, "t1" last_record_ts, "m" members, "pr" pending rewards;
-# member "src" source, "rw" reward, "comp" reward components, "rsrc" reward source, "v" policy version,
-# "k" record key; closed group "g", "p", "closed", "closed_at", "ids" member ids.
+# "tk" task (baseline key of a single response); member "src" source, "rw" reward, "comp" reward components,
+# "rsrc" reward source, "v" policy version, "gi" generation index, "k" record key; closed group "g", "p", "closed",
+# "closed_at", "ids" member ids.
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
@@ -65,6 +72,7 @@ class MemberState:
     reward_source: SourceRef | None  # the reward record, when the reward came separately
     policy_version: int
     key: str | None  # the record key as text (dead letters carry it back as bytes)
+    generation_index: int = 0
 
     @property
     def rewarded(self) -> bool:
@@ -76,7 +84,7 @@ class MemberState:
     def to_json(self) -> dict[str, Any]:
         return {"src": self.source.as_list(), "rw": self.reward, "comp": dict(self.reward_components),
                 "rsrc": self.reward_source.as_list() if self.reward_source is not None else None,
-                "v": self.policy_version, "k": self.key}
+                "v": self.policy_version, "gi": self.generation_index, "k": self.key}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MemberState":
@@ -84,7 +92,8 @@ class MemberState:
         return cls(source=SourceRef.from_list(data["src"]), reward=_optional_float(data.get("rw")),
                    reward_components=dict(data.get("comp") or {}),
                    reward_source=SourceRef.from_list(rsrc) if rsrc is not None else None,
-                   policy_version=int(data.get("v") or 0), key=data.get("k"))
+                   policy_version=int(data.get("v") or 0), key=data.get("k"),
+                   generation_index=int(data.get("gi") or 0))
 
 
 @dataclass
@@ -115,6 +124,7 @@ class OpenGroup:
     run_id: str = ""
     policy: str = ""
     group_size: int | None = None  # known once its first trajectory arrived
+    task: str = ""  # the baseline's task key of a single response (metadata "task", else the policy)
     last_record_ts: float = 0.0  # latest record timestamp of a member or a joined reward
     members: dict[str, MemberState] = field(default_factory=dict)  # trajectory_id -> member, in arrival order
     pending_rewards: dict[str, PendingReward] = field(default_factory=dict)  # trajectory_id -> early reward
@@ -124,7 +134,7 @@ class OpenGroup:
 
     def to_json(self) -> dict[str, Any]:
         return {"g": self.group_id, "e": self.example_id, "r": self.run_id, "pol": self.policy, "n": self.group_size,
-                "p": self.partition, "t0": self.opened_at, "t1": self.last_record_ts,
+                "tk": self.task, "p": self.partition, "t0": self.opened_at, "t1": self.last_record_ts,
                 "m": {tid: m.to_json() for tid, m in self.members.items()},
                 "pr": {tid: p.to_json() for tid, p in self.pending_rewards.items()}}
 
@@ -133,6 +143,7 @@ class OpenGroup:
         n = data.get("n")
         return cls(group_id=data["g"], example_id=data["e"], partition=int(data["p"]), opened_at=float(data["t0"]),
                    run_id=data.get("r", ""), policy=data.get("pol", ""), group_size=int(n) if n is not None else None,
+                   task=data.get("tk", ""),
                    last_record_ts=float(data.get("t1", 0.0)),
                    members={tid: MemberState.from_json(m) for tid, m in data.get("m", {}).items()},
                    pending_rewards={tid: PendingReward.from_json(p) for tid, p in data.get("pr", {}).items()})
@@ -182,11 +193,57 @@ class Reject:
 
 
 @dataclass(frozen=True)
-class Finished:
-    """A group that left assembly (full or timeout); filters come next."""
+class FinishedMember:
+    """A member of a finished group: its record as consumed and the reward it leaves with."""
 
-    group: TrajectoryGroup
+    trajectory_id: str
+    source: SourceRef
+    payload: bytes  # the trajectory record as read from its topic (framed)
+    reward: float
+    reward_components: dict[str, float]
+    joined: bool  # its reward came in a RewardEvent: the record as consumed does not carry it
+
+    def event(self, codec: AvroCodec) -> TrajectoryEvent:
+        """The member decoded, with its reward."""
+        event = codec.decode(self.payload, TrajectoryEvent)
+        return event.model_copy(update={"reward": self.reward, "reward_components": self.reward_components})
+
+    def body(self, codec: AvroCodec) -> bytes:
+        """The member's Avro body inside a group record: the consumed bytes as they are when nothing changed and they
+        were written with this codec's schema; otherwise decoded, given the joined reward and encoded again."""
+        if not self.joined:
+            body = codec.body_as_written(self.payload, TrajectoryEvent.avro_name)
+            if body is not None:
+                return body
+        record = codec.decode_record(self.payload, TrajectoryEvent.avro_name)
+        record["reward"], record["reward_components"] = self.reward, dict(self.reward_components)
+        return codec.encode_body(record, TrajectoryEvent.avro_name)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A group that left assembly (full or timeout); filters come next.
+
+    ``header`` is the group record with every field but its members (``trajectories`` empty); :meth:`encode` places
+    the members' bytes into it, and :attr:`group` is the whole group decoded (tests, and readers that need it)."""
+
+    header: TrajectoryGroup
+    members: list[FinishedMember]
     last_member_ts: float  # when its last member was produced (record timestamp, seconds)
+    codec: AvroCodec
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m.reward for m in self.members]
+
+    @cached_property
+    def group(self) -> TrajectoryGroup:
+        return self.header.model_copy(update={"trajectories": [m.event(self.codec) for m in self.members]})
+
+    def encode(self, header: TrajectoryGroup | None = None) -> bytes:
+        """The group record (``header``, e.g. with curriculum info, or this group's) with its members' bytes."""
+        return self.codec.encode_with_bodies(header or self.header, "trajectories",
+                                             [m.body(self.codec) for m in self.members])
 
 
 @dataclass
@@ -221,10 +278,10 @@ def group_stats(rewards: list[float]) -> tuple[float, float, float, float]:
 class GroupAssembler:
     """Turns trajectory and reward records into finished groups, one partition's stores at a time."""
 
-    def __init__(self, groups: MutableMapping[str, Any], members: MutableMapping[str, bytes], codec: AvroCodec,
-                 rules: AssemblyRules) -> None:
+    def __init__(self, groups: MutableMapping[str, Any], payloads: MutableMapping[SourceRef, bytes],
+                 codec: AvroCodec, rules: AssemblyRules) -> None:
         self.groups = groups  # group_id -> GroupState.to_json()
-        self.members = members
+        self.payloads = payloads  # source -> record bytes as consumed (a cache: a miss is read back by offset)
         self.codec = codec
         self.rules = rules
 
@@ -250,9 +307,11 @@ class GroupAssembler:
                                       f"group's {state.example_id!r}", src, key, raw))
             return out
         state.group_size, state.run_id, state.policy = event.group_size, event.run_id, event.policy
+        state.task = state.task or task_of(event)
         member = MemberState(source=src, reward=event.reward, reward_components=dict(event.reward_components),
                              reward_source=None, policy_version=event.policy_version,
-                             key=key.decode("utf-8", "replace") if key is not None else None)
+                             key=key.decode("utf-8", "replace") if key is not None else None,
+                             generation_index=event.generation_index)
         pending = state.pending_rewards.pop(event.trajectory_id, None)
         if pending is not None:
             if member.reward is None:
@@ -263,7 +322,7 @@ class GroupAssembler:
                 out.counts["duplicate_reward"] += 1
         state.members[event.trajectory_id] = member
         state.last_record_ts = max(state.last_record_ts, record_ts)
-        self.members[event.trajectory_id] = raw
+        self.payloads[src] = raw
         out.counts["trajectories_accepted"] += 1
         out.extend(self._maybe_complete(state, now))
         return out
@@ -304,7 +363,10 @@ class GroupAssembler:
 
     def on_tick(self, partition: int, now: float) -> Outcome:
         """Time out, expire and forget groups of ``partition`` whose time has come."""
-        out = Outcome()
+        return self.time_out(self.due(partition, now), now)
+
+    def due(self, partition: int, now: float) -> list[tuple[str, OpenGroup | None]]:
+        """Groups of ``partition`` whose time has come: (group_id, open state to time out, or None to forget)."""
         due: list[tuple[str, OpenGroup | None]] = []
         for group_id, data in list(self.groups.items()):
             if stored_partition(data) != partition or is_baseline(data):
@@ -315,6 +377,11 @@ class GroupAssembler:
                     due.append((group_id, None))
             elif now - state.opened_at >= self._timeout_of(state):
                 due.append((group_id, state))
+        return due
+
+    def time_out(self, due: list[tuple[str, OpenGroup | None]], now: float) -> Outcome:
+        """Time out or expire the open groups of ``due`` and forget the closed ones (see :meth:`due`)."""
+        out = Outcome()
         for group_id, open_state in due:
             if open_state is None:
                 del self.groups[group_id]
@@ -328,9 +395,9 @@ class GroupAssembler:
         """Singles wait for feedback (hours); GRPO groups for their members (minutes)."""
         return self.rules.single_timeout_s if state.group_size == 1 else self.rules.group_timeout_s
 
-    def _score_single(self, state: OpenGroup, event: TrajectoryEvent, reward: float) -> GroupBaseline:
+    def _score_single(self, state: OpenGroup, reward: float) -> GroupBaseline:
         """The keyed baseline of a single response (then its reward joins that baseline)."""
-        key = baseline_key(event.policy, task_of(event))
+        key = baseline_key(state.policy, state.task or state.policy)
         where = table_key(state.partition, key)
         stored = self.groups.get(where)
         baseline_state = BaselineState.from_json(stored) if is_baseline(stored) else BaselineState(state.partition)
@@ -385,43 +452,54 @@ class GroupAssembler:
 
     def _finish(self, state: OpenGroup, rewarded: list[str], completion: GroupCompletion, now: float) -> Outcome:
         out = Outcome()
-        members: list[TrajectoryEvent] = []
+        members: list[FinishedMember] = []
         offsets: list[SourceOffset] = []
-        for tid in rewarded:
+        order = sorted(rewarded, key=lambda tid: (state.members[tid].generation_index, tid))
+        for tid in order:
             m = state.members[tid]
-            event = self.codec.decode(self.members[tid], TrajectoryEvent)
-            event = event.model_copy(update={"reward": float(m.reward),  # type: ignore[arg-type]
-                                             "reward_components": m.reward_components})
-            members.append(event)
+            payload = self.payloads.get(m.source)
+            if payload is None:  # neither cached nor read back: never emitted without its record
+                out.rejects.append(self._member_reject(state, tid, v.PAYLOAD_UNAVAILABLE, (
+                    f"the record of trajectory {tid} at {m.source.topic}/{m.source.partition}@{m.source.offset} "
+                    "could not be read back (is the topic's retention shorter than streams.reward_window_s?); "
+                    f"group {state.group_id} was emitted without it")))
+                continue
+            members.append(FinishedMember(trajectory_id=tid, source=m.source, payload=payload,
+                                          reward=float(m.reward),  # type: ignore[arg-type]
+                                          reward_components=dict(m.reward_components),
+                                          joined=m.reward_source is not None))
             offsets.append(m.source.as_offset())
             if m.reward_source is not None:
                 offsets.append(m.reward_source.as_offset())
-        members.sort(key=lambda e: (e.generation_index, e.trajectory_id))
         for tid in state.members:
             if tid not in rewarded:
                 out.rejects.append(self._member_reject(state, tid, v.REWARD_TIMEOUT,
                                                        f"no reward within {self.rules.group_timeout_s}s; group "
                                                        f"{state.group_id} was emitted without this member"))
         out.rejects += self._orphans(state)
-        rewards = [float(e.reward) for e in members]  # type: ignore[arg-type]
+        if not members:
+            out.counts["groups_without_records"] += 1
+            self._close(state, now)
+            return out
+        rewards = [m.reward for m in members]
         mean, std, lo, hi = group_stats(rewards)
-        versions = [e.policy_version for e in members]
-        first = members[0]
-        baseline = self._score_single(state, first, rewards[0]) if state.group_size == 1 else None
-        group = TrajectoryGroup(
-            group_id=state.group_id, run_id=first.run_id, example_id=first.example_id, policy=first.policy,
+        versions = [state.members[m.trajectory_id].policy_version for m in members]
+        baseline = self._score_single(state, rewards[0]) if state.group_size == 1 else None
+        header = TrajectoryGroup(
+            group_id=state.group_id, run_id=state.run_id, example_id=state.example_id, policy=state.policy,
             min_policy_version=min(versions), max_policy_version=max(versions),
             expected_size=int(state.group_size),  # type: ignore[arg-type]
-            trajectories=members, reward_mean=mean, reward_std=std, reward_min=lo, reward_max=hi,
+            trajectories=[], reward_mean=mean, reward_std=std, reward_min=lo, reward_max=hi,
             completion=completion, assembled_at=utc_now(), source_offsets=offsets, baseline=baseline,
         )
-        out.finished.append(Finished(group=group, last_member_ts=state.last_record_ts))
+        out.finished.append(Finished(header=header, members=members, last_member_ts=state.last_record_ts,
+                                     codec=self.codec))
         self._close(state, now)
         return out
 
     def _member_reject(self, state: OpenGroup, tid: str, reason: str, message: str) -> Reject:
         m = state.members[tid]
-        return Reject(reason, message, m.source, m.key_bytes(), self.members.get(tid))
+        return Reject(reason, message, m.source, m.key_bytes(), self.payloads.get(m.source))
 
     @staticmethod
     def _orphans(state: OpenGroup) -> list[Reject]:
@@ -430,8 +508,7 @@ class GroupAssembler:
                 for tid, p in state.pending_rewards.items()]
 
     def _close(self, state: OpenGroup, now: float) -> None:
-        for tid in state.members:
-            if tid in self.members:
-                del self.members[tid]
+        for member in state.members.values():
+            self.payloads.pop(member.source, None)
         self._store(ClosedGroup(group_id=state.group_id, partition=state.partition, closed_at=now,
                                 member_ids=sorted(state.members)))

@@ -42,8 +42,10 @@ def curriculum_key(partition: int, policy: str) -> str:
 
 
 def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version: int | None,
-                  curriculum_store: MutableMapping[str, Any], partition: int) -> Verdict:
-    """Run the three filters; the first one that rejects names the reason."""
+                  curriculum_store: MutableMapping[str, Any], partition: int,
+                  member_rewards: list[float] | None = None) -> Verdict:
+    """Run the three filters; the first one that rejects names the reason. ``member_rewards`` (default: the rewards
+    of ``group.trajectories``) are given when the group comes without its members (streams.assembly.Finished)."""
     if is_stale(group, latest_version, config.max_policy_lag):
         return Verdict(group, STALE, f"min policy version {group.min_policy_version} < latest {latest_version} "
                                      f"- max_policy_lag {config.max_policy_lag}")
@@ -62,7 +64,8 @@ def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version:
     key = curriculum_key(partition, group.policy)
     online = OnlineCurriculum.from_dict(config.curriculum, config.curriculum_window, curriculum_store.get(key))
     epoch = latest_version if latest_version is not None else group.max_policy_version
-    admitted, selection = online.admit(group.group_id, [t.reward or 0.0 for t in group.trajectories], epoch)
+    rewards = member_rewards if member_rewards is not None else [t.reward or 0.0 for t in group.trajectories]
+    admitted, selection = online.admit(group.group_id, rewards, epoch)
     curriculum_store[key] = online.to_dict()
     rank = selection.ranks.get(group.group_id, -1)
     info = CurriculumInfo(window=epoch, rank=rank, percentile=selection.percentile,

@@ -38,6 +38,7 @@ REWARD_TIMEOUT = "reward_timeout"
 ORPHAN_REWARD = "orphan_reward"
 GROUP_TOO_LARGE = "group_too_large"
 STATE_TOO_LARGE = "state_too_large"  # holding the record would need a changelog record over the size limit
+PAYLOAD_UNAVAILABLE = "payload_unavailable"  # a waiting member's record could not be read back by its offset
 
 
 @dataclass(frozen=True)

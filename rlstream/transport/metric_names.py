@@ -137,6 +137,10 @@ STREAMS_GROUPS_COMPLETED = "streams.groups_completed"
 STREAMS_GROUPS_TIMED_OUT = "streams.groups_timed_out"
 STREAMS_GROUPS_EXPIRED = "streams.groups_expired"
 STREAMS_CLOSED_FORGOTTEN = "streams.closed_forgotten"
+#: Finished groups none of whose members' records could be read back (nothing emitted; members dead-lettered).
+STREAMS_GROUPS_WITHOUT_RECORDS = "streams.groups_without_records"
+#: Waiting members' records read back from their topic by offset (not in the worker's payload cache).
+STREAMS_PAYLOADS_READ_BACK = "streams.payloads_read_back"
 
 # --- capture gateway (source ``gateway``; Prometheus only: one value per call) -----------------------------------
 #: Seconds the gateway spent on a captured call besides waiting for the upstream: the whole handler minus the
@@ -166,7 +170,8 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_RECORDS_DEFERRED, STREAMS_RECORDS_SKIPPED, STREAMS_DLQ, STREAMS_DLQ_TOTAL, STREAMS_GROUPS_EMITTED,
            STREAMS_GROUPS_FILTERED, STREAMS_TRAJECTORIES_ACCEPTED, STREAMS_DUPLICATE_TRAJECTORY,
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
-           STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN)
+           STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
+           STREAMS_PAYLOADS_READ_BACK)
 GATEWAY = (GATEWAY_OVERHEAD_S,)
 #: Every name rlstream emits (a name in several groups appears once).
 ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY))
@@ -350,6 +355,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "enough members"),
     _total(STREAMS_CLOSED_FORGOTTEN, "rlstream_streams_closed_forgotten_total", _WORKER, "Closed group ids "
            "forgotten after the retention"),
+    _total(STREAMS_GROUPS_WITHOUT_RECORDS, "rlstream_streams_groups_without_records_total", _WORKER, "Finished "
+           "groups none of whose members' records could be read back"),
+    _total(STREAMS_PAYLOADS_READ_BACK, "rlstream_streams_payloads_read_back_total", _WORKER, "Waiting members' "
+           "records read back from their topic by offset"),
     # capture gateway
     _histogram(GATEWAY_OVERHEAD_S, "rlstream_gateway_overhead_seconds", ("route", "streamed"), "Time the gateway "
                "spent on a captured call besides waiting for the upstream", topic=False,

@@ -38,10 +38,11 @@ class Pill:
     offset: int = -1
 
 
-def trajectory_of_size(cfg: RlstreamConfig, size: int, example_id: str) -> bytes:
-    """A well-formed TrajectoryEvent whose encoding is exactly ``size`` bytes."""
+def trajectory_of_size(cfg: RlstreamConfig, size: int, example_id: str, **fields: object) -> bytes:
+    """A well-formed TrajectoryEvent whose encoding is exactly ``size`` bytes (``fields`` set on it)."""
     big = AvroCodec(max_bytes=4 * size)
     t = make_trajectory(run_id=cfg.run_id, example_id=example_id, group_size=2, policy=cfg.policy)
+    t = t.model_copy(update=fields)
 
     def encoded(pad: int) -> bytes:
         messages = [*t.messages[:-1], Message(role="assistant", content="x" * pad)]
@@ -61,8 +62,11 @@ def pills(cfg: RlstreamConfig, names: TopicNames) -> list[Pill]:
     enc = CODEC.encode(good)
     return [
         Pill("oversized", T, b"pill", trajectory_of_size(cfg, OVERSIZED, "pill"), v.TOO_LARGE),
-        # decodes, but holding it would need a changelog record over the size limit (base64 in the members table)
-        Pill("too large to hold", T, b"big", trajectory_of_size(cfg, 800_000, "big"), v.STATE_TOO_LARGE),
+        # each member fits, their group record would not: both members go to the dlq when the group completes
+        # (waiting members cost the state only their offsets, whatever their size: streams/payloads.py)
+        *(Pill(f"group too large, member {i}", T, b"big", trajectory_of_size(
+            cfg, 600_000, "big", group_id="big-group", generation_index=i, reward=float(i)), v.GROUP_TOO_LARGE)
+          for i in range(2)),
         Pill("garbage", T, b"pill", b"\xff\xfe not avro \x00\x01" * 20, v.CORRUPT_PAYLOAD),
         Pill("truncated avro", T, b"pill", enc[:-25], v.CORRUPT_PAYLOAD),
         Pill("unknown fingerprint", T, b"pill", b"\xc3\x01" + b"\x5a" * 8 + enc[10:], v.UNKNOWN_SCHEMA),
