@@ -150,10 +150,11 @@ class DetachedValues(MutableMapping[str, Any]):
         return len(self.table)
 
     def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
-        """(key, copy of value) for every key that holds a value (a store may list emptied keys)."""
+        """(key, value) for every key that holds a value (a store may list emptied keys). For scans, so not copied:
+        a caller reads them (streams.assembly decodes what it keeps into new objects) and never changes them."""
         for key, value in list(self.table.items()):
             if value is not None:
-                yield key, self._copy(value)
+                yield key, value
 
 
 @dataclass

@@ -371,12 +371,14 @@ class GroupAssembler:
         for group_id, data in list(self.groups.items()):
             if stored_partition(data) != partition or is_baseline(data):
                 continue
-            state = group_state_from_json(data)
-            if isinstance(state, ClosedGroup):
-                if now - state.closed_at >= self.rules.closed_retention_s:
+            # decided on the stored fields: a scan must not decode every group at every tick
+            if data.get("closed"):
+                if now - float(data["closed_at"]) >= self.rules.closed_retention_s:
                     due.append((group_id, None))
-            elif now - state.opened_at >= self._timeout_of(state):
-                due.append((group_id, state))
+                continue
+            timeout = self.rules.single_timeout_s if data.get("n") == 1 else self.rules.group_timeout_s
+            if now - float(data["t0"]) >= timeout:
+                due.append((group_id, OpenGroup.from_json(data)))
         return due
 
     def time_out(self, due: list[tuple[str, OpenGroup | None]], now: float) -> Outcome:
