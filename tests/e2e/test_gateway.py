@@ -255,3 +255,65 @@ async def test_an_openai_agents_sdk_agent_with_a_function_tool_is_captured_and_r
     assert event.turns[0].prompt_token_ids and event.turns[0].completion_token_ids
     (reward,) = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
     assert reward.trajectory_id == event.trajectory_id and reward.reward == 0.75
+
+
+async def test_a_three_turn_tool_session_is_one_trajectory_and_a_rewritten_history_splits(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    """Two forced tool calls and a final answer in one session (the OpenAI client, as an agent loop sends them): one
+    trajectory with three trainable turns, each with the tokens vLLM saw and generated. The chat template writes a
+    tool call back in its own format, so a later prompt need not extend the earlier tokens: such calls continue by
+    messages and are counted (session_retokenized). A call of the same session that rewrites the history splits."""
+    from openai import AsyncOpenAI
+
+    from rlstream.nat.examples import PICK_LETTER_TOOL
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=6, session_idle_s=60)
+    session = "tool-session-1"
+    forced = {"type": "function", "function": {"name": "pick_letter"}}
+    async with serving(Gateway(config, publisher)) as url:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", default_headers={"X-Session-Id": session})
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Repeat the letter c."}]
+        trajectory_ids = []
+        for tool_choice in (forced, forced, "none"):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=SERVED_MODEL, messages=messages, tools=[PICK_LETTER_TOOL], tool_choice=tool_choice,
+                temperature=0, max_tokens=64 if tool_choice == forced else 8)
+            trajectory_ids.append(raw.headers["x-rlstream-trajectory-id"])
+            message = raw.parse().choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if tool_choice == forced:
+                (call,) = message.tool_calls
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.loads(call.function.arguments)["letter"] * 3})
+        rewritten = [{"role": "user", "content": "Repeat the letter d."}, *messages[1:-1]]
+        raw = await client.chat.completions.with_raw_response.create(model=SERVED_MODEL, messages=rewritten,
+                                                                     temperature=0, max_tokens=4)
+        trajectory_ids.append(raw.headers["x-rlstream-trajectory-id"])
+        async with httpx.AsyncClient(timeout=30) as http:
+            stats = (await http.get(f"{url}/rlstream/stats")).json()
+            assert (await http.post(f"{url}/v1/sessions/{session}/end")).status_code == 200
+    await publisher.close()
+    assert len(set(trajectory_ids[:3])) == 1 and trajectory_ids[3] != trajectory_ids[0], trajectory_ids
+    assert stats["session_splits"] == 1, stats
+
+    events = {e.trajectory_id: e for e in await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent,
+                                                           expect=2)}
+    tool_session = events[trajectory_ids[0]]
+    assert [m.role for m in tool_session.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [len(m.tool_calls or []) for m in tool_session.messages] == [0, 1, 0, 1, 0, 0]
+    turns = tool_session.turns
+    assert len(turns) == 3 and all(t.trainable and t.prompt_token_ids and t.completion_token_ids for t in turns)
+    re_rendered = sum(1 for before, after in zip(turns, turns[1:])
+                      if after.prompt_token_ids[:len(before.prompt_token_ids) + len(before.completion_token_ids)]
+                      != before.prompt_token_ids + before.completion_token_ids)
+    assert stats["session_retokenized"] == re_rendered >= 1, stats  # the tool calls came back as <tool_call>...
+    async with httpx.AsyncClient(timeout=60) as http:  # each turn holds the very prompt tokens vLLM rendered
+        for turn, upto in zip(turns, (1, 3, 5)):
+            direct = (await http.post(f"{vllm.url}/v1/chat/completions", json={
+                "model": SERVED_MODEL, "messages": messages[:upto], "max_tokens": 1, "return_token_ids": True,
+                "tools": [PICK_LETTER_TOOL]})).json()
+            assert direct["prompt_token_ids"] == turn.prompt_token_ids
+    assert len(events[trajectory_ids[3]].turns) == 1

@@ -12,7 +12,7 @@ from rlstream.rollout.gateway.app import Gateway, create_app
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.filtering import client_asked, filter_response, upstream_request
-from rlstream.rollout.gateway.sessions import SessionStore, extends, recorded_call
+from rlstream.rollout.gateway.sessions import MESSAGES, TOKENS, SessionStore, continuation, extends, recorded_call
 from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, TrajectorySource
 
 USER = {"role": "user", "content": "hi"}
@@ -38,6 +38,30 @@ def test_without_token_ids_messages_decide() -> None:
             Message(role="user", content="again")]
     assert extends(prev, None, more)
     assert not extends(prev, None, [Message(role="user", content="other"), *more[1:]])
+
+
+def test_a_tool_call_re_rendered_into_other_tokens_continues_by_messages_and_is_counted() -> None:
+    """The model generated a bare tool call under a grammar; the chat template writes it back as <tool_call>...: the
+    next prompt is no token prefix, but its messages continue the conversation."""
+    tool_reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "pick_letter", "arguments": '{"letter": "c"}'}}]}
+    first = recorded_call({"model": "m", "messages": [USER]}, tool_reply, [1, 2], [7, 8], None, "tool_calls", "m")
+    echoed = [Message(role="user", content="hi"),
+              Message.model_validate({"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "c1", "name": "pick_letter", "arguments": '{"letter": "c"}'}]}),
+              Message(role="tool", content="ccc", tool_call_id="c1")]
+    rendered = [1, 2, 30, 31, 8, 32, 40]  # the template's <tool_call> tokens, not 7, 8
+    assert continuation(first, rendered, echoed) == MESSAGES
+    assert continuation(first, [1, 2, 7, 8, 40], echoed) == TOKENS
+    rewritten = [Message(role="user", content="something else"), *echoed[1:]]
+    assert continuation(first, rendered, rewritten) is None
+    store = SessionStore(idle_s=10)
+    traj, _ = store.begin("s", [1, 2], [Message(role="user", content="hi")], 0)
+    traj.add(first)
+    again, closed = store.begin("s", rendered, echoed, 0)
+    assert again is traj and closed is None and (store.retokenized, store.splits) == (1, 0)
+    other, closed = store.begin("s", rendered, rewritten, 0)
+    assert other is not traj and closed is traj and (store.retokenized, store.splits) == (1, 1)
 
 
 def test_session_store_joins_then_splits_and_idles() -> None:

@@ -454,6 +454,7 @@ class Gateway:
                              "spool": self.capture.figures(),
                              "open_sessions": len(self.sessions.open),
                              "session_splits": self.sessions.splits,
+                             "session_retokenized": self.sessions.retokenized,
                              "request_token_data": self.request_token_data})
 
     async def health(self, request: Request) -> Response:

@@ -1,5 +1,7 @@
-"""Sessions: the calls of one session form one multi-turn trajectory while each prompt extends the previous
-prompt + completion token for token (Agent Lightning's rule); otherwise a new trajectory starts."""
+"""Sessions: the calls of one session form one multi-turn trajectory while each call continues the previous one:
+its prompt extends the previous prompt + completion token for token (Agent Lightning's rule), or its messages extend
+the previous messages + reply where the chat template re-renders a reply into other tokens (tool calls); when the
+history was rewritten a new trajectory starts and the split is counted."""
 from __future__ import annotations
 
 import time
@@ -11,19 +13,36 @@ from rlstream.rollout.capture import RecordedCall, Recording, _same_message
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource, new_id
 
 
-def extends(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> bool:
-    """True when a call with ``prompt_ids`` / ``messages`` continues ``previous``.
+#: How a call continues its session's open trajectory (see :func:`continuation`).
+TOKENS = "tokens"
+MESSAGES = "messages"
 
-    With token ids on both sides: the new prompt must start with the previous prompt + completion, token
-    for token (a re-tokenized reply that differs breaks the trajectory). Without them (an upstream that
-    returns no token ids): the new messages must start with the previous messages and reply.
+
+def continuation(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> str | None:
+    """How a call with ``prompt_ids`` / ``messages`` continues ``previous``, or None when it does not.
+
+    ``TOKENS``: the new prompt starts with the previous prompt + completion, token for token (token-in, token-out).
+    ``MESSAGES``: its messages start with the previous call's messages and reply, but the upstream rendered the
+    history into other tokens than the ones it generated: a tool call, which the chat template writes in its own
+    format (``<tool_call>...``) while the model generated the bare call under a grammar, or an upstream that returns
+    no token ids. The call continues the trajectory either way; every turn keeps the exact prompt and completion
+    tokens the upstream saw and produced, so nothing is trained on tokens that were not sampled.
+    None: the history was rewritten (a new trajectory starts; the split is counted).
     """
     turn = previous.turn
     if prompt_ids is not None and turn.prompt_token_ids is not None and turn.completion_token_ids is not None:
         prefix = [*turn.prompt_token_ids, *turn.completion_token_ids]
-        return len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix
+        if len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix:
+            return TOKENS
     before = [*previous.request_messages, previous.response_message]
-    return len(messages) > len(before) and all(_same_message(a, b) for a, b in zip(messages, before))
+    if len(messages) > len(before) and all(_same_message(a, b) for a, b in zip(messages, before)):
+        return MESSAGES
+    return None
+
+
+def extends(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> bool:
+    """True when the call continues ``previous`` (by tokens or by messages: :func:`continuation`)."""
+    return continuation(previous, prompt_ids, messages) is not None
 
 
 @dataclass
@@ -91,6 +110,7 @@ class SessionStore:
         self.known: OrderedDict[str, KnownTrajectory] = OrderedDict()
         self.session_last: OrderedDict[str, str] = OrderedDict()  # session id -> its latest trajectory id
         self.splits = 0  # calls of a session that did not extend its open trajectory and started a new one
+        self.retokenized = 0  # calls that continued by messages while their prompt tokens differ (tool calls)
 
     def remember(self, traj: Trajectory) -> None:
         self.known[traj.trajectory_id] = KnownTrajectory(traj.trajectory_id, traj.example_id, traj.group_id)
@@ -109,8 +129,11 @@ class SessionStore:
         closed = None
         if session_id is not None:
             current = self.open.get(session_id)
-            if current is not None and current.recording.calls and extends(
-                    current.recording.calls[-1], prompt_ids, messages):
+            how = continuation(current.recording.calls[-1], prompt_ids, messages) if (
+                current is not None and current.recording.calls) else None
+            if current is not None and how is not None:
+                if how == MESSAGES and prompt_ids is not None:
+                    self.retokenized += 1
                 current.last_active = time.monotonic()
                 return current, None
             if current is not None:
