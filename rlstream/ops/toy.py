@@ -285,6 +285,14 @@ def toy_reward(example: dict[str, Any], completion_text: str) -> float:
     return credit / len(chars)
 
 
+def best_constant_answer(examples: list[dict[str, Any]], repeat: int = 4) -> tuple[str, float]:
+    """The answer that ignores the instruction and earns most on ``examples`` (the same text for every prompt),
+    and its mean reward: what learning the format alone is worth, to tell skill from format on a reward curve."""
+    answers = [letter * repeat for letter in TOY_LETTERS]
+    scored = [(answer, sum(toy_reward(e, answer) for e in examples) / max(1, len(examples))) for answer in answers]
+    return max(scored, key=lambda pair: pair[1])
+
+
 #: One sampled prompt: (prompt token ids, [(completion token ids, behaviour logprobs)], completion texts).
 SampledPrompt = tuple[list[int], list[tuple[list[int], list[float]]], list[str]]
 

@@ -210,6 +210,7 @@ class LiveFigures:
     group_times: list[float] = field(default_factory=list)
     baseline_groups: int = 0  # single responses scored against a keyed baseline (production traffic)
     users: dict[str, str] = field(default_factory=dict)  # the simulated users' figures (production traffic)
+    constant_answer: tuple[str, float] | None = None  # the toy task's best instruction-blind answer and its reward
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -235,6 +236,9 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
     table.add_row("loaded in vLLM", ", ".join(f"{w}: v{v}" for w, v in figures.loaded.items()) or "-")
     heldout = "  ".join(f"v{s.version}: {s.reward_mean:.2f}" for s in figures.heldout[-8:])
     table.add_row("held-out reward per version", heldout or "-")
+    if figures.constant_answer is not None:
+        answer, reward = figures.constant_answer
+        table.add_row("best constant answer (format only)", f"{answer!r} for every prompt earns {reward:.2f}")
     train = "  ".join(f"v{v}: {sum(r) / len(r):.2f}" for v, r in sorted(figures.group_reward_by_version.items())[-8:])
     table.add_row("training reward per version", train or "-")
     table.add_row("groups", f"{figures.groups_seen} ({figures.groups_per_s():.2f}/s)"
@@ -396,6 +400,9 @@ def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
     if train:
         ax.plot([v for v, _ in train], [sum(r) / len(r) for _, r in train], "s--", alpha=0.7,
                 label="training reward (groups by policy version)")
+    if figures.constant_answer is not None:
+        answer, reward = figures.constant_answer
+        ax.axhline(reward, color="grey", linestyle=":", label=f"best constant answer {answer!r} (format only)")
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1.05)
@@ -430,6 +437,8 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
         "heldout_first": first,
         "heldout_last": best_last,
         "heldout_gain": (best_last - first) if scores else None,
+        "best_constant_answer": ({"answer": figures.constant_answer[0], "reward_mean": figures.constant_answer[1]}
+                                 if figures.constant_answer is not None else None),
         "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
         "topic_end_offsets": topic_ends or {},
         "checkpoints": str(run_dir / "learner"),
@@ -518,6 +527,10 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     config_path = run_dir / "config.yaml"
     try:
         model_dir, dataset, heldout = _task(opts, run_dir, user_cfg)
+        if user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
+            from rlstream.ops.toy import best_constant_answer
+
+            figures.constant_answer = best_constant_answer(heldout)
         print(f"run {run_id}: data in {run_dir}", flush=True)
         print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
         ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")

@@ -50,3 +50,12 @@ def test_smollm2_toy_run_trains_a_lora_adapter_with_a_small_rate(tmp_path: Path)
     cfg, _ = compose_config(opts, "run-z", tmp_path, _stack(), tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert cfg.learner.lora.enabled is True and cfg.learner.learning_rate == 1e-4
     assert cfg.rollout.reward_function == "rlstream.ops.toy:toy_reward"  # still the toy task
+
+
+def test_the_best_constant_answer_is_what_ignoring_the_instruction_earns() -> None:
+    from rlstream.ops.toy import best_constant_answer, toy_reward
+
+    examples = [{"target": "a"}, {"target": "a"}, {"target": "b"}]
+    answer, reward = best_constant_answer(examples)
+    assert answer == "aaaa"  # the most frequent target
+    assert reward == pytest.approx((1 + 1 + toy_reward({"target": "b"}, "aaaa")) / 3)
