@@ -45,11 +45,7 @@ def gateway_serve(
     spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
     console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy}, {spooled})",
                   highlight=False)
-    import uvloop
-
-    # uvloop: the gateway's added latency is event-loop work (two HTTP hops, JSON, the capture hand-off)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(cfg, gw, route_versions))
+    asyncio.run(_serve(cfg, gw, route_versions))
 
 
 async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-untyped-def]

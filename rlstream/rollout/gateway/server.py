@@ -31,7 +31,6 @@ async def serving(gateway: Gateway, log_level: str = "warning") -> AsyncIterator
 
 
 async def serve_forever(gateway: Gateway, log_level: str = "info") -> None:
-    # no access log: one log line per proxied call is most of a small call's overhead (the gateway counts calls)
     config = uvicorn.Config(create_app(gateway), host=gateway.config.host, port=gateway.config.port,
-                            lifespan="on", log_level=log_level, access_log=False, http="httptools")
+                            lifespan="on", log_level=log_level)
     await uvicorn.Server(config).serve()
