@@ -72,7 +72,10 @@ async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, 
                 **request, "messages": follow, "max_tokens": 4, "logprobs": True, "return_token_ids": True})).json()
             prefix = direct["prompt_token_ids"] + direct["choices"][0]["token_ids"]
             continues = follow_direct["prompt_token_ids"][: len(prefix)] == prefix
-            assert (f.headers["x-rlstream-trajectory-id"] == stream_tid) == continues
+            # the messages continue the session: the same trajectory, by tokens or (re-rendered) by messages
+            assert f.headers["x-rlstream-trajectory-id"] == stream_tid
+            stats = (await http.get(f"{url}/rlstream/stats")).json()
+            assert stats["session_retokenized"] == (0 if continues else 1), stats
             assert (await http.post(f"{url}/v1/sessions/sess-1/end")).status_code == 200
 
             fb = await http.post(f"{url}/v1/feedback", json={"trajectory_id": plain_tid, "reward": 0.5,
