@@ -86,7 +86,7 @@ async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, 
             assert SERVED_MODEL in [m["id"] for m in models["data"]]
     await publisher.close()
 
-    expected = 3 if continues else 4  # plain, asked, the session (1 or 2 trajectories)
+    expected = 3  # plain, asked, the session (one trajectory: its follow-up continues it)
     events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=expected)
     by_id = {e.trajectory_id: e for e in events}
     assert len(events) == expected
@@ -105,7 +105,7 @@ async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, 
         assert [m.role for m in event.messages] == ["system", "user", "assistant"] or len(event.turns) == 2
     session = by_id[stream_tid]
     assert session.metadata["session_id"] == "sess-1"
-    assert len(session.turns) == (2 if continues else 1)
+    assert len(session.turns) == 2  # the follow-up is its second turn
     rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
     assert [(r.trajectory_id, r.reward, r.components) for r in rewards] == [(plain_tid, 0.5, {"user": 0.5})]
 
