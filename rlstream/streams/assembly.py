@@ -376,7 +376,7 @@ class GroupAssembler:
                 if now - float(data["closed_at"]) >= self.rules.closed_retention_s:
                     due.append((group_id, None))
                 continue
-            timeout = self.rules.single_timeout_s if data.get("n") == 1 else self.rules.group_timeout_s
+            timeout = self._timeout_for(data.get("n"))
             if now - float(data["t0"]) >= timeout:
                 due.append((group_id, OpenGroup.from_json(data)))
         return due
@@ -394,8 +394,11 @@ class GroupAssembler:
 
     # -- internals -----------------------------------------------------------------------
     def _timeout_of(self, state: OpenGroup) -> float:
+        return self._timeout_for(state.group_size)
+
+    def _timeout_for(self, group_size: int | None) -> float:
         """Singles wait for feedback (hours); GRPO groups for their members (minutes)."""
-        return self.rules.single_timeout_s if state.group_size == 1 else self.rules.group_timeout_s
+        return self.rules.single_timeout_s if group_size == 1 else self.rules.group_timeout_s
 
     def _score_single(self, state: OpenGroup, reward: float) -> GroupBaseline:
         """The keyed baseline of a single response (then its reward joins that baseline)."""
