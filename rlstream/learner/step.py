@@ -193,6 +193,18 @@ def _std(values: torch.Tensor) -> float:
     return float(values.std()) if values.numel() > 1 else 0.0
 
 
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel over all parameters; TRL's default, ``adamw_torch_fused``) where the parameters'
+    device and dtype support it, else the multi-tensor implementation. Same update and state either way."""
+    fusable = {"cpu", "cuda", "mps", "xpu"}
+    if params and all(p.device.type in fusable and p.is_floating_point() for p in params):
+        try:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+        except (RuntimeError, ValueError):  # a dtype/device combination this torch build does not fuse
+            pass
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
 class GRPOTrainerStep:
     """Owns the optimizer and scheduler of a :class:`Policy` and runs learner steps."""
 
@@ -201,8 +213,7 @@ class GRPOTrainerStep:
         self.cfg = cfg
         self.parallel = parallel  # data parallel: this rank's share of the micro-batches, gradients summed
         self.loss_cfg = loss_config(cfg)
-        self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(list(policy.trainable_parameters()), cfg.learning_rate, cfg.weight_decay)
         total_optimizer_steps = cfg.total_steps * cfg.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_optimizer_steps, cfg.lr_schedule))

@@ -203,8 +203,7 @@ class TrajectoryPublisher:
                 await self.flush()
         finally:
             self._closed = True
-            if self._started:
-                await self.producer.stop()
+            await self.producer.stop()  # also after a failed start, which may have left its client open
 
 
 class SyncTrajectoryPublisher:

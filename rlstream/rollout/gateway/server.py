@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+import signal
+from typing import AsyncIterator, Iterator
 
 import uvicorn
 
@@ -30,7 +31,29 @@ async def serving(gateway: Gateway, log_level: str = "warning") -> AsyncIterator
         await task
 
 
+class StoppableServer(uvicorn.Server):
+    """A uvicorn server that SIGTERM / SIGINT only ask to stop.
+
+    uvicorn re-raises the signal that stopped it once it has shut down, so that the default action ends the
+    process: that would end the gateway before its caller flushes the captured events still in the producer.
+    Here the signal stops the server gracefully (a second SIGINT forces it, as in uvicorn) and ``serve`` returns.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        handled = (signal.SIGINT, signal.SIGTERM)
+        for sig in handled:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+
 async def serve_forever(gateway: Gateway, log_level: str = "info") -> None:
+    """Serve ``gateway`` until SIGTERM or SIGINT, then return (after a graceful shutdown)."""
     config = uvicorn.Config(create_app(gateway), host=gateway.config.host, port=gateway.config.port,
                             lifespan="on", log_level=log_level)
-    await uvicorn.Server(config).serve()
+    await StoppableServer(config).serve()
