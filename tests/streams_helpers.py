@@ -182,11 +182,12 @@ async def read_dead_letters(cfg: RlstreamConfig, topic: str, **kw: Any) -> list[
 
 def interleaved_stream(cfg: RlstreamConfig, n_examples: int, group_size: int, seed: int, *,
                        late_fraction: float = 0.5, early_fraction: float = 0.1, policy_version: int = 0,
-                       completion_tokens: int = 8, prefix: str = "ex"
+                       completion_tokens: int = 8, prefix: str = "ex", short_every: int = 0
                        ) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[str, float]]]:
     """Trajectories of ``n_examples`` x ``group_size`` in random interleaving, some rewards inline, some as
-    late RewardEvents (a few even before their trajectory). Returns the records and, per group_id, the
-    expected ``{trajectory_id: reward}``."""
+    late RewardEvents (a few even before their trajectory). With ``short_every`` N, every Nth example's last
+    generation is never sent (nor its reward): that group can only leave on its timeout. Returns the records
+    and, per group_id, the expected ``{trajectory_id: reward}``."""
     import random
 
     from rlstream.schemas.topics import TopicNames
@@ -207,6 +208,8 @@ def interleaved_stream(cfg: RlstreamConfig, n_examples: int, group_size: int, se
             t = make_trajectory(run_id=cfg.run_id, example_id=example, group_size=group_size, generation_index=g,
                                 policy=cfg.policy, policy_version=policy_version, reward=reward if inline else None,
                                 completion_tokens=completion_tokens, seed=rng.randrange(1 << 30))
+            if short_every and e % short_every == 0 and g == group_size - 1:
+                continue  # the member that never comes
             expected.setdefault(t.group_id, {})[t.trajectory_id] = reward
             traj_rec = (names.trajectories, key, CODEC.encode(t))
             if inline:
