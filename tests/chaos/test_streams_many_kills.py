@@ -4,8 +4,11 @@ a restart, while it is still starting or recovering its tables. Read with read_c
 comes out exactly once (a member of one group, or one dead letter), no group comes out twice, every group holds only
 its own members with their rewards, and each injected bad record is dead-lettered once.
 
-The same run under `at_least_once` is the negative control: with no transaction tying the output to the consumed
-offsets and the table changelogs, records replayed after a kill come out a second time."""
+No negative control yet: the same run under `at_least_once` was tried as one and told the guarantees apart in two
+runs of three (records lost, 2 of 19,820 in the run whose figures were printed, none doubled: the app drops replayed
+trajectories by id, so what a kill cuts off goes missing rather than twice); a control that passes one run in three
+cannot gate CI. The next candidate: read the exactly-once run's output with read_uncommitted, where the transactions
+the kills aborted must show records twice."""
 from __future__ import annotations
 
 import asyncio
@@ -118,17 +121,15 @@ def _wait_for_processing(worker: Worker, log_dir: Path, before: int, timeout_s: 
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("store,guarantee", [("memory", "exactly_once"), ("rocksdb", "exactly_once"),
-                                             ("memory", "at_least_once")],
-                         ids=["memory", "rocksdb", "at-least-once-control"])
-def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamConfig, tmp_path: Path, store: str,
-                                                           guarantee: str) -> None:
+@pytest.mark.parametrize("store", ["memory", "rocksdb"])
+def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamConfig, tmp_path: Path, store: str
+                                                           ) -> None:
     asyncio.run(prepare_topics(rl_config))
     names = TopicNames.from_config(rl_config.topics)
     records, expected, bad_keys = _stream(rl_config)
     trajectories = sum(len(members) for members in expected.values())
     assert trajectories == EXAMPLES * GROUP_SIZE - EXAMPLES // SHORT_EVERY
-    settings = {"streams.store": store, "streams.processing_guarantee": guarantee,
+    settings = {"streams.store": store, "streams.processing_guarantee": "exactly_once",
                 "streams.group_timeout_s": GROUP_TIMEOUT_S}
     rng = random.Random(2026)
     workers: list[Worker] = []
@@ -161,10 +162,6 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
             worker.stop()
 
     problems = _exactly_once_problems(groups, dead, expected, names.trajectories, trajectories + BAD_RECORDS)
-    if guarantee == "at_least_once":
-        assert problems, "the control saw no duplicate and no loss: this test could not tell the guarantees apart"
-        print(f"at_least_once control: {problems}")
-        return
     assert not problems, (f"{problems[:5]}\nkills: {kill_times}\nlast worker log:\n{last.log_tail(60)}")
     dead_keys = Counter(d.key for d in dead if d.key in bad_keys)
     assert set(dead_keys) == bad_keys and set(dead_keys.values()) == {1}, dead_keys
