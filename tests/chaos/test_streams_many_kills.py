@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DeadLetter, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from rlstream.schemas.models import DeadLetter, TrajectoryGroup
 from tests.streams_helpers import Worker, interleaved_stream, publish, read_dead_letters, read_groups
 
 EXAMPLES, GROUP_SIZE = 5_000, 4  # 20,000 trajectories minus the ones that never come
