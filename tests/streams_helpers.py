@@ -142,10 +142,11 @@ async def publish(cfg: RlstreamConfig, records: Iterable[tuple[str, bytes | None
 
 
 async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel], expect: int | None = None,
-                   timeout_s: float = 60.0, quiet_s: float = 3.0) -> list[tuple[Any, WireModel]]:
-    """Read ``topic`` from the beginning with read_committed until ``expect`` records arrived (or, without
+                   timeout_s: float = 60.0, quiet_s: float = 3.0, isolation_level: str = "read_committed"
+                   ) -> list[tuple[Any, WireModel]]:
+    """Read ``topic`` from the beginning (read_committed unless told) until ``expect`` records arrived (or, without
     ``expect``, until nothing new came for ``quiet_s``); returns (record, decoded) pairs."""
-    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level=isolation_level)
     await consumer.start()
     out: list[tuple[Any, WireModel]] = []
     try:

@@ -4,11 +4,11 @@ a restart, while it is still starting or recovering its tables. Read with read_c
 comes out exactly once (a member of one group, or one dead letter), no group comes out twice, every group holds only
 its own members with their rewards, and each injected bad record is dead-lettered once.
 
-No negative control yet: the same run under `at_least_once` was tried as one and told the guarantees apart in two
-runs of three (records lost, 2 of 19,820 in the run whose figures were printed, none doubled: the app drops replayed
-trajectories by id, so what a kill cuts off goes missing rather than twice); a control that passes one run in three
-cannot gate CI. The next candidate: read the exactly-once run's output with read_uncommitted, where the transactions
-the kills aborted must show records twice."""
+Negative control: the same output read with read_uncommitted, where the transactions the kills aborted are
+visible, must fail the same check (records twice). That shows the kills cut transactions with output in them and
+that the check sees duplicates when they are there; read_committed hiding them is the guarantee under test.
+(`at_least_once` was tried as the control first and told the guarantees apart in only two runs of three: the app
+drops replayed trajectories by id, so what a kill cuts off goes missing rather than twice, and not always.)"""
 from __future__ import annotations
 
 import asyncio
@@ -167,5 +167,14 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
     assert not problems, (f"{problems[:5]}\nkills: {kill_times}\nlast worker log:\n{last.log_tail(60)}")
     dead_keys = Counter(d.key for d in dead if d.key in bad_keys)
     assert set(dead_keys) == bad_keys and set(dead_keys.values()) == {1}, dead_keys
+    # negative control: the aborted transactions' output, visible to read_uncommitted, shows records twice
+    uncommitted_groups = asyncio.run(read_groups(rl_config, names.groups, quiet_s=3, isolation_level="read_uncommitted"))
+    uncommitted_dead = asyncio.run(read_dead_letters(rl_config, names.dlq, quiet_s=2,
+                                                     isolation_level="read_uncommitted"))
+    control = _exactly_once_problems(uncommitted_groups, uncommitted_dead, expected, names.trajectories,
+                                     trajectories + BAD_RECORDS)
+    assert any("more than once" in problem for problem in control), (
+        f"read_uncommitted shows no record twice: the kills aborted no transaction with output ({control})")
     complete = sum(1 for g in groups if len(g.trajectories) == len(expected[g.group_id]))
-    print(f"{len(groups)} groups ({complete} complete), {len(dead)} dead letters, kills: {kill_times}")
+    print(f"{len(groups)} groups ({complete} complete), {len(dead)} dead letters, kills: {kill_times}; "
+          f"read_uncommitted: {control}")
