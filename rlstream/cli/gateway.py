@@ -45,7 +45,9 @@ def gateway_serve(
     spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
     console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy}, {spooled})",
                   highlight=False)
-    asyncio.run(_serve(cfg, gw, route_versions))
+    from rlstream.rollout.gateway.server import run
+
+    run(_serve(cfg, gw, route_versions))
 
 
 async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-untyped-def]

@@ -49,7 +49,8 @@ from rlstream.streams.exactly_once.broker_watch import (BROKER_LOST_EXIT_CODE, B
                                                        first_bootstrap_address)
 from rlstream.streams.exactly_once.internals import check_internals, forget_unacked, send_queued_changelogs
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate, VisibleOffsetProbe
-from rlstream.streams.exactly_once.state_reset import SettledTransactions, install_full_recovery
+from rlstream.streams.exactly_once.state_reset import (BulkChangelogLoader, SettledTransactions,
+                                                      install_full_recovery)
 from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
                                                         check_guarantee)
 
@@ -194,7 +195,8 @@ class StreamsApp:
         # ticks carry no data (a lost or repeated tick only moves a timeout check): only the inputs are gated
         # recovered state == one committed snapshot (see streams/state_reset.py)
         self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
-        install_full_recovery(self.app, self.settled)
+        install_full_recovery(self.app, self.settled, BulkChangelogLoader(
+            self.app, lambda: make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")))
         self.offset_probe = VisibleOffsetProbe(lambda: make_consumer(self.cfg.kafka, group_id=None,
                                                                      isolation_level="read_committed"))
         self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards},

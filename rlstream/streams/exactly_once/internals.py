@@ -39,6 +39,7 @@ RECOVERY = [
     Internal("faust Recovery", "_build_highwaters", "recovery up to the last stable offsets"),
     Internal("faust Recovery", "active_offsets", "recovery from the start of the changelogs"),
     Internal("faust Recovery", "standby_offsets", "recovery from the start of the changelogs"),
+    Internal("faust Recovery", "tp_to_table", "the bulk changelog load (which table a changelog partition fills)"),
 ]
 STORES = {
     "memory": [Internal("faust memory Store", "data", "the state wipe before recovery"),

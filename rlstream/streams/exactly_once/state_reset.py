@@ -30,15 +30,27 @@ assignment, and stale when a transaction was decided after that fetch (e.g. the 
 killed worker, or a commit of the previous owner). Recovery would then stop early on some partitions and
 not on others. :func:`install_full_recovery` therefore asks the broker (ListOffsets, read_committed) for
 the last stable offsets once the transactions have settled, and recovery reads exactly up to them.
+
+How recovery reads matters for its speed. Faust hands every changelog record through its stream machinery (a
+task per record, a recovery-end check over all partitions per record): about 3,700 records/s on two cores,
+four and a half minutes for a changelog of 1,000,000 records. :class:`BulkChangelogLoader` reads the active
+changelog partitions first with one plain read_committed consumer, up to the same last stable offsets, and
+applies them in batches through the table's own ``apply_changelog_batch`` (what Faust's recovery calls), only the
+last record of each key per batch; it then marks those partitions recovered up to their ends, so that Faust's own
+recovery finds nothing left to read there. Faust runs this step under ``broker_request_timeout`` and stops the
+worker past it, so the loader has a time budget (three quarters of it): a partition it could not finish is wiped
+again and Faust's recovery reads it from its start, the slow way.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from faust.utils import json as faust_json
 
 from rlstream.transport.log import get_logger
 
@@ -126,7 +138,125 @@ class SettledTransactions:
         self._committed = self._uncommitted = None
 
 
-def install_full_recovery(app: Any, settled: SettledTransactions | None = None) -> None:
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs several times more to build, per record
+class ChangelogMessage:
+    """What a store's ``apply_changelog_batch`` reads of a changelog record."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+    @property
+    def tp(self) -> Any:
+        from faust.types import TP
+
+        return TP(self.topic, self.partition)
+
+
+@dataclass(slots=True)
+class ChangelogEvent:
+    """A changelog record with its key and value decoded by the table's schema (as Faust's recovery has it)."""
+
+    key: Any
+    value: Any
+    message: ChangelogMessage
+
+
+class BulkChangelogLoader:
+    """Reads changelog partitions from their start up to given end offsets with one plain read_committed consumer
+    and applies them to their tables in batches (see the module docstring)."""
+
+    def __init__(self, app: Any, make_consumer: Callable[[], AIOKafkaConsumer], batch_records: int = 20_000,
+                 report_every_s: float = 30.0) -> None:
+        self.app = app
+        self.make_consumer = make_consumer
+        self.batch_records = batch_records
+        self.report_every_s = report_every_s
+
+    def _decoders(self, table: Any) -> tuple[Callable[[ChangelogMessage], Any], Callable[[ChangelogMessage], Any]]:
+        """Key and value decoders of a table's changelog: the schema's own, or Faust's bare JSON decoder (orjson
+        where installed) for a JSON schema without model types: the same values, without the search for model
+        namespaces in every decoded object that took two thirds of the load's time."""
+        schema = table.changelog_topic.schema
+        plain = schema.key_type is None and schema.value_type is None
+        if plain and schema.key_serializer == "json" and schema.value_serializer == "json":
+            return (lambda m: faust_json.loads(m.key)), (lambda m: None if m.value is None else faust_json.loads(m.value))
+        return ((lambda m: schema.loads_key(self.app, m)),
+                (lambda m: None if m.value is None else schema.loads_value(self.app, m)))
+
+    def _events(self, table: Any, records: list[Any]) -> list[ChangelogEvent]:
+        """The batch's records as events, only the last record of each key: a changelog writes a key many times
+        (a group at each member and reward, a progress marker at every input record) and only the last value
+        of a batch survives it, so the others are not decoded."""
+        last: dict[Any, Any] = {}
+        for record in records:
+            last[record.key] = record
+        load_key, load_value = self._decoders(table)
+        events = []
+        for record in sorted(last.values(), key=lambda r: r.offset):
+            message = ChangelogMessage(record.topic, record.partition, record.offset, record.key, record.value)
+            events.append(ChangelogEvent(load_key(message), load_value(message), message))
+        return events
+
+    async def load(self, ends: dict[Any, int], tables: dict[Any, Any], budget_s: float) -> dict[Any, int]:
+        """Apply every visible record below ``ends[tp]`` (the last stable offset) of each partition to
+        ``tables[tp]`` (the last of each key per batch: the same state); returns ``ends[tp] - 1`` for each
+        partition read to its end. A partition not read to its end within ``budget_s`` is wiped again and left out
+        (Faust's recovery then reads it from its start)."""
+        todo = {tp: end for tp, end in ends.items() if end > 0 and tp in tables}
+        covered: dict[Any, int] = {}
+        if not todo:
+            return covered
+        consumer = self.make_consumer()
+        await consumer.start()
+        started = time.monotonic()
+        next_report = started + self.report_every_s
+        applied = 0
+        try:
+            parts = {TopicPartition(tp.topic, tp.partition): tp for tp in todo}
+            consumer.assign(list(parts))
+            await consumer.seek_to_beginning(*parts)
+            while parts:
+                batch = await consumer.getmany(*parts, timeout_ms=500, max_records=self.batch_records)
+                for part, records in batch.items():
+                    tp = parts.get(part)
+                    if tp is None:
+                        continue
+                    wanted = [r for r in records if r.offset < todo[tp]]
+                    if wanted:
+                        table = tables[tp]
+                        table.apply_changelog_batch(self._events(table, wanted))
+                        covered[tp] = wanted[-1].offset
+                        applied += len(wanted)
+                for part, tp in list(parts.items()):
+                    if await consumer.position(part) >= todo[tp]:  # markers and aborted records count as read
+                        covered[tp] = todo[tp] - 1
+                        del parts[part]
+                await asyncio.sleep(0)  # the batch ran without a pause: let heartbeats and timers run
+                now = time.monotonic()
+                if parts and now - started >= budget_s:
+                    # what is half loaded goes: Faust's recovery reads those partitions whole, from their start
+                    for tp in parts.values():
+                        wipe_store(tables[tp].data, {tp.partition})
+                        covered.pop(tp, None)
+                    log.warning("bulk changelog load out of time; Faust's recovery reads the partitions left, from "
+                                "their start", applied=applied, budget_s=budget_s,
+                                left=sorted(f"{tp.topic}:{tp.partition}" for tp in parts.values()))
+                    break
+                if now >= next_report:
+                    next_report += self.report_every_s
+                    log.info("bulk changelog load", applied=applied, partitions_left=len(parts))
+        finally:
+            await consumer.stop()
+        log.info("changelogs loaded in bulk", records=applied, partitions=len(covered),
+                 seconds=round(time.monotonic() - started, 2))
+        return covered
+
+
+def install_full_recovery(app: Any, settled: SettledTransactions | None = None,
+                          loader: BulkChangelogLoader | None = None) -> None:
     """Wrap the table recovery's rebalance hook: wait for pending changelog transactions to settle,
     then wipe local state and recovered offsets before it runs; under exactly_once, recovery reads up to
     the last stable offsets the broker reports (not the consumer's cached ones)."""
@@ -149,6 +279,13 @@ def install_full_recovery(app: Any, settled: SettledTransactions | None = None) 
         destination.update({tp: offset - 1 for tp, offset in stable.items()})  # Faust's convention: last offset
         log.info("changelog recovery reads up to the last stable offsets", title=title,
                  ends={f"{tp.topic}:{tp.partition}": offset for tp, offset in sorted(stable.items())})
+        if loader is not None and title == "active":
+            # Faust runs this step under broker_request_timeout (and stops the worker past it): the loader stops
+            # within it, and Faust's recovery reads what is left
+            budget_s = 0.75 * float(app.conf.broker_request_timeout)
+            covered = await loader.load(stable, dict(recovery.tp_to_table), budget_s)
+            for tp, offset in covered.items():  # (a Counter: update() would add) Faust's recovery goes on after
+                recovery.active_offsets[tp] = offset
 
     async def on_rebalance(assigned: Any, revoked: Any, newly_assigned: Any, generation_id: int = 0) -> None:
         if generation_id == app.consumer_generation_id:
