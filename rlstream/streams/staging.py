@@ -9,7 +9,7 @@ only when every one fits, else the input record goes to the dead letters and the
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 _DELETED: Any = object()
@@ -80,17 +80,11 @@ def json_size(value: Any) -> int:
     return len(json.dumps(value).encode("utf-8"))
 
 
-def oversized_writes(staged: StagedWrites, limit: int,
-                     measure: Callable[[Any], int] = json_size) -> list[tuple[str, int]]:
-    """(key, size) of every staged write whose changelog record (key + value) would be over ``limit`` bytes."""
+def oversized_writes(staged: StagedWrites, limit: int) -> list[tuple[str, int]]:
+    """(key, size) of every staged write whose changelog record (key + value, JSON) would be over ``limit`` bytes."""
     out: list[tuple[str, int]] = []
     for key, value in staged.written():
-        size = json_size(key) + measure(value)
+        size = json_size(key) + json_size(value)
         if size > limit:
             out.append((key, size))
     return out
-
-
-def base64_json_size(value: bytes) -> int:
-    """Bytes of ``value`` stored as base64 text in a JSON table (the members table)."""
-    return 4 * ((len(value) + 2) // 3) + 2
