@@ -29,6 +29,7 @@ the gate would end up skipping them.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -131,10 +132,13 @@ class ProgressGate:
         self._floor.clear()
         seeks: dict[TP, int] = {}
         origin: dict[str, str] = {}
-        for tp in sorted(self.consumer.assignment()):
-            if tp.topic not in self.topics:
-                continue
-            marker = self.marker(tp.topic, tp.partition)
+        assigned = [tp for tp in sorted(self.consumer.assignment()) if tp.topic in self.topics]
+        # Read outside the record being processed (an empty context): Faust's RocksDB store looks a key up only in
+        # the database of the current event's partition, so the markers of every other partition would read as
+        # missing and those partitions would start from their committed offsets instead.
+        markers = contextvars.Context().run(lambda: {tp: self.marker(tp.topic, tp.partition) for tp in assigned})
+        for tp in assigned:
+            marker = markers[tp]
             if marker is None:  # nothing applied yet: start at the committed offset (else the log start)
                 start = self.consumer._committed_offset.get(tp)
                 how = "committed"
