@@ -38,8 +38,8 @@ changelog partitions first with one plain read_committed consumer, up to the sam
 applies them in batches through the table's own ``apply_changelog_batch`` (what Faust's recovery calls), only the
 last record of each key per batch; it then marks those partitions recovered up to their ends, so that Faust's own
 recovery finds nothing left to read there. Faust runs this step under ``broker_request_timeout`` and stops the
-worker past it, so the loader has a time budget (three quarters of it): a partition it could not finish is wiped
-again and Faust's recovery reads it from its start, the slow way.
+worker past it, so the loader has a time budget (three quarters of it): a table with a partition it could not
+finish is wiped again and Faust's recovery reads that table's partitions from their start, the slow way.
 """
 from __future__ import annotations
 
@@ -203,8 +203,8 @@ class BulkChangelogLoader:
     async def load(self, ends: dict[Any, int], tables: dict[Any, Any], budget_s: float) -> dict[Any, int]:
         """Apply every visible record below ``ends[tp]`` (the last stable offset) of each partition to
         ``tables[tp]`` (the last of each key per batch: the same state); returns ``ends[tp] - 1`` for each
-        partition read to its end. A partition not read to its end within ``budget_s`` is wiped again and left out
-        (Faust's recovery then reads it from its start)."""
+        partition read to its end. A table with a partition not read to its end within ``budget_s`` is wiped again
+        and all its partitions are left out (Faust's recovery then reads them from their start)."""
         todo = {tp: end for tp, end in ends.items() if end > 0 and tp in tables}
         covered: dict[Any, int] = {}
         if not todo:
@@ -237,10 +237,14 @@ class BulkChangelogLoader:
                 await asyncio.sleep(0)  # the batch ran without a pause: let heartbeats and timers run
                 now = time.monotonic()
                 if parts and now - started >= budget_s:
-                    # what is half loaded goes: Faust's recovery reads those partitions whole, from their start
-                    for tp in parts.values():
-                        wipe_store(tables[tp].data, {tp.partition})
-                        covered.pop(tp, None)
+                    # what is half loaded goes: every table with an unfinished partition is wiped whole (the memory
+                    # store wipes whole tables) and Faust's recovery reads all of that table's partitions
+                    unfinished = {id(tables[tp]) for tp in parts.values()}
+                    for table_id in unfinished:
+                        table_tps = [tp for tp in tables if id(tables[tp]) == table_id]
+                        wipe_store(tables[table_tps[0]].data, {tp.partition for tp in table_tps})
+                        for tp in table_tps:
+                            covered.pop(tp, None)
                     log.warning("bulk changelog load out of time; Faust's recovery reads the partitions left, from "
                                 "their start", applied=applied, budget_s=budget_s,
                                 left=sorted(f"{tp.topic}:{tp.partition}" for tp in parts.values()))
@@ -283,7 +287,15 @@ def install_full_recovery(app: Any, settled: SettledTransactions | None = None,
             # Faust runs this step under broker_request_timeout (and stops the worker past it): the loader stops
             # within it, and Faust's recovery reads what is left
             budget_s = 0.75 * float(app.conf.broker_request_timeout)
-            covered = await loader.load(stable, dict(recovery.tp_to_table), budget_s)
+            tables = {tp: recovery.tp_to_table[tp] for tp in stable if tp in recovery.tp_to_table}
+            try:
+                covered = await loader.load(stable, tables, budget_s)
+            except Exception as exc:  # the broker failed the loader: Faust's recovery reads everything, as before
+                log.warning("bulk changelog load failed; Faust's recovery reads the changelogs whole",
+                            error=repr(exc))
+                for tp, table in tables.items():
+                    wipe_store(table.data, {tp.partition})
+                covered = {}
             for tp, offset in covered.items():  # (a Counter: update() would add) Faust's recovery goes on after
                 recovery.active_offsets[tp] = offset
 
