@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from faust.types import TP
 from faust.utils import json as faust_json
 
 from rlstream.transport.log import get_logger
@@ -149,9 +150,7 @@ class ChangelogMessage:
     value: bytes | None
 
     @property
-    def tp(self) -> Any:
-        from faust.types import TP
-
+    def tp(self) -> TP:
         return TP(self.topic, self.partition)
 
 
