@@ -14,8 +14,8 @@ T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on uvloop where it is installed (the gateway extra has it; about a tenth less added
-    latency per call in bench/gateway_overhead.py), on asyncio's own loop otherwise."""
+    """``asyncio.run`` on uvloop where it is installed (the gateway extra has it, as uvicorn[standard] would), on
+    asyncio's own loop otherwise. Its gain on the gateway's hop was within the noise here (README, Benchmarks)."""
     try:
         import uvloop
     except ImportError:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +137,17 @@ class SettledTransactions:
             if consumer is not None:
                 await consumer.stop()
         self._committed = self._uncommitted = None
+
+
+def wipe_tables(tables: dict[Any, Any], partitions: Iterable[Any]) -> list[Any]:
+    """Wipe, once each, every table that one of ``partitions`` fills (``tables``: changelog partition -> table),
+    all of its partitions in ``tables`` (a memory store is only wiped whole); returns those partitions."""
+    wiped: list[Any] = []
+    for table_id in {id(tables[tp]) for tp in partitions}:
+        table_tps = [tp for tp in tables if id(tables[tp]) == table_id]
+        wipe_store(tables[table_tps[0]].data, {tp.partition for tp in table_tps})
+        wiped += table_tps
+    return wiped
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs several times more to build, per record
@@ -238,12 +249,8 @@ class BulkChangelogLoader:
                 if parts and now - started >= budget_s:
                     # what is half loaded goes: every table with an unfinished partition is wiped whole (the memory
                     # store wipes whole tables) and Faust's recovery reads all of that table's partitions
-                    unfinished = {id(tables[tp]) for tp in parts.values()}
-                    for table_id in unfinished:
-                        table_tps = [tp for tp in tables if id(tables[tp]) == table_id]
-                        wipe_store(tables[table_tps[0]].data, {tp.partition for tp in table_tps})
-                        for tp in table_tps:
-                            covered.pop(tp, None)
+                    for tp in wipe_tables(tables, parts.values()):
+                        covered.pop(tp, None)
                     log.warning("bulk changelog load out of time; Faust's recovery reads the partitions left, from "
                                 "their start", applied=applied, budget_s=budget_s,
                                 left=sorted(f"{tp.topic}:{tp.partition}" for tp in parts.values()))
@@ -292,8 +299,7 @@ def install_full_recovery(app: Any, settled: SettledTransactions | None = None,
             except Exception as exc:  # the broker failed the loader: Faust's recovery reads everything, as before
                 log.warning("bulk changelog load failed; Faust's recovery reads the changelogs whole",
                             error=repr(exc))
-                for tp, table in tables.items():
-                    wipe_store(table.data, {tp.partition})
+                wipe_tables(tables, tables)
                 covered = {}
             for tp, offset in covered.items():  # (a Counter: update() would add) Faust's recovery goes on after
                 recovery.active_offsets[tp] = offset
