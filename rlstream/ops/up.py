@@ -34,15 +34,17 @@ from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
 
-#: The toy run: a tiny randomly initialised Qwen2 learns to answer with the letter the prompt names.
+#: The toy run: a tiny Qwen2 (random init plus a generic copy skill) learns to answer with the letter the prompt
+#: names, under a reward no constant answer can earn (about 1/8); lr 1e-2 wrecks the pre-trained copy skill.
 TOY_DEFAULTS: dict[str, Any] = {
     "policy": "toy",
     "topics": {"partitions": 4},
     "streams": {"group_timeout_s": 60.0, "min_group_size": 2, "max_policy_lag": 8, "min_reward_diff": 0.0,
                 "metrics_interval_s": 2.0},
-    "learner": {"lora": {"enabled": False}, "learning_rate": 1e-2, "groups_per_step": 8, "publish_every": 1,
+    "learner": {"lora": {"enabled": False}, "learning_rate": 1e-3, "groups_per_step": 8, "publish_every": 1,
                 "checkpoint_every": 5, "scale_rewards": "group"},
-    "rollout": {"workflow": "rlstream.rollout.workflows:single_turn", "reward_function": "rlstream.ops.toy:toy_reward",
+    "rollout": {"workflow": "rlstream.rollout.workflows:single_turn",
+                "reward_function": "rlstream.ops.toy:toy_strict_reward",
                 "group_size": 8, "concurrency": 8, "max_policy_lag": 2, "mode": "continuous",
                 "max_tokens": 12, "temperature": 1.0, "model": "toy"},
     "inference": {"served_model": "toy"},
@@ -52,6 +54,10 @@ SMOLLM2_DEFAULTS: dict[str, Any] = {
     "learner": {"lora": {"enabled": True}, "learning_rate": 1e-4},
     "rollout": {"max_tokens": 16},
 }
+#: Production traffic trains single responses against a task-wide baseline: a step of 32 of them (about the samples
+#: of 4 GRPO groups) is less noisy than 8, and versions come slowly enough that most feedback (5-60 s late) is still
+#: within streams.max_policy_lag (measured: 0.34 -> 0.63 in 35 versions, against a dip to 0.20 and 0.48 at 8).
+PRODUCTION_TRAFFIC_DEFAULTS: dict[str, Any] = {"learner": {"groups_per_step": 32}}
 HELDOUT_SEED = 1_000
 
 
@@ -132,6 +138,8 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
     user = read_yaml(opts.config) if opts.config else {}
     toy = opts.config is None
     base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
+    if toy and opts.traffic == "production":
+        base = deep_merge(base, PRODUCTION_TRAFFIC_DEFAULTS)
     plumbing: dict[str, Any] = {
         "run_id": run_id,
         "kafka": {"bootstrap_servers": stack.bootstrap},
@@ -527,10 +535,6 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     config_path = run_dir / "config.yaml"
     try:
         model_dir, dataset, heldout = _task(opts, run_dir, user_cfg)
-        if user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
-            from rlstream.ops.toy import best_constant_answer
-
-            figures.constant_answer = best_constant_answer(heldout)
         print(f"run {run_id}: data in {run_dir}", flush=True)
         print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
         ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")
@@ -540,6 +544,11 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset)
         sup.env.update(secret_env(cfg))
+        if user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
+            from rlstream.ops.toy import best_constant_answer
+            from rlstream.rollout.loading import load_callable
+
+            figures.constant_answer = best_constant_answer(heldout, load_callable(cfg.rollout.reward_function))
         asyncio.run(create_topics(cfg.kafka, cfg.topics))
         c = ["-c", str(config_path)]
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
@@ -607,10 +616,13 @@ def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tu
         path = user_cfg.finetuning.validation_dataset
         heldout = load_examples(path)[: opts.heldout_examples] if path else []
         return Path(user_cfg.learner.model), None, heldout
-    from rlstream.ops.toy import build_tiny_model, smollm2_model_dir, toy_dataset
+    from rlstream.ops.toy import COPY_PRETRAIN_STEPS, build_tiny_model, smollm2_model_dir, toy_dataset
 
     models = (opts.runs_dir / "models").resolve()
-    model_dir = smollm2_model_dir(models / "smollm2") if opts.model == "smollm2" else build_tiny_model(models / "tiny")
+    if opts.model == "smollm2":
+        model_dir = smollm2_model_dir(models / "smollm2")
+    else:  # a random tiny model given a generic copy skill first (rlstream/ops/toy.py), never the task's answers
+        model_dir = build_tiny_model(models / "tiny", pretrain_steps=COPY_PRETRAIN_STEPS)
     dataset = run_dir / "train.jsonl"
     dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
     return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)

@@ -167,7 +167,10 @@ class StreamsConfig(Section):
     metrics_interval_s: float = Field(5.0, gt=0)
     prometheus_port: int | None = None
     tick_interval_s: float = Field(1.0, gt=0, description="how often open groups are checked for timeout")
-    commit_interval_s: float = Field(1.0, gt=0, description="Faust commit (and transaction) interval")
+    commit_interval_s: float = Field(0.2, gt=0, description=(
+        "Faust commit (and transaction) interval: read_committed readers see a group only once its transaction "
+        "commits, so it bounds the assembly latency (bench/streams_throughput.py: p50 529 ms at 1 s, 150 ms at "
+        "0.2 s, at no throughput cost; Kafka Streams commits every 100 ms under exactly_once)"))
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
     standby_replicas: int = Field(0, ge=0)
