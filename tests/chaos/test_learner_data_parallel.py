@@ -42,15 +42,16 @@ def learner_config(base: RlstreamConfig, model: Path, out: Path, steps: int, suf
                                    "topics": base.topics.model_copy(update={"prefix": f"{base.topics.prefix}{suffix}."})})
 
 
-async def place_groups(cfg: RlstreamConfig, count: int) -> list[int]:
-    """``count`` groups on partition 0 of the groups topic (one order for every run); their offsets."""
+async def place_groups(cfg: RlstreamConfig, count: int, first: int = 0) -> list[int]:
+    """Groups ``first .. first + count - 1`` on partition 0 of the groups topic (one order for every run); their offsets."""
     await create_topics(cfg.kafka, cfg.topics)
     codec, topic = AvroCodec(), TopicNames.from_config(cfg.topics).groups
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
         return [(await producer.send_and_wait(topic, codec.encode(random_group(cfg.policy, cfg.run_id, i)),
-                                              key=f"ex-{i}".encode(), partition=0)).offset for i in range(count)]
+                                              key=f"ex-{i}".encode(), partition=0)).offset
+                for i in range(first, first + count)]
     finally:
         await producer.stop()
 
@@ -118,7 +119,9 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 def test_a_killed_rank_restarts_and_every_group_is_trained_once(rl_config: RlstreamConfig, tmp_path: Path) -> None:
     steps = 4
     cfg = learner_config(rl_config, tiny_model(tmp_path), tmp_path / "learner", steps=steps, suffix="kill")
-    offsets = asyncio.run(place_groups(cfg, steps * GROUPS_PER_STEP))
+    # Two steps' groups and one more: the first run trains two steps, then holds half of the third step's batch
+    # (read, not trained, not committed) while it waits for the rest; the kill lands there, whatever the speed.
+    offsets = asyncio.run(place_groups(cfg, 2 * GROUPS_PER_STEP + 1))
     versions_dir = Path(cfg.learner.output_dir) / "versions"
 
     proc = launch(cfg, tmp_path, "first")
@@ -127,13 +130,14 @@ def test_a_killed_rank_restarts_and_every_group_is_trained_once(rl_config: Rlstr
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no second version in time"
         time.sleep(0.2)
+    time.sleep(2.0)  # time to poll the odd group
     victim = rank_pid(proc.pid, 1)
     assert victim is not None, "rank 1 not found under torchrun"
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=120) != 0  # torchrun stops the group when a rank dies
-    first_run = trained_offsets(cfg)
-    assert 2 * GROUPS_PER_STEP <= len(first_run) < len(offsets)  # killed mid-run
+    assert trained_offsets(cfg) == offsets[:2 * GROUPS_PER_STEP]  # killed mid-run, the odd group untrained
 
+    offsets += asyncio.run(place_groups(cfg, (steps - 2) * GROUPS_PER_STEP - 1, first=len(offsets)))
     again = launch(cfg, tmp_path, "second")
     assert again.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()[-4000:]
     assert trained_offsets(cfg) == offsets  # each group once: none lost, none trained twice
