@@ -386,10 +386,11 @@ class StreamsApp:
     def _decode_valid(self, msg: Any) -> TrajectoryEvent | RewardEvent:
         """The record decoded and checked (raises :class:`streams.validation.Rejected`)."""
         if msg.topic == self.names.trajectories:
-            event = v.decode_event(self.codec, msg.value, TrajectoryEvent)
-            assert isinstance(event, TrajectoryEvent)
+            ingested = v.decode_trajectory(self.codec, msg.value)
+            event = ingested.event
             invalid = v.check_key(msg.key, event.example_id) or v.validate_trajectory(
-                event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size)
+                event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size,
+                ingested.turn_counts)
         else:
             event = v.decode_event(self.codec, msg.value, RewardEvent)
             assert isinstance(event, RewardEvent)

@@ -6,10 +6,15 @@ and a message a person can act on, or ``None`` when the event is fine.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rlstream.schemas.codec import AvroCodec, CodecError, CorruptPayloadError, IncompatibleSchemaError, PayloadTooLargeError, UnknownSchemaError
-from rlstream.schemas.models import RewardEvent, TrajectoryEvent, WireModel
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent, Turn, WireModel
+from rlstream.schemas.skim import SkippedNumbers
+
+T = TypeVar("T")
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "function", "environment", "other"})
 
@@ -63,8 +68,13 @@ def decode_event(codec: AvroCodec, value: bytes | None, model: type[WireModel]) 
         raise Rejected(Invalid(EMPTY_VALUE, "record has no value (a tombstone); events are never deleted by key"))
     if len(value) == 0:
         raise Rejected(Invalid(EMPTY_VALUE, "record value is empty (0 bytes)"))
+    return _checked(lambda: codec.decode(value, model))
+
+
+def _checked(decode: Callable[[], T]) -> T:
+    """``decode()``, its codec errors turned into :class:`Rejected` with their reason."""
     try:
-        return codec.decode(value, model)
+        return decode()
     except UnknownSchemaError as exc:
         raise Rejected(Invalid(UNKNOWN_SCHEMA, str(exc))) from exc
     except IncompatibleSchemaError as exc:
@@ -73,6 +83,57 @@ def decode_event(codec: AvroCodec, value: bytes | None, model: type[WireModel]) 
         raise Rejected(Invalid(TOO_LARGE, str(exc))) from exc
     except (CorruptPayloadError, CodecError) as exc:
         raise Rejected(Invalid(CORRUPT_PAYLOAD, str(exc))) from exc
+
+
+@dataclass(frozen=True)
+class TurnCounts:
+    """How many completion token ids and logprobs a turn holds (``None``: the field is null)."""
+
+    completion_token_ids: int | None
+    completion_logprobs: int | None
+
+    @classmethod
+    def of(cls, turn: Turn) -> "TurnCounts":
+        ids, lps = turn.completion_token_ids, turn.completion_logprobs
+        return cls(None if ids is None else len(ids), None if lps is None else len(lps))
+
+
+@dataclass(frozen=True)
+class IngestedTrajectory:
+    """A trajectory record as the stream reads it: the event without its turns' token data, and their counts.
+
+    The stream keeps the record's bytes as they came and never re-encodes ``event``; its turns' ``prompt_token_ids``,
+    ``completion_token_ids`` and ``completion_logprobs`` are ``None`` when the record was skimmed."""
+
+    event: TrajectoryEvent
+    turn_counts: list[TurnCounts]
+
+
+_TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
+
+
+def _count(value: object) -> int | None:
+    return value.count if isinstance(value, SkippedNumbers) else None
+
+
+def decode_trajectory(codec: AvroCodec, value: bytes | None) -> IngestedTrajectory:
+    """Decode a trajectory record, counting its token data instead of building it when the record was written with the
+    codec's own schema (schemas/skim.py); a record of another schema version is decoded whole. Raises
+    :class:`Rejected` with the reason."""
+    record = _checked(lambda: None if not value else codec.skim_record(value, TrajectoryEvent.avro_name))
+    if record is None:
+        event = decode_event(codec, value, TrajectoryEvent)
+        assert isinstance(event, TrajectoryEvent)
+        return IngestedTrajectory(event, [TurnCounts.of(turn) for turn in event.turns])
+    counts = []
+    for turn in record.get("turns") or []:
+        counts.append(TurnCounts(_count(turn["completion_token_ids"]), _count(turn["completion_logprobs"])))
+        turn.update(dict.fromkeys(_TOKEN_FIELDS))
+    try:
+        event = TrajectoryEvent.model_validate(record)
+    except ValueError as exc:
+        raise Rejected(Invalid(CORRUPT_PAYLOAD, f"decoded {TrajectoryEvent.avro_name} is not valid: {exc}")) from exc
+    return IngestedTrajectory(event, counts)
 
 
 def _finite(x: float | None) -> bool:
@@ -87,8 +148,10 @@ def check_key(key: bytes | None, example_id: str) -> Invalid | None:
     return None
 
 
-def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_group_size: int = 256) -> Invalid | None:
-    """Check one trajectory against DESIGN.md's ingest rules; the first problem found is returned."""
+def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_group_size: int = 256,
+                        turn_counts: list[TurnCounts] | None = None) -> Invalid | None:
+    """Check one trajectory against DESIGN.md's ingest rules; the first problem found is returned. ``turn_counts``
+    (from :func:`decode_trajectory`) stand for the turns' token data when the event was read without it."""
     for name in ("trajectory_id", "group_id", "example_id", "run_id", "policy"):
         if not getattr(event, name).strip():
             return Invalid(MISSING_ID, f"{name} is empty")
@@ -110,13 +173,13 @@ def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_gro
     for i in range(1, len(event.messages)):
         if event.messages[i].role == "assistant" and event.messages[i - 1].role == "assistant":
             return Invalid(CONSECUTIVE_ASSISTANT, f"messages {i - 1} and {i} are both assistant messages")
-    for i, turn in enumerate(event.turns):
-        ids, lps = turn.completion_token_ids, turn.completion_logprobs
-        if ids is not None and lps is not None and len(ids) != len(lps):
-            return Invalid(TOKEN_LOGPROB_MISMATCH,
-                           f"turn {i}: {len(ids)} completion token ids but {len(lps)} logprobs")
+    counts = turn_counts if turn_counts is not None else [TurnCounts.of(turn) for turn in event.turns]
+    for i, count in enumerate(counts):
+        ids, lps = count.completion_token_ids, count.completion_logprobs
+        if ids is not None and lps is not None and ids != lps:
+            return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {ids} completion token ids but {lps} logprobs")
         if lps is not None and ids is None:
-            return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {len(lps)} logprobs without completion token ids")
+            return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {lps} logprobs without completion token ids")
     if not _finite(event.reward):
         return Invalid(NON_FINITE_REWARD, f"reward is {event.reward}")
     for name, value in event.reward_components.items():
