@@ -143,11 +143,13 @@ def _skip_varints(buf: bytes, pos: int, count: int, max_bytes: int) -> int:
             _, pos = read_long(buf, pos, max_bytes)
         return pos
     window = np.frombuffer(buf, dtype=np.uint8, count=min(len(buf) - pos, count * max_bytes), offset=pos)
-    ends = np.flatnonzero(window < 0x80)  # the last byte of each varint has no continuation bit
+    ends = (window < 0x80).nonzero()[0]  # the last byte of each varint has no continuation bit
     if len(ends) < count:
         raise SkimError(f"data ends inside an array of {count} numbers")
     last = int(ends[count - 1])
-    if int(ends[0]) >= max_bytes or int((ends[1:count] - ends[:count - 1]).max()) > max_bytes:
+    # a varint over max_bytes makes the span at least count + max_bytes bytes: only then are the lengths looked at
+    if last + 1 >= count + max_bytes and (
+            int(ends[0]) >= max_bytes or int(np.maximum.reduce(ends[1:count] - ends[:count - 1])) > max_bytes):
         raise SkimError(f"varint longer than {max_bytes} bytes in an array of numbers")
     return pos + last + 1
 
