@@ -136,6 +136,8 @@ def main() -> None:
         ("decode (model)", lambda: reader.decode(data, TrajectoryEvent), bare_decode),
         ("decode, newer reader", lambda: newer.decode_record(data, NAME),
          lambda: fastavro.schemaless_reader(io.BytesIO(body), parsed, parsed_newer)),
+        # what the streams worker does: token ids and logprobs counted, not built (rlstream/schemas/skim.py)
+        ("skim_record (streams)", lambda: reader.skim_record(data, NAME), bare_decode),
     ]
     framing = "Confluent wire format" if args.registry else "single-object encoding"
     print(f"event: TrajectoryEvent, 8 turns x 512 completion tokens + logprobs, {len(data) / 1024:.1f} KiB "
