@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,15 +10,14 @@ from typing import Any, Iterable
 
 from aiokafka import TopicPartition
 
-from rlstream.ops.infra import stop_pid
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup, WireModel
 from rlstream.transport import aborted_index
 from rlstream.transport import metric_names as mn
+from tests.child_process import ChildProcess
 
-ROOT = Path(__file__).resolve().parents[1]
 CODEC = AvroCodec()
 # the readers below use read_committed: keep them from dropping records committed after an aborted transaction
 # (a killed worker's) on the local broker (see rlstream/transport/aborted_index.py)
@@ -50,46 +47,14 @@ def worker_overrides(cfg: RlstreamConfig, **extra: Any) -> list[str]:
     return args
 
 
-class Worker:
+class Worker(ChildProcess):
     """``python -m rlstream.cli streams worker`` as a child process (its own session, stopped by PID)."""
 
     def __init__(self, cfg: RlstreamConfig, worker_id: str, log_dir: Path, **extra: Any) -> None:
         # RLSTREAM_TEST_WORKER_LOGLEVEL=INFO keeps Faust's own recovery and rebalance lines in the worker log
         loglevel = os.environ.get("RLSTREAM_TEST_WORKER_LOGLEVEL", "WARNING")
-        self.cmd = [sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
-                    "--loglevel", loglevel, *worker_overrides(cfg, **extra)]
-        self.log_path = log_dir / f"{worker_id}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> "Worker":
-        log = open(self.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no flush, no commit."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            stop_pid(self.proc.pid, timeout_s=20)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        super().__init__([sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
+                          "--loglevel", loglevel, *worker_overrides(cfg, **extra)], log_dir / f"{worker_id}.log")
 
 
 async def remove_dead_member(cfg: RlstreamConfig, worker_id: str, timeout_s: float = 30.0) -> int:

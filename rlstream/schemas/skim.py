@@ -7,7 +7,7 @@ there are (``streams.validation`` compares the counts) and keeps the record's by
 same binary encoding (Avro 1.11 specification, "Binary Encoding") and, for every array whose items are ``int``,
 ``long``, ``float`` or ``double``, returns :class:`SkippedNumbers` with the item count: ``float``/``double`` items have
 a fixed size and are stepped over at once; ``int``/``long`` varints are delimited with one numpy scan for the bytes
-without the continuation bit. Everything else is decoded as fastavro decodes it (logical types through fastavro's
+without the continuation bit (one at a time in Python where numpy is not installed: the core, SDK-only install). Everything else is decoded as fastavro decodes it (logical types through fastavro's
 public ``LOGICAL_READERS``), so the result equals ``fastavro.schemaless_reader``'s with each numeric array replaced
 by its count (``tests/unit/test_skim.py`` checks that, and that whatever this reader accepts fastavro accepts too).
 
@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 from fastavro.read import LOGICAL_READERS
+
+try:
+    import numpy as np
+except ImportError:  # the core install (the capture SDK) has no numpy and never skims; the streams extra has it
+    np = None  # type: ignore[assignment]
 
 #: a reader of one value: (buffer, position) -> (value, position after it)
 Reader = Callable[[bytes, int], tuple[Any, int]]
@@ -138,7 +142,7 @@ def _block_count(buf: bytes, pos: int) -> tuple[int, int]:
 
 def _skip_varints(buf: bytes, pos: int, count: int, max_bytes: int) -> int:
     """The position after ``count`` varints starting at ``pos``."""
-    if count < _SCAN_FROM:
+    if count < _SCAN_FROM or np is None:
         for _ in range(count):
             _, pos = read_long(buf, pos, max_bytes)
         return pos

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -24,14 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rlstream.ops.infra import ServiceProcess, free_port, start_kafka, stop_pid
+from rlstream.ops.infra import ServiceProcess, free_port, start_kafka
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import create_topics
+from tests.child_process import ChildProcess
 from tests.learner_helpers import read_whole_topic
 
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say ok."}]
 
 
@@ -135,28 +132,19 @@ async def _spool_empty(http: httpx.AsyncClient, url: str) -> bool:
 
 
 # --- the gateway as a process, SIGKILLed ------------------------------------------------------------------------
-class GatewayProcess:
+class GatewayProcess(ChildProcess):
     """``rlstream gateway serve`` as a child process in its own session."""
 
     def __init__(self, cfg: RlstreamConfig, upstream: str, port: int, log_path: Path, *extra: str) -> None:
         overrides = {"kafka.bootstrap_servers": cfg.kafka.bootstrap_servers, "kafka.request_timeout_ms": "5000",
                      "topics.prefix": cfg.topics.prefix, "topics.partitions": str(cfg.topics.partitions),
                      "run_id": cfg.run_id, "policy": cfg.policy}
-        self.cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve",
-                    "--upstream", upstream, "--port", str(port), "--no-route-versions", "--spool-after-s", "1",
-                    *extra]
+        cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve",
+               "--upstream", upstream, "--port", str(port), "--no-route-versions", "--spool-after-s", "1", *extra]
         for key, value in overrides.items():
-            self.cmd += ["-o", key, value]
+            cmd += ["-o", key, value]
+        super().__init__(cmd, log_path, env={"XDG_STATE_HOME": str(log_path.parent / "state")})
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> "GatewayProcess":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_STATE_HOME": str(self.log_path.parent / "state")}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        return self
 
     async def ready(self, http: httpx.AsyncClient, timeout_s: float = 40.0) -> None:
         async def up() -> bool:
@@ -166,25 +154,12 @@ class GatewayProcess:
             return False
         await eventually(up, "the gateway answers /health", timeout_s)
 
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no flush."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            stop_pid(self.proc.pid, timeout_s=20)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
+    def shown(self, line: str) -> bool:
+        """Not access lines, nor the client's reconnect noise."""
+        return "Unable connect" not in line and '"GET /' not in line and '"POST /' not in line
 
     def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of its log, without access lines and the client's reconnect noise."""
-        with contextlib.suppress(OSError):
-            lines = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                     if "Unable connect" not in line and '"GET /' not in line and '"POST /' not in line]
-            return "\n".join(lines[-n:])
-        return ""
+        return super().log_tail(n)
 
 
 @contextlib.contextmanager

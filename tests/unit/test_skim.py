@@ -195,3 +195,16 @@ def test_the_stream_keeps_every_verdict_of_the_full_decode() -> None:
     with pytest.raises(v.Rejected) as empty:
         v.decode_trajectory(CODEC, b"")
     assert empty.value.invalid.reason == v.EMPTY_VALUE
+
+
+def test_without_numpy_the_counts_and_errors_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core install (the SDK) has no numpy: long arrays are then delimited one varint at a time."""
+    from rlstream.schemas import skim as skim_module
+
+    payload = CODEC.encode(make_trajectory(turns=2, completion_tokens=300, prompt_tokens=40, seed=9))
+    with_numpy = CODEC.skim_record(payload, TrajectoryEvent.avro_name)
+    over_long = _long(20) + b"\x02" * 19 + b"\x80" * 6 + b"\x01" + _long(0)
+    monkeypatch.setattr(skim_module, "np", None)
+    assert CODEC.skim_record(payload, TrajectoryEvent.avro_name) == with_numpy
+    with pytest.raises(SkimError, match="longer than 5 bytes"):
+        skim(json.dumps({"type": "array", "items": "int"}), over_long)
