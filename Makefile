@@ -20,4 +20,5 @@ bench: bootstrap
 	.venv/bin/python bench/codec_speed.py
 	.venv/bin/python bench/streams_throughput.py
 	.venv/bin/python bench/streams_recovery.py
+	.venv/bin/python bench/streams_tick.py
 	.venv/bin/python bench/learner_step.py

@@ -37,6 +37,7 @@ from rlstream.schemas.models import DeadLetter, MetricEvent, RewardEvent, Trajec
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
+from rlstream.streams.deadlines import DueIndex
 from rlstream.streams.assembly import (AssemblyRules, Finished, GroupAssembler, OpenGroup, Outcome, Reject,
                                        SourceRef, group_state_from_json)
 from rlstream.streams.filters import apply_filters
@@ -217,7 +218,9 @@ class StreamsApp:
         self.payloads = PayloadCache(self.cfg.streams.payload_cache_bytes)
         self.offset_reader = OffsetReader(lambda: make_consumer(self.cfg.kafka, group_id=None,
                                                                 isolation_level="read_committed"))
-        self.assembler = GroupAssembler(self.groups_view, self.payloads, self.codec, self.rules)
+        # when each group's time comes, so a tick does not walk the table (rebuilt whenever the table changes under us)
+        self.due_index = DueIndex()
+        self.assembler = GroupAssembler(self.groups_view, self.payloads, self.codec, self.rules, self.due_index)
         self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
@@ -280,14 +283,17 @@ class StreamsApp:
         @app.on_partitions_revoked.connect
         async def on_revoked(*_: Any, **__: Any) -> None:
             self.gate.invalidate()
+            self.due_index.invalidate()
 
         @app.on_partitions_assigned.connect
         async def on_assigned(*_: Any, **__: Any) -> None:
             self.gate.invalidate()
+            self.due_index.invalidate()
 
         @app.on_rebalance_complete.connect
         async def on_recovered(*_: Any, **__: Any) -> None:
             self.gate.invalidate()
+            self.due_index.invalidate()
 
         @app.timer(self.cfg.streams.metrics_interval_s)
         async def report() -> None:
@@ -334,6 +340,7 @@ class StreamsApp:
                 outcome = self.assembler.time_out(due, now)
             except Exception:  # a tick carries no data: log it, the next tick checks again
                 log.exception("tick could not be processed", partition=msg.partition)
+                self.due_index.invalidate(msg.partition)  # what it popped and did not finish is found again
                 outcome = Outcome()
         else:
             self.telemetry.count(mn.STREAMS_EVENTS_IN)
@@ -367,7 +374,7 @@ class StreamsApp:
             if isinstance(state, OpenGroup):
                 await self.read_back([state])
         groups = StagedWrites(self.groups_view)
-        assembler = GroupAssembler(groups, self.payloads, self.codec, self.rules)
+        assembler = GroupAssembler(groups, self.payloads, self.codec, self.rules, self.due_index)
         record_ts = float(msg.timestamp or now)
         if isinstance(event, TrajectoryEvent):
             outcome = assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)

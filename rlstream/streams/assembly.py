@@ -23,13 +23,14 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, MutableMapping
+from typing import Any, Iterable, MutableMapping
 
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import (GroupBaseline, GroupCompletion, RewardEvent, SourceOffset, TrajectoryEvent,
                                      TrajectoryGroup, utc_now)
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules, BaselineState, baseline_key, is_baseline, score, table_key, task_of
+from rlstream.streams.deadlines import DueIndex
 
 
 @dataclass(frozen=True)
@@ -279,11 +280,13 @@ class GroupAssembler:
     """Turns trajectory and reward records into finished groups, one partition's stores at a time."""
 
     def __init__(self, groups: MutableMapping[str, Any], payloads: MutableMapping[SourceRef, bytes],
-                 codec: AvroCodec, rules: AssemblyRules) -> None:
+                 codec: AvroCodec, rules: AssemblyRules, due_index: DueIndex | None = None) -> None:
         self.groups = groups  # group_id -> GroupState.to_json()
         self.payloads = payloads  # source -> record bytes as consumed (a cache: a miss is read back by offset)
         self.codec = codec
         self.rules = rules
+        # when each group's time comes (streams/deadlines.py); without one, a tick walks the whole table
+        self.due_index = due_index
 
     # -- records -------------------------------------------------------------------------
     def on_trajectory(self, event: TrajectoryEvent, raw: bytes, key: bytes | None, src: SourceRef,
@@ -367,19 +370,31 @@ class GroupAssembler:
 
     def due(self, partition: int, now: float) -> list[tuple[str, OpenGroup | None]]:
         """Groups of ``partition`` whose time has come: (group_id, open state to time out, or None to forget)."""
+        if self.due_index is None:
+            candidates: Iterable[tuple[str, Any]] = list(self.groups.items())
+        else:
+            ids = self.due_index.pop_due(partition, now, lambda: self._deadlines(partition))
+            candidates = [(group_id, self.groups.get(group_id)) for group_id in dict.fromkeys(ids)]
         due: list[tuple[str, OpenGroup | None]] = []
-        for group_id, data in list(self.groups.items()):
-            if stored_partition(data) != partition or is_baseline(data):
+        for group_id, data in candidates:
+            if data is None or stored_partition(data) != partition or is_baseline(data):
                 continue
             # decided on the stored fields: a scan must not decode every group at every tick
-            if data.get("closed"):
-                if now - float(data["closed_at"]) >= self.rules.closed_retention_s:
-                    due.append((group_id, None))
-                continue
-            timeout = self._timeout_for(data.get("n"))
-            if now - float(data["t0"]) >= timeout:
-                due.append((group_id, OpenGroup.from_json(data)))
+            if now < self._deadline(data):
+                continue  # (from the index: a later write moved its deadline and noted the new one)
+            due.append((group_id, None if data.get("closed") else OpenGroup.from_json(data)))
         return due
+
+    def _deadline(self, data: dict[str, Any]) -> float:
+        """When a stored group state's time comes: a closed group is forgotten, an open one timed out."""
+        if data.get("closed"):
+            return float(data["closed_at"]) + self.rules.closed_retention_s
+        return float(data["t0"]) + self._timeout_for(data.get("n"))
+
+    def _deadlines(self, partition: int) -> list[tuple[float, str]]:
+        """(deadline, group_id) of every stored group of ``partition`` (to build its index)."""
+        return [(self._deadline(data), group_id) for group_id, data in list(self.groups.items())
+                if stored_partition(data) == partition and not is_baseline(data)]
 
     def time_out(self, due: list[tuple[str, OpenGroup | None]], now: float) -> Outcome:
         """Time out or expire the open groups of ``due`` and forget the closed ones (see :meth:`due`)."""
@@ -390,6 +405,7 @@ class GroupAssembler:
                 out.counts["closed_forgotten"] += 1
             else:
                 out.extend(self._time_out(open_state, now))
+                self._note(self.groups.get(group_id), group_id)  # (closed by now; noted again whatever happened)
         return out
 
     # -- internals -----------------------------------------------------------------------
@@ -418,7 +434,12 @@ class GroupAssembler:
         return OpenGroup(group_id=event.group_id, example_id=event.example_id, partition=src.partition, opened_at=now)
 
     def _store(self, state: GroupState) -> None:
-        self.groups[state.group_id] = state.to_json()
+        data = self.groups[state.group_id] = state.to_json()
+        self._note(data, state.group_id)
+
+    def _note(self, data: dict[str, Any] | None, group_id: str) -> None:
+        if self.due_index is not None and data is not None:
+            self.due_index.note(int(data["p"]), group_id, self._deadline(data))
 
     @staticmethod
     def _on_closed(state: ClosedGroup, trajectory_id: str, duplicate_counter: str, late_message: str,
