@@ -204,20 +204,24 @@ def _map_reader(values: Reader) -> Reader:
     return read
 
 
+def _read_index(buf: bytes, pos: int, size: int, what: str) -> tuple[int, int]:
+    """A union branch or enum symbol index, checked against the ``size`` there are."""
+    index, pos = read_long(buf, pos)
+    if not 0 <= index < size:
+        raise SkimError(f"{what} index {index} out of range (there are {size})")
+    return index, pos
+
+
 def _union_reader(branches: list[Reader]) -> Reader:
     def read(buf: bytes, pos: int) -> tuple[Any, int]:
-        index, pos = read_long(buf, pos)
-        if not 0 <= index < len(branches):
-            raise SkimError(f"union branch {index} out of range (the union has {len(branches)})")
+        index, pos = _read_index(buf, pos, len(branches), "union branch")
         return branches[index](buf, pos)
     return read
 
 
 def _enum_reader(symbols: list[str]) -> Reader:
     def read(buf: bytes, pos: int) -> tuple[str, int]:
-        index, pos = read_long(buf, pos)
-        if not 0 <= index < len(symbols):
-            raise SkimError(f"enum index {index} out of range (the enum has {len(symbols)} symbols)")
+        index, pos = _read_index(buf, pos, len(symbols), "enum symbol")
         return symbols[index], pos
     return read
 

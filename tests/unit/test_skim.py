@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlstream.schemas.codec import HISTORY_DIR, AvroCodec, CodecError, CorruptPayloadError
+from rlstream.schemas.codec import _avro_long as _long  # the encoder's own varint writer
 from rlstream.schemas.models import Message, TrajectoryEvent, Turn
 from rlstream.schemas.skim import SkimError, SkippedNumbers, skim
 from rlstream.streams import validation as v
@@ -95,16 +96,6 @@ def test_generated_trajectories_skim_to_the_full_decode(turns: list[Any], conten
         "reward": reward, "metadata": metadata})
     skimmed, full = skimmed_and_full(CODEC.encode(event), TrajectoryEvent.avro_name)
     assert skimmed == full
-
-
-def _long(value: int) -> bytes:
-    zigzag = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while zigzag > 0x7F:
-        out.append((zigzag & 0x7F) | 0x80)
-        zigzag >>= 7
-    out.append(zigzag)
-    return bytes(out)
 
 
 def test_blocks_with_byte_sizes_and_several_blocks() -> None:
