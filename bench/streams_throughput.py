@@ -8,6 +8,7 @@ the worker stopped, the events published, the worker started again, timed from i
 its last (the ratio against the raw rate uses this one).
 
     .venv/bin/python bench/streams_throughput.py --groups 400 --group-size 4 [--commit-interval 0.2]
+        [--group-commit-delay 0.05] [--latency-groups 200]
 """
 from __future__ import annotations
 
@@ -67,16 +68,37 @@ async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> float:
         await consumer.stop()
 
 
-async def wait_groups(cfg: RlstreamConfig, topic: str, n: int, produced_at: dict[str, float] | None = None
-                      ) -> tuple[float, list[float]]:
-    """Seconds until ``n`` groups are readable (read_committed) and, with ``produced_at``, the latency of each
-    from its last member's publication to the group being readable."""
+async def wait_groups(cfg: RlstreamConfig, topic: str, n: int) -> float:
+    """Seconds until ``n`` groups are readable (read_committed)."""
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        await read_from_beginning(consumer, topic)
+        seen, start = 0, time.perf_counter()
+        while seen < n:
+            batch = await consumer.getmany(timeout_ms=200)
+            seen += sum(len(r) for r in batch.values())
+        return time.perf_counter() - start
+    finally:
+        await consumer.stop()
+
+
+async def group_latencies(cfg: RlstreamConfig, topic: str, produced_at: dict[str, float], n: int,
+                          positioned: asyncio.Event) -> list[float]:
+    """The latency of each of the next ``n`` groups, from its last member's publication to the group being readable
+    (read_committed). Reads from the topic's end, so no earlier group delays the clock; sets ``positioned`` once
+    there."""
     consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
     await consumer.start()
     latencies: list[float] = []
     try:
-        await read_from_beginning(consumer, topic)
-        seen, start = 0, time.perf_counter()
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(tps)
+        await consumer.seek_to_end(*tps)
+        for tp in tps:
+            await consumer.position(tp)  # resolved now, not at the first fetch
+        positioned.set()
+        seen = 0
         while seen < n:
             batch = await consumer.getmany(timeout_ms=200)
             now = time.time()
@@ -84,12 +106,10 @@ async def wait_groups(cfg: RlstreamConfig, topic: str, n: int, produced_at: dict
                 for r in records:
                     seen += 1
                     # a group's key is its example id: no decode (16 ms per 180 KiB group) delays the clock
-                    if produced_at is None or r.key is None:
-                        continue
-                    example_id = r.key.decode()
+                    example_id = r.key.decode() if r.key is not None else ""
                     if example_id in produced_at:
                         latencies.append(now - produced_at[example_id])
-        return time.perf_counter() - start, latencies
+        return latencies
     finally:
         await consumer.stop()
 
@@ -160,6 +180,9 @@ def main() -> None:
     ap.add_argument("--latency-groups", type=int, default=50)
     ap.add_argument("--commit-interval", type=float, default=StreamsConfig.model_fields["commit_interval_s"].default,
                     help="streams.commit_interval_s of the worker (default: the config's)")
+    ap.add_argument("--group-commit-delay", type=float,
+                    default=StreamsConfig.model_fields["group_commit_delay_s"].default,
+                    help="streams.group_commit_delay_s of the worker (default: the config's; 0: periodic commits only)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-streams-"))
     stack = LocalStack.start(tmp / "infra")
@@ -181,7 +204,8 @@ def main() -> None:
         names = TopicNames.from_config(cfg.topics)
         asyncio.run(prepare_topics(cfg))
         recs = [(names.trajectories, k, v) for _, k, v in recs]
-        worker = Worker(cfg, "bench", tmp, **{"streams.commit_interval_s": args.commit_interval}).start()
+        worker = Worker(cfg, "bench", tmp, **{"streams.commit_interval_s": args.commit_interval,
+                                              "streams.group_commit_delay_s": args.group_commit_delay}).start()
         warm = events(cfg, 1, args.group_size, "warm")
         asyncio.run(publish(cfg, warm))
         asyncio.run(wait_groups(cfg, names.groups, 1))  # worker joined, recovered and running
@@ -201,13 +225,16 @@ def main() -> None:
         produced_at: dict[str, float] = {}
 
         async def latency_run() -> list[float]:
-            waiter = asyncio.create_task(wait_groups(cfg, names.groups, args.groups + args.latency_groups, produced_at))
+            positioned = asyncio.Event()
+            waiter = asyncio.create_task(group_latencies(cfg, names.groups, produced_at, args.latency_groups,
+                                                         positioned))
+            await positioned.wait()
             await paced_publish(cfg, lat_recs, rate, produced_at)
-            _, lats = await waiter
-            return lats
+            return await waiter
 
         lats = [x for x in asyncio.run(latency_run()) if x >= 0]
-        print(f"latency at {rate:.0f} trajectories/s offered (commit interval {args.commit_interval} s): "
+        print(f"latency at {rate:.0f} trajectories/s offered (commit interval {args.commit_interval} s, group commit "
+              f"delay {args.group_commit_delay} s): "
               f"p50 {percentile(lats, 50) * 1000:.0f} ms, "
               f"p90 {percentile(lats, 90) * 1000:.0f} ms, p99 {percentile(lats, 99) * 1000:.0f} ms, "
               f"max {max(lats) * 1000:.0f} ms (last member published -> group readable, "

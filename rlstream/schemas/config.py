@@ -171,6 +171,11 @@ class StreamsConfig(Section):
         "Faust commit (and transaction) interval: read_committed readers see a group only once its transaction "
         "commits, so it bounds the assembly latency (bench/streams_throughput.py: p50 529 ms at 1 s, 150 ms at "
         "0.2 s, at no throughput cost; Kafka Streams commits every 100 ms under exactly_once)"))
+    group_commit_delay_s: float = Field(0.05, ge=0, description=(
+        "after a group is sent, commit its transaction this many seconds later instead of at the next periodic "
+        "commit (commit_interval_s), so read_committed readers (the learner) see it sooner; groups sent in the "
+        "meantime share that commit. 0 = periodic commits only. bench/streams_throughput.py: p99 latency at "
+        "half the maximum rate 322-409 ms with periodic commits only, see the README for 0.05"))
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
     standby_replicas: int = Field(0, ge=0)

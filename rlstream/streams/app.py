@@ -183,6 +183,7 @@ class StreamsApp:
         # outputs join the transaction of the source partition (see streams/exactly_once/transactions.py)
         self.app = SourcePartitionApp(self.cfg.streams.app_id, **settings)
         self.processing_lock = asyncio.Lock()
+        self.group_sent = asyncio.Event()  # a group waits for its transaction's commit (commit_sent_groups)
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.ticks, **raw)
         self.groups_out = self.app.topic(self.names.groups, **raw)
@@ -272,6 +273,11 @@ class StreamsApp:
             self._metrics = MetricsPublisher(producer, self.codec, self.names.metrics, f"{SERVICE}:{self.worker_id}",
                                              self.cfg.run_id, self.cfg.streams.prometheus_port)
 
+        if self.cfg.streams.group_commit_delay_s > 0:
+            @app.task
+            async def commit_sent_groups() -> None:
+                await self.commit_sent_groups(self.cfg.streams.group_commit_delay_s)
+
         @app.timer(self.cfg.streams.tick_interval_s)
         async def tick() -> None:
             await self.send_ticks()
@@ -306,6 +312,21 @@ class StreamsApp:
             await self.settled.close()
             await self.offset_probe.close()
             await self.offset_reader.close()
+
+    async def commit_sent_groups(self, delay_s: float) -> None:
+        """Commit ``delay_s`` after a group was sent, ahead of the periodic commit: a group is readable under
+        read_committed only once the transaction that holds it commits. Faust's public ``Consumer.commit`` does the
+        commit, as its own commit timer does; a commit that fails is left to the periodic one."""
+        while True:
+            await self.group_sent.wait()
+            await asyncio.sleep(delay_s)
+            self.group_sent.clear()
+            if self.app.rebalancing:
+                continue
+            try:
+                await self.app.consumer.commit()
+            except Exception as exc:
+                log.warning("commit after a sent group failed; the periodic commit retries", error=str(exc))
 
     # -- per event ---------------------------------------------------------------------------
     async def admit_and_handle(self, msg: Any) -> "Admission":
@@ -460,6 +481,7 @@ class StreamsApp:
                                                member.source, group.example_id.encode(), member.payload))
             return
         await self.groups_out.send(key=group.example_id.encode(), value=value)
+        self.group_sent.set()
         self.telemetry.count(mn.STREAMS_EVENTS_OUT)
         self.telemetry.count(mn.STREAMS_GROUPS_EMITTED, reason=group.completion.value)
         latency_s = time.time() - finished.last_member_ts

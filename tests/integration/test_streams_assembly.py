@@ -203,3 +203,21 @@ def test_single_responses_join_late_feedback_and_carry_a_leave_one_out_baseline(
         assert len(by_id[gid].trajectories) == 1
     assert asyncio.run(read_groups(rl_config, names.groups, timeout_s=3, quiet_s=2)) == groups  # nothing twice
     assert asyncio.run(read_dead_letters(rl_config, names.dlq, timeout_s=2, quiet_s=1)) == []
+
+
+@pytest.mark.parametrize("group_commit_delay_s", [0.05, 0.0])
+def test_a_sent_group_is_committed_promptly_not_at_the_commit_interval(
+        rl_config: RlstreamConfig, names: TopicNames, start_worker: Any, group_commit_delay_s: float) -> None:
+    # the periodic commit is 60 s away: within 20 s a group can only become readable (read_committed) through the
+    # commit that follows a sent group; with that commit off (0.0, the negative control) the worker has written the
+    # group (read_uncommitted sees it) but its transaction stays open
+    worker = start_worker(**{"streams.commit_interval_s": 60, "streams.group_commit_delay_s": group_commit_delay_s})
+    members = [make_trajectory(run_id=rl_config.run_id, example_id="prompt", group_size=2, generation_index=i,
+                               reward=float(i)) for i in range(2)]
+    asyncio.run(publish(rl_config, [(names.trajectories, b"prompt", CODEC.encode(t)) for t in members]))
+    written = asyncio.run(read_groups(rl_config, names.groups, expect=1, timeout_s=20, quiet_s=0,
+                                      isolation_level="read_uncommitted"))
+    assert [g.example_id for g in written] == ["prompt"], worker.log_tail()
+    committed = asyncio.run(read_groups(rl_config, names.groups, expect=1, timeout_s=5, quiet_s=0))
+    assert worker.alive(), worker.log_tail()
+    assert [g.example_id for g in committed] == (["prompt"] if group_commit_delay_s > 0 else [])

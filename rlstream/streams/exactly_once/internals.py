@@ -35,6 +35,10 @@ CONSUMER = [
     Internal("faust Consumer", "_unacked_messages", "leaving a record deferred out of order un-acked"),
 ]
 PRODUCER_BUFFER = [Internal("faust ProducerBuffer", "_send_pending", "changelog writes inside their transaction")]
+PRODUCER = [Internal("faust aiokafka Producer", "_transaction_producers",
+                     "committing the open transactions when a rebalance begins")]
+TRANSACTIONAL_PRODUCER = Internal("aiokafka AIOKafkaProducer", "_txn_manager",
+                                  "whether a transactional producer has a transaction open")
 RECOVERY = [
     Internal("faust Recovery", "_build_highwaters", "recovery up to the last stable offsets"),
     Internal("faust Recovery", "active_offsets", "recovery from the start of the changelogs"),
@@ -57,6 +61,7 @@ def missing(obj: Any, internals: list[Internal]) -> list[Internal]:
 def check_internals(app: Any, store_kind: str) -> None:
     """Raise :class:`UnsupportedLibraryVersion` naming every internal the built app lacks (call before it starts)."""
     absent = missing(app.consumer, CONSUMER) + missing(app.producer.buffer, PRODUCER_BUFFER)
+    absent += missing(app.producer, PRODUCER)
     absent += missing(app.tables.recovery, RECOVERY)
     for table in app.tables.values():
         absent += missing(table.data, STORES[store_kind])
@@ -69,6 +74,21 @@ def check_internals(app: Any, store_kind: str) -> None:
             f"faust-streaming {faust.__version__} lacks what rlstream's exactly-once streams worker relies on: "
             f"{names}. Install the faust-streaming version pinned in constraints-cpu.txt "
             "(rlstream/streams/exactly_once/internals.py lists these)")
+
+
+def open_transactional_ids(producer: Any) -> list[str]:
+    """The transactional ids of Faust's producer that have a transaction open, in order. aiokafka builds its
+    transaction manager in the producer's constructor, so a release without it fails here, naming it, rather
+    than leaving the transactions open."""
+    open_ids = []
+    for tid, txn_producer in sorted(producer._transaction_producers.items()):
+        if not hasattr(txn_producer, TRANSACTIONAL_PRODUCER.attribute):
+            raise UnsupportedLibraryVersion(f"{TRANSACTIONAL_PRODUCER.owner}.{TRANSACTIONAL_PRODUCER.attribute} is "
+                                            f"missing ({TRANSACTIONAL_PRODUCER.used_for})")
+        manager = txn_producer._txn_manager
+        if manager is not None and manager.is_in_transaction():
+            open_ids.append(tid)
+    return open_ids
 
 
 def forget_unacked(consumer: Any, message: Any) -> None:

@@ -38,10 +38,12 @@ worker refuse to run exactly_once without it.
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Mapping, Optional, Set
 
 import faust
+from aiokafka.errors import ProducerFenced
 from faust.streams import current_event
 from faust.transport.consumer import TransactionManager
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
@@ -49,6 +51,11 @@ from faust.transport.drivers.aiokafka import Transport as AIOKafkaTransport
 from faust.types import TP, HeadersArg, RecordMetadata
 from faust.types.enums import ProcessingGuarantee
 from faust.types.transports import TransportT
+
+from rlstream.streams.exactly_once.internals import open_transactional_ids
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
 
 
 class BufferTracker:
@@ -118,13 +125,15 @@ class SourcePartitionTransactionManager(TransactionManager):
             source_topic = self.settings.source_topic if self.settings is not None else None
             if source_topic is None or partition is None or topic not in self.app.tables.changelog_topics:
                 return await super().send(topic, key, value, partition, timestamp, headers)
-            group = self.app.assignor.group_for_topic(source_topic)
-            tid = f"{self.app.conf.id}-{group}-{partition}"
+            tid = self.transactional_id(source_topic, partition)
             return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
         source = event.message
-        group = self.app.assignor.group_for_topic(source.topic)
-        tid = f"{self.app.conf.id}-{group}-{source.partition}"
+        tid = self.transactional_id(source.topic, source.partition)
         return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
+
+    def transactional_id(self, source_topic: str, partition: int) -> str:
+        """Faust's transactional id of a source partition: one producer per partition of a topic group."""
+        return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(source_topic)}-{partition}"
 
     async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
         tracker = self.settings.buffer_tracker if self.settings is not None else None
@@ -132,11 +141,32 @@ class SourcePartitionTransactionManager(TransactionManager):
         if lock is None:
             if tracker is not None:
                 await tracker.drain()
-            return await super().commit(offsets, start_new_transaction)
+            return await self._commit_each(offsets, start_new_transaction)
         async with lock:  # no event is half-way through its writes while the transaction closes
             if tracker is not None:
                 await tracker.drain()
-            return await super().commit(offsets, start_new_transaction)
+            return await self._commit_each(offsets, start_new_transaction)
+
+    async def _commit_each(self, offsets: Mapping[TP, int], start_new_transaction: bool) -> bool:
+        """Faust's commit, with the transactions of the source partitions committed side by side instead of one
+        after another: each is its own producer with its own broker round trips (offsets, end of transaction), so a
+        worker with many partitions holds the processing lock for one partition's commit, not for their sum."""
+        group_id = self.app.conf.id
+        by_transactional_id: dict[str, dict[TP, int]] = defaultdict(dict)
+        for tp, offset in offsets.items():
+            by_transactional_id[self.transactional_id(tp.topic, tp.partition)][tp] = offset
+        results = await asyncio.gather(*(
+            self.producer.commit_transactions({tid: tid_offsets}, group_id,
+                                              start_new_transaction=start_new_transaction)
+            for tid, tid_offsets in sorted(by_transactional_id.items())), return_exceptions=True)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        fenced = [failure for failure in failures if isinstance(failure, ProducerFenced)]
+        if fenced:  # as Faust does: a newer worker owns the partition, this one must stop
+            log.warning("producer fenced", error=str(fenced[0]))
+            await self.app.crash(fenced[0])
+        elif failures:
+            raise failures[0]
+        return True
 
     async def on_partitions_revoked(self, revoked: Set[TP]) -> None:
         """A rebalance begins: flush (Faust), then commit every transaction this worker still has open."""
@@ -156,11 +186,7 @@ class SourcePartitionTransactionManager(TransactionManager):
         tracker = self.settings.buffer_tracker if self.settings is not None else None
         if tracker is not None:
             await tracker.drain()
-        producers: Mapping[str, Any] = getattr(self.producer, "_transaction_producers", {})
-        for tid, txn_producer in sorted(producers.items()):
-            manager = getattr(txn_producer, "_txn_manager", None)
-            if manager is None or not manager.is_in_transaction():
-                continue
+        for tid in open_transactional_ids(self.producer):
             await self.producer.commit_transaction(tid)  # Faust's: takes the id's lock, logs a fenced producer
 
 
