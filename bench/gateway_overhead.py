@@ -2,17 +2,23 @@
 (capturing to the embedded broker), in one run, at 1 and 16 concurrent clients. Prints the latency p50/p99 of
 non-streamed calls and the time to first token of streamed ones, both ways, and what the gateway adds.
 
-    .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process]
+    .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
 
 The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
 machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server). The gateway runs
 as deployed, its own process (`rlstream gateway serve`); `--in-process` serves it on the benchmark's own event loop
 instead, where the load generator's work is added to the gateway's.
+
+On two cores everything competes: vLLM's CPU engine binds its threads to every core, so the gateway's work slows
+vLLM and the other way round. `--separate-core` gives vLLM the last core alone (as on its own device) and the
+broker, the gateway and the clients the others; `--upstream canned` replaces vLLM with bench/canned_upstream.py,
+which answers at once, so what is left is the gateway's own work.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -130,10 +136,55 @@ async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, arg
         stop_pid(proc.pid, timeout_s=20)
 
 
+class CannedUpstream:
+    """bench/canned_upstream.py in its own process (``url``, ``stop``, as a started vLLM server)."""
+
+    def __init__(self, root: Path) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        with open(root / "canned-upstream.log", "ab") as log:
+            self.proc = spawn([sys.executable, str(Path(__file__).with_name("canned_upstream.py")), str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+        for _ in range(300):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the canned upstream exited: see {root / 'canned-upstream.log'}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the canned upstream did not start")
+
+    def stop(self) -> None:
+        stop_pid(self.proc.pid, timeout_s=10)
+
+
+def separate_vllm_core() -> set[int]:
+    """Give vLLM the last core of this process's set and keep the others for everything else, as when vLLM runs on
+    its own device: vLLM's CPU engine otherwise binds its OpenMP threads to every core, where the gateway's work
+    slows vLLM's and the other way round. Call before starting vLLM (it inherits the affinity set here); returns
+    the cores to set afterwards for the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--separate-core needs at least 2 cores")
+    vllm_core = cores[-1]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(vllm_core)
+    os.sched_setaffinity(0, {vllm_core})
+    return set(cores[:-1])
+
+
 async def main_async(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="rlstream-bench-gw-"))
+    if args.upstream == "canned":
+        server: Any = CannedUpstream(root)
+    else:
+        model_dir = build_tiny_model(root / "tiny")
+        everything_else = separate_vllm_core() if args.separate_core else None
+        server = start_vllm_server(model_dir, MODEL, workdir=root / "vllm")
+        if everything_else is not None:
+            os.sched_setaffinity(0, everything_else)  # the broker, the gateway and the load generator inherit it
     stack = LocalStack.start(root / "infra")
-    server = start_vllm_server(build_tiny_model(root / "tiny"), MODEL, workdir=root / "vllm")
     try:
         cfg = load_config(None, [("kafka.bootstrap_servers", stack.bootstrap), ("topics.prefix", "bench.")])
         await create_topics(cfg.kafka, cfg.topics)
@@ -152,7 +203,9 @@ async def main_async(args: argparse.Namespace) -> None:
     finally:
         server.stop()
         stack.stop()
-    print(f"\n{args.requests} requests per cell, tiny model on vLLM-cpu, broker embedded; ms")
+    upstream = "canned upstream (bench/canned_upstream.py)" if args.upstream == "canned" else "tiny model on vLLM-cpu"
+    placement = ", vLLM on its own core" if args.separate_core and args.upstream == "vllm" else ""
+    print(f"\n{args.requests} requests per cell, {upstream}{placement}, broker embedded; ms")
     print("added = gateway - direct; of it, 'vLLM token data' = direct with the gateway's token-data options - "
           "direct (vLLM's own work), 'hop' = the rest")
     print(f"{'measure':<22}{'clients':>8}{'direct p50':>12}{'gw p50':>9}{'added':>8}{'tokdata':>9}{'hop':>7}"
@@ -173,6 +226,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per cell (way x clients x measure)")
     parser.add_argument("--rounds", type=int, default=4, help="alternations of direct and gateway per cell")
     parser.add_argument("--in-process", action="store_true", help="serve the gateway on the benchmark's own loop")
+    parser.add_argument("--upstream", choices=("vllm", "canned"), default="vllm",
+                        help="vllm: the tiny model on vLLM-cpu; canned: bench/canned_upstream.py, which answers at "
+                             "once (the gateway's own work, without vLLM's time or CPU)")
+    parser.add_argument("--separate-core", action="store_true",
+                        help="vLLM alone on the last core, the broker, the gateway and the clients on the others")
     asyncio.run(main_async(parser.parse_args()))
 
 
