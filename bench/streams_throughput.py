@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,20 +83,26 @@ async def wait_groups(cfg: RlstreamConfig, topic: str, n: int) -> float:
         await consumer.stop()
 
 
+async def from_the_end(cfg: RlstreamConfig, topic: str) -> Any:
+    """A read_committed consumer of every partition of ``topic``, positioned at its current end: no earlier record
+    is read while a clock runs."""
+    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+    await consumer.start()
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
+    consumer.assign(tps)
+    await consumer.seek_to_end(*tps)
+    for tp in tps:
+        await consumer.position(tp)  # resolved now, not at the first fetch
+    return consumer
+
+
 async def group_latencies(cfg: RlstreamConfig, topic: str, produced_at: dict[str, float], n: int,
                           positioned: asyncio.Event) -> list[float]:
     """The latency of each of the next ``n`` groups, from its last member's publication to the group being readable
-    (read_committed). Reads from the topic's end, so no earlier group delays the clock; sets ``positioned`` once
-    there."""
-    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
-    await consumer.start()
+    (read_committed); sets ``positioned`` once the reader is at the topic's end."""
+    consumer = await from_the_end(cfg, topic)
     latencies: list[float] = []
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or set())]
-        consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
-        for tp in tps:
-            await consumer.position(tp)  # resolved now, not at the first fetch
         positioned.set()
         seen = 0
         while seen < n:
@@ -114,19 +120,18 @@ async def group_latencies(cfg: RlstreamConfig, topic: str, produced_at: dict[str
         await consumer.stop()
 
 
-async def backlog_span(cfg: RlstreamConfig, topic: str, already: int, n: int) -> float:
-    """Seconds from the first to the last of ``n`` new groups (after the ``already`` readable ones) becoming
-    readable (read_committed)."""
-    consumer = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
-    await consumer.start()
+async def backlog_span(cfg: RlstreamConfig, topic: str, n: int, start_worker: Callable[[], object]) -> float:
+    """Seconds from the first to the last of the ``n`` groups a worker started by ``start_worker`` makes readable
+    (read_committed); the reader is positioned at the topic's end before the worker starts."""
+    consumer = await from_the_end(cfg, topic)
     try:
-        await read_from_beginning(consumer, topic)
+        start_worker()
         seen, first = 0, None
-        while seen < already + n:
+        while seen < n:
             batch = await consumer.getmany(timeout_ms=100)
             now = time.perf_counter()
             seen += sum(len(r) for r in batch.values())
-            if first is None and seen > already:
+            if first is None and seen:
                 first = now
         assert first is not None
         return time.perf_counter() - first
@@ -177,7 +182,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--rate", type=float, default=None,
                     help="offered load (trajectories/s) for the latency part; default: half the measured assembly rate")
-    ap.add_argument("--latency-groups", type=int, default=50)
+    ap.add_argument("--latency-groups", type=int, default=200, help="groups timed for the latency (p99 of 200)")
     ap.add_argument("--commit-interval", type=float, default=StreamsConfig.model_fields["commit_interval_s"].default,
                     help="streams.commit_interval_s of the worker (default: the config's)")
     ap.add_argument("--group-commit-delay", type=float,
@@ -241,10 +246,8 @@ def main() -> None:
               f"read_committed, {len(lats)} groups)")
 
         worker.stop()
-        before = 1 + args.groups + args.latency_groups
         asyncio.run(publish(cfg, events(cfg, args.groups, args.group_size, "backlog")))
-        worker.start()
-        span = asyncio.run(backlog_span(cfg, names.groups, before, args.groups))
+        span = asyncio.run(backlog_span(cfg, names.groups, args.groups, worker.start))
         backlog_rate = (args.groups - 1) * args.group_size / span  # the first group's members came before the clock
         print(f"faust assembly       : {backlog_rate:10.1f} trajectories/s of a backlog (first -> last group "
               f"readable, {span:.1f}s)")
