@@ -329,19 +329,23 @@ class Watcher:
             totals[why] = totals.get(why, 0.0) + value
         self.figures.filtered = totals
 
+    async def refresh_control(self) -> None:
+        """Read the latest version, what each inference worker has loaded and the run's status from Redis."""
+        latest = await self.control.latest(self.cfg.policy)
+        if latest:
+            self.figures.latest_version = int(latest["version"])
+            self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
+        workers = await self.control.workers(self.cfg.policy)
+        self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
+        status = await self.control.status(self.cfg.run_id)
+        self.figures.users = {k: v for k, v in status.items() if k.startswith("users_")}
+
     async def poll_control(self, stop: asyncio.Event) -> None:
         from rlstream.ops.status import consumer_group_lags
 
         while not stop.is_set():
             try:
-                latest = await self.control.latest(self.cfg.policy)
-                if latest:
-                    self.figures.latest_version = int(latest["version"])
-                    self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
-                workers = await self.control.workers(self.cfg.policy)
-                self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
-                status = await self.control.status(self.cfg.run_id)
-                self.figures.users = {k: v for k, v in status.items() if k.startswith("users_")}
+                await self.refresh_control()
                 lags = await consumer_group_lags(self.cfg.kafka, prefix=self.cfg.topics.prefix)
                 self.figures.lags = {f"{g.group}/{g.topic.removeprefix(self.cfg.topics.prefix)}": g.lag for g in lags}
             except Exception as exc:  # the view must not die with a transient error
@@ -512,6 +516,10 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        try:  # the summary shows the end of the run, not the last poll (a version loaded since would be missing)
+            await watcher.refresh_control()
+        except Exception as exc:
+            log.warning("final control-plane read failed; the summary shows the last poll", error=str(exc))
         await producer.stop()
         await control.close()
 

@@ -139,3 +139,26 @@ def test_replay_through_the_cli(rl_config, created_topics, tmp_path):
 
     result = CliRunner().invoke(ops_app(), ["replay", "--run-id", "x", "--from", "sometime", "-c", cfg])
     assert result.exit_code == 2 and "ISO-8601" in result.output
+
+
+def test_the_up_summary_reads_the_control_plane_again_at_the_end(rl_config) -> None:
+    # `rlstream up --until-version N` stops as soon as version N is scored, which can be within the 2 s between two
+    # polls of Redis: the summary must show what the workers have loaded then, not at the last poll
+    from rlstream.ops.up import LiveFigures, Watcher
+
+    async def scenario() -> list[dict[str, str]]:
+        plane = ControlPlane(rl_config.redis.url)
+        watcher = Watcher(rl_config, plane, LiveFigures())
+        seen = []
+        try:
+            await plane.heartbeat_worker(rl_config.policy, "worker-0", 0, "base", ttl_s=60)
+            await watcher.refresh_control()
+            seen.append(dict(watcher.figures.loaded))
+            await plane.heartbeat_worker(rl_config.policy, "worker-0", 2, "policy@2", ttl_s=60)
+            await watcher.refresh_control()
+            seen.append(dict(watcher.figures.loaded))
+        finally:
+            await plane.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [{"worker-0": "0"}, {"worker-0": "2"}]
