@@ -38,6 +38,7 @@ worker refuse to run exactly_once without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Mapping, Optional, Set
@@ -135,16 +136,21 @@ class SourcePartitionTransactionManager(TransactionManager):
         """Faust's transactional id of a source partition: one producer per partition of a topic group."""
         return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(source_topic)}-{partition}"
 
-    async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
-        tracker = self.settings.buffer_tracker if self.settings is not None else None
+    def _between_events(self) -> Any:
+        """The processing lock (exactly_once: no event is half-way through its writes while a transaction closes),
+        or nothing to hold."""
         lock = self.settings.processing_lock if self.settings is not None else None
-        if lock is None:
-            if tracker is not None:
-                await tracker.drain()
-            return await self._commit_each(offsets, start_new_transaction)
-        async with lock:  # no event is half-way through its writes while the transaction closes
-            if tracker is not None:
-                await tracker.drain()
+        return lock if lock is not None else contextlib.nullcontext()
+
+    async def _drain_changelogs(self) -> None:
+        """Wait until every changelog record queued so far has been handed to the producer."""
+        tracker = self.settings.buffer_tracker if self.settings is not None else None
+        if tracker is not None:
+            await tracker.drain()
+
+    async def commit(self, offsets: Mapping[TP, int], start_new_transaction: bool = True) -> bool:
+        async with self._between_events():
+            await self._drain_changelogs()
             return await self._commit_each(offsets, start_new_transaction)
 
     async def _commit_each(self, offsets: Mapping[TP, int], start_new_transaction: bool) -> bool:
@@ -175,19 +181,10 @@ class SourcePartitionTransactionManager(TransactionManager):
 
     async def end_open_transactions(self) -> None:
         """Commit the open transaction of every transactional producer, between two events (module docstring)."""
-        lock = self.settings.processing_lock if self.settings is not None else None
-        if lock is None:
-            await self._commit_open_transactions()
-            return
-        async with lock:
-            await self._commit_open_transactions()
-
-    async def _commit_open_transactions(self) -> None:
-        tracker = self.settings.buffer_tracker if self.settings is not None else None
-        if tracker is not None:
-            await tracker.drain()
-        for tid in open_transactional_ids(self.producer):
-            await self.producer.commit_transaction(tid)  # Faust's: takes the id's lock, logs a fenced producer
+        async with self._between_events():
+            await self._drain_changelogs()
+            for tid in open_transactional_ids(self.producer):
+                await self.producer.commit_transaction(tid)  # Faust's: takes the id's lock, logs a fenced producer
 
 
 class SourcePartitionConsumer(AIOKafkaConsumer):
