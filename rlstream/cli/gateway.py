@@ -33,6 +33,10 @@ def gateway_serve(
                                         "(Redis heartbeats of the inference workers)"),
     prometheus_port: Optional[int] = typer.Option(None, help="serve the gateway's metrics (overhead per call, "
                                                   "process) to Prometheus on this port"),
+    logprobs: bool = typer.Option(True, "--logprobs/--no-logprobs", help="ask the upstream for the sampled tokens' "
+                                  "logprobs with their ids (the learner's off-policy correction); --no-logprobs asks "
+                                  "for token ids only, saving the upstream's logprobs work, and those turns train "
+                                  "as on-policy"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
     from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
@@ -41,7 +45,8 @@ def gateway_serve(
     gw = GatewayConfig(host=host, port=port, upstream_url=upstream, run_id=cfg.run_id, policy=cfg.policy,
                        served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
                        spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
-                       spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port)
+                       spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port,
+                       request_logprobs=logprobs)
     spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
     console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy}, {spooled})",
                   highlight=False)

@@ -153,12 +153,14 @@ def _leads_own_group(pid: int) -> bool:
         return False
 
 
-def _reap(pid: int) -> bool:
-    """Collect ``pid``'s exit status when it is our child; True when it has exited."""
+def _reap(pid: int) -> int | None:
+    """Collect ``pid``'s exit status when it is our child and has exited: its exit code (minus the signal's number
+    when a signal ended it, as ``Popen.returncode``); None otherwise."""
     try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
+        reaped, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return False
+        return None
+    return os.waitstatus_to_exitcode(status) if reaped == pid else None
 
 
 def _signal(pid: int, sig: int, group: bool) -> None:
@@ -171,22 +173,26 @@ def _signal(pid: int, sig: int, group: bool) -> None:
         pass
 
 
-def stop_pid(pid: int, timeout_s: float = 30.0) -> None:
-    """Stop a process by PID: SIGTERM, then SIGKILL after ``timeout_s``; reaps it when it is our child.
+def stop_pid(pid: int, timeout_s: float = 30.0) -> int | None:
+    """Stop a process by PID: SIGTERM, then SIGKILL after ``timeout_s``; reaps it when it is our child and returns
+    its exit code then (None when it was not ours to reap, or was reaped before: ``Popen.poll()`` has that code).
 
     When it leads a process group of its own (everything :func:`spawn` starts does), the whole group is
     signalled, and members that outlive the leader (a server's workers) are SIGKILLed after a short grace."""
     group = _leads_own_group(pid)
+    exit_code: int | None = None
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         if not pid_alive(pid):
             break
         _signal(pid, sig, group)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if _reap(pid) or not pid_alive(pid):
+            exit_code = _reap(pid)
+            if exit_code is not None or not pid_alive(pid):
                 break
             time.sleep(0.05)
-    _reap(pid)
+    if exit_code is None:
+        exit_code = _reap(pid)
     if group and group_members(pid):  # members that outlived their leader (they had its SIGTERM too)
         _signal(pid, signal.SIGTERM, True)
         deadline = time.monotonic() + min(5.0, timeout_s)
@@ -195,6 +201,7 @@ def stop_pid(pid: int, timeout_s: float = 30.0) -> None:
         if group_members(pid):
             _signal(pid, signal.SIGKILL, True)
     GroupReaper.forget(pid)
+    return exit_code
 
 
 # --- starting children ---------------------------------------------------------------------------------

@@ -112,8 +112,10 @@ class Supervisor:
 
     def stop_all(self) -> None:
         for child in reversed(self.children):
-            stop_pid(child.proc.pid, timeout_s=20.0)
-            log.info("stopped", service=child.name, pid=child.proc.pid, exit_code=child.proc.poll())
+            ended = child.proc.poll()  # it ended by itself: Popen collected its code; else stop_pid does
+            reaped = stop_pid(child.proc.pid, timeout_s=20.0)
+            log.info("stopped", service=child.name, pid=child.proc.pid,
+                     exit_code=ended if ended is not None else reaped)
         for name, pid in self.extra_pids.items():
             stop_pid(pid, timeout_s=20.0)
             log.info("stopped", service=name, pid=pid)

@@ -106,6 +106,19 @@ def test_stop_pid_stops_the_whole_process_group() -> None:
     assert _wait_gone([child.pid, grandchild], 5) == []
 
 
+def test_stop_pid_returns_the_exit_code_of_the_child_it_reaps() -> None:
+    exits_3 = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); print('ready', flush=True); "
+                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert exits_3.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+    assert stop_pid(exits_3.pid, timeout_s=5) == 3
+    # Popen cannot tell it any more (the status was collected by stop_pid): what `up` logged before
+    assert exits_3.poll() == 0
+    killed = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    assert stop_pid(killed.pid, timeout_s=5) == -signal.SIGTERM
+    assert stop_pid(killed.pid, timeout_s=5) is None  # already gone and collected
+
+
 # --- infra down: start times -------------------------------------------------------------------------------
 def _state(tmp_path: Path, pid: int, start_time: int | None, boot: str | None) -> Path:
     state_dir = tmp_path / "infra"

@@ -144,6 +144,36 @@ async def test_a_streamed_n_choice_answer_is_one_group_with_each_choices_own_tok
         assert max_abs_diff(turn.completion_logprobs, ref) < TOLERANCE
 
 
+async def test_token_ids_only_capture_records_the_exact_tokens_without_asking_vllm_for_logprobs(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           session_idle_s=60, request_logprobs=False)
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = (await http.post(f"{vllm.url}/v1/chat/completions", json={**request, "return_token_ids": True})).json()
+        async with serving(Gateway(config, publisher)) as url:
+            plain = await http.post(f"{url}/v1/chat/completions", json=request)
+            streamed = await http.post(f"{url}/v1/chat/completions", json={**request, "stream": True})
+            asked = await http.post(f"{url}/v1/chat/completions", json={**request, "logprobs": True})
+            assert (await http.get(f"{url}/rlstream/stats")).json()["request_logprobs"] is False
+    await publisher.close()
+    assert plain.json()["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert plain.json()["choices"][0]["token_ids"] is None and plain.json()["choices"][0]["logprobs"] is None
+    assert asked.json()["choices"][0]["logprobs"]["content"]  # the client's own request is passed on
+
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=3)
+    by_id = {e.trajectory_id: e for e in events}
+    for response in (plain, streamed):
+        turn = by_id[response.headers["x-rlstream-trajectory-id"]].turns[0]
+        assert turn.prompt_token_ids == direct["prompt_token_ids"]
+        assert turn.completion_token_ids == direct["choices"][0]["token_ids"]
+        assert turn.completion_logprobs is None  # vLLM was not asked: the learner trains the turn as on-policy
+    with_logprobs = by_id[asked.headers["x-rlstream-trajectory-id"]].turns[0]
+    assert len(with_logprobs.completion_logprobs) == len(with_logprobs.completion_token_ids)
+
+
 async def test_the_responses_api_through_the_gateway_to_real_vllm_is_answered_and_recorded(
         vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
     request = {"model": SERVED_MODEL, "instructions": "You are terse.", "input": "Repeat the letter a.",

@@ -60,17 +60,22 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
     users_log = (logs / "users.log").read_text()
     failures = [line for line in users_log.splitlines() if "failed" in line]
     assert users["users_requests"] > 50 and users["users_errors"] == 0, "\n".join(failures[:10]) or users_log[-3000:]
-    assert users["users_streamed"] > 0 and users["users_langchain"] > 0  # real clients of both kinds
-    assert 0 < users["users_feedback_sent"] < users["users_conversations"]  # ~70 % get feedback, late
-    assert summary["dlq"] == 0  # conversations without feedback wait (streams.reward_window_s), nothing rejected
+    brief = {k: v for k, v in summary.items() if k != "heldout"}  # what a failed assertion shows
+    assert users["users_streamed"] > 0 and users["users_langchain"] > 0, brief  # real clients of both kinds
+    assert 0 < users["users_feedback_sent"] < users["users_conversations"], brief  # ~70 % get feedback, late
+    assert summary["dlq"] == 0, brief  # conversations without feedback wait (streams.reward_window_s): none rejected
 
     cfg = load_config(None, [("kafka.bootstrap_servers", local_stack.bootstrap), ("topics.prefix", prefix)])
     groups = asyncio.run(every_group(cfg, TopicNames(prefix).groups))
-    assert groups and all(len(g.trajectories) == 1 and g.baseline is not None for g in groups)
-    assert all(g.baseline.key == "toy|toy" and g.baseline.count >= 1 for g in groups)
-    assert any(len(g.trajectories[0].turns) == 2 for g in groups)  # a two-turn session is one trajectory
-    assert 0 < summary["baseline_groups"] <= len(groups)  # the live view counted them (up to its last refresh)
-    assert all(t.turns[0].completion_token_ids for g in groups for t in g.trajectories)  # token-in, token-out
+    odd = [g for g in groups if len(g.trajectories) != 1 or g.baseline is None][:3]
+    assert groups and not odd, (len(groups), odd)
+    assert all(g.baseline.key == "toy|toy" and g.baseline.count >= 1 for g in groups), \
+        {str(g.baseline) for g in groups if g.baseline.key != "toy|toy" or g.baseline.count < 1}
+    assert any(len(g.trajectories[0].turns) == 2 for g in groups), brief  # a two-turn session is one trajectory
+    # the live view counted them (up to its last refresh)
+    assert 0 < summary["baseline_groups"] <= len(groups), (summary["baseline_groups"], len(groups))
+    untokenized = [t for g in groups for t in g.trajectories if not t.turns[0].completion_token_ids][:3]
+    assert not untokenized, untokenized  # token-in, token-out
 
     async def latest_version() -> int:
         control = ControlPlane(own_redis_url)
@@ -79,7 +84,8 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
         finally:
             await control.close()
 
-    assert asyncio.run(latest_version()) >= 2  # the learner trained on them (Redis, not the live view's last poll)
+    # the learner trained on them (Redis, not the live view's last poll)
+    assert asyncio.run(latest_version()) >= 2, brief
     loads = [json.loads(line) for line in (logs / "inference-sync.log").read_text().splitlines()
              if '"version loaded"' in line]
     assert any(int(event["version"]) >= 1 for event in loads)  # and vLLM loaded a trained version

@@ -317,3 +317,44 @@ async def test_responses_api_is_passed_through_and_recorded() -> None:
     answer = event.messages[4]
     assert answer.content == "the answer" and answer.tool_calls[0].name == "lookup"
     assert event.turns[0].message_index == 4 and event.turns[0].completion_token_ids is None
+
+
+def test_token_ids_only_leaves_logprobs_to_the_client() -> None:
+    body = {"model": "m", "messages": [USER]}
+    ids_only = upstream_request(body, request_logprobs=False)
+    assert ids_only == {**body, "return_token_ids": True}
+    # a client that asks for logprobs itself still gets them (and the capture records them)
+    asked = upstream_request({**body, "logprobs": True, "top_logprobs": 2}, request_logprobs=False)
+    assert asked["logprobs"] is True and asked["top_logprobs"] == 2 and asked["return_token_ids"] is True
+    assert upstream_request(body, request_token_data=False, request_logprobs=False) == body
+
+
+async def test_a_streamed_answer_is_handed_on_one_write_per_event() -> None:
+    gateway = Gateway(GatewayConfig(policy="p"), FakePublisher(),
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(streamed_choices_upstream)))
+    app = create_app(gateway)
+    request = json.dumps({"model": "m", "messages": [USER], "n": 1, "stream": True}).encode()
+    received = [{"type": "http.request", "body": request, "more_body": False}]
+    bodies: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        return received.pop(0) if received else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            bodies.append(message["body"])
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("gw", 80)}
+    await gateway.start()
+    try:
+        await app(scope, receive, send)
+    finally:
+        await gateway.stop()
+    events = b"".join(bodies).decode().split("\n\n")[:-1]
+    assert len(events) == 5 and events[-1] == "data: [DONE]"  # the first chunk, two tokens, the finish, [DONE]
+    # the first event goes on as soon as it is read (its blank line follows); every later one in one write
+    assert bodies[0].decode().startswith("data: ") and bodies[1] == b"\n"
+    assert len(bodies) == 2 + len(events) - 1 and all(b.endswith(b"\n\n") for b in bodies[2:])

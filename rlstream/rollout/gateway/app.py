@@ -34,6 +34,9 @@ log = get_logger(__name__)
 
 SESSION_HEADER = "x-session-id"
 TASK_HEADER = "x-rlstream-task"
+#: A streamed answer's lines are handed on an event at a time (up to its blank line); an upstream that writes long
+#: runs of lines without one is handed on this many lines at a time.
+MAX_LINES_PER_WRITE = 16
 #: ``async () -> (model name to request, policy version)``, e.g. ``VersionRouter.current`` adapted.
 RouteSource = Callable[[], Awaitable[tuple[str, int]]]
 
@@ -225,7 +228,8 @@ class Gateway:
     # -- upstream --
     async def _send(self, body: dict[str, Any], stream: bool) -> httpx.Response:
         url = self.config.upstream_base + "/chat/completions"
-        request = self.client.build_request("POST", url, json=upstream_request(body, self.request_token_data))
+        sent = upstream_request(body, self.request_token_data, self.config.request_logprobs)
+        request = self.client.build_request("POST", url, json=sent)
         response = await self.client.send(request, stream=stream)
         if self.request_token_data and response.status_code in (400, 422):
             text = (await response.aread()).decode(errors="replace")
@@ -392,10 +396,17 @@ class Gateway:
                         yield text
                     if index == len(pending) - 1:  # the first event is handed on
                         await self._overhead("chat_completions", True, started, upstream_s)
+                event: list[str] = []
                 async for line in lines:
                     text = render(line)
                     if text is not None:
-                        yield text
+                        event.append(text)
+                    # a blank line ends a server-sent event: it goes on whole, in one write instead of one per line
+                    if not line or len(event) >= MAX_LINES_PER_WRITE:
+                        yield "".join(event)
+                        event.clear()
+                if event:
+                    yield "".join(event)
             finally:
                 await response.aclose()
                 for traj, acc in zip(trajs, accumulators):
@@ -455,7 +466,8 @@ class Gateway:
                              "open_sessions": len(self.sessions.open),
                              "session_splits": self.sessions.splits,
                              "session_retokenized": self.sessions.retokenized,
-                             "request_token_data": self.request_token_data})
+                             "request_token_data": self.request_token_data,
+                             "request_logprobs": self.request_token_data and self.config.request_logprobs})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -21,11 +21,13 @@ def client_asked(body: dict[str, Any]) -> ClientAsked:
     return ClientAsked(logprobs=bool(body.get("logprobs")), token_ids=bool(body.get(TOKEN_IDS)))
 
 
-def upstream_request(body: dict[str, Any], request_token_data: bool = True) -> dict[str, Any]:
-    """The request sent upstream: the client's, plus ``logprobs`` and ``return_token_ids`` when wanted."""
+def upstream_request(body: dict[str, Any], request_token_data: bool = True,
+                     request_logprobs: bool = True) -> dict[str, Any]:
+    """The request sent upstream: the client's, plus ``return_token_ids`` when ``request_token_data`` and
+    ``logprobs`` when both are wanted (the client's own ``logprobs`` is always passed on)."""
     out = dict(body)
     if request_token_data:
-        if not out.get("logprobs"):
+        if request_logprobs and not out.get("logprobs"):
             out["logprobs"] = True
         out[TOKEN_IDS] = True
     return out
