@@ -2,7 +2,8 @@
 
 The first test pins the embedded broker's behaviour that makes it necessary: a transactional producer that carries
 on after a broker SIGKILL and restart leaves its partition's last stable offset stuck for good. The second shows the
-watch tells a killed broker from a live one."""
+watch tells a killed broker from a live one. The third pins why the tests that SIGKILL the broker wait for its save
+first (tests/broker_saves.py): what it acknowledged after its last save is gone after a SIGKILL."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from rlstream.ops.infra import free_port, start_kafka
 from rlstream.streams.exactly_once.broker_watch import BrokerConnectionWatch, first_bootstrap_address
 from rlstream.schemas.config import KafkaConfig
 from rlstream.transport.kafka import make_consumer
+from tests.broker_saves import wait_for_broker_save
 
 TOPIC = TopicPartition("resumed", 0)
 
@@ -46,12 +48,12 @@ def test_a_transaction_resumed_after_a_broker_restart_stays_open_for_good(tmp_pa
         await admin.start()
         await admin.create_topics([NewTopic(TOPIC.topic, 1, 1)])
         await admin.close()
-        await asyncio.sleep(3)  # let the broker persist the topic
+        await asyncio.to_thread(wait_for_broker_save, tmp_path / "broker")  # the topic
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, transactional_id="resumed-tx")
         await producer.start()
         await producer.begin_transaction()
         await producer.send_and_wait(TOPIC.topic, b"before the kill", partition=0)
-        await asyncio.sleep(3)  # ... and the record
+        await asyncio.to_thread(wait_for_broker_save, tmp_path / "broker")  # ... and the record
         assert broker.pid is not None
         os.kill(broker.pid, signal.SIGKILL)
         await asyncio.sleep(1)
@@ -103,3 +105,51 @@ def test_the_watch_reports_a_killed_broker_and_not_a_live_one(tmp_path: Path) ->
         broker.stop()
     assert len(losses) == 1 and "is down" in losses[0][1]
     assert losses[0][0] - killed_at < 2.0
+
+
+def test_a_sigkill_loses_what_the_broker_acknowledged_after_its_last_save(tmp_path: Path) -> None:
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    broker = start_kafka(tmp_path / "broker", port)
+
+    async def high_watermark() -> int:
+        return (await stable_and_high(bootstrap))[1]
+
+    async def write_then_kill(records: int, wait_for_save: bool) -> tuple[int, int]:
+        """(high watermark before the kill, after the restart)."""
+        nonlocal broker
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        await producer.start()
+        try:
+            for _ in range(records):
+                await producer.send_and_wait(TOPIC.topic, b"acknowledged", partition=0)
+        finally:
+            await producer.stop()
+        before = await high_watermark()
+        if wait_for_save:
+            await asyncio.to_thread(wait_for_broker_save, tmp_path / "broker")
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGKILL)
+        await asyncio.sleep(1)
+        broker = start_kafka(tmp_path / "broker", port)
+        return before, await high_watermark()
+
+    async def scenario() -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        await admin.create_topics([NewTopic(TOPIC.topic, 1, 1)])
+        await admin.close()
+        await asyncio.to_thread(wait_for_broker_save, tmp_path / "broker")
+        unsaved = []  # the kill right after the acknowledgements: lost unless a save tick fell in between (~1 %)
+        for _ in range(3):
+            unsaved.append(await write_then_kill(20, wait_for_save=False))
+            if unsaved[-1][1] < unsaved[-1][0]:
+                break
+        return unsaved, await write_then_kill(20, wait_for_save=True)
+
+    try:
+        unsaved, saved = asyncio.run(scenario())
+    finally:
+        broker.stop()
+    assert any(after < before for before, after in unsaved), f"no acknowledged record was lost: {unsaved}"
+    assert saved[1] == saved[0] > 0, f"records acknowledged before the save were lost: {saved}"
