@@ -163,6 +163,19 @@ def _reap(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(status) if reaped == pid else None
 
 
+def _reap_exited(pid: int, settle_s: float) -> int | None:
+    """:func:`_reap`, waiting up to ``settle_s`` while ``pid`` shows as a zombie that cannot be collected yet: the
+    main thread of a multi-threaded process (the learner, a streams worker) may end before its other threads, and
+    the process's status only exists once the last one has ended."""
+    deadline = time.monotonic() + settle_s
+    while (exit_code := _reap(pid)) is None and time.monotonic() < deadline:
+        fields = _stat_fields(pid)
+        if fields is None or fields[0] != "Z":  # gone (not ours, or collected) or still running
+            break
+        time.sleep(0.02)
+    return exit_code
+
+
 def _signal(pid: int, sig: int, group: bool) -> None:
     try:
         if group:
@@ -175,7 +188,8 @@ def _signal(pid: int, sig: int, group: bool) -> None:
 
 def stop_pid(pid: int, timeout_s: float = 30.0) -> int | None:
     """Stop a process by PID: SIGTERM, then SIGKILL after ``timeout_s``; reaps it when it is our child and returns
-    its exit code then (None when it was not ours to reap, or was reaped before: ``Popen.poll()`` has that code).
+    its exit code then (None when it was not ours to reap, or was reaped before: ``Popen.poll()`` has that code),
+    waiting a few seconds for a process whose main thread ended before its other threads.
 
     When it leads a process group of its own (everything :func:`spawn` starts does), the whole group is
     signalled, and members that outlive the leader (a server's workers) are SIGKILLed after a short grace."""
@@ -192,7 +206,7 @@ def stop_pid(pid: int, timeout_s: float = 30.0) -> int | None:
                 break
             time.sleep(0.05)
     if exit_code is None:
-        exit_code = _reap(pid)
+        exit_code = _reap_exited(pid, settle_s=5.0)
     if group and group_members(pid):  # members that outlived their leader (they had its SIGTERM too)
         _signal(pid, signal.SIGTERM, True)
         deadline = time.monotonic() + min(5.0, timeout_s)

@@ -119,6 +119,29 @@ def test_stop_pid_returns_the_exit_code_of_the_child_it_reaps() -> None:
     assert stop_pid(killed.pid, timeout_s=5) is None  # already gone and collected
 
 
+#: SIGTERM ends the main thread alone (the raw exit system call, not exit_group); another thread exits the process
+#: with 7 a moment later. Between the two the leader is a zombie whose status cannot be collected yet, as a learner's
+#: or a streams worker's is while their other threads finish.
+MAIN_THREAD_EXITS_FIRST = r"""
+import ctypes, os, platform, signal, threading, time
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}[platform.machine()]
+def on_term(*_):
+    threading.Thread(target=lambda: (time.sleep(0.5), os._exit(7))).start()
+    ctypes.CDLL(None).syscall(SYS_EXIT, 0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stop_pid_waits_for_the_status_of_a_process_whose_main_thread_ends_first() -> None:
+    child = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS_FIRST], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    # without the wait stop_pid saw a zombie (gone for pid_alive) and returned None, leaving the status uncollected
+    assert stop_pid(child.pid, timeout_s=5) == 7
+
+
 # --- infra down: start times -------------------------------------------------------------------------------
 def _state(tmp_path: Path, pid: int, start_time: int | None, boot: str | None) -> Path:
     state_dir = tmp_path / "infra"
