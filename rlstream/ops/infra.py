@@ -153,27 +153,25 @@ def _leads_own_group(pid: int) -> bool:
         return False
 
 
-def _reap(pid: int) -> int | None:
+def _reap(pid: int, settle_s: float = 0.0) -> int | None:
     """Collect ``pid``'s exit status when it is our child and has exited: its exit code (minus the signal's number
-    when a signal ended it, as ``Popen.returncode``); None otherwise."""
-    try:
-        reaped, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None
-    return os.waitstatus_to_exitcode(status) if reaped == pid else None
+    when a signal ended it, as ``Popen.returncode``); None otherwise.
 
-
-def _reap_exited(pid: int, settle_s: float) -> int | None:
-    """:func:`_reap`, waiting up to ``settle_s`` while ``pid`` shows as a zombie that cannot be collected yet: the
-    main thread of a multi-threaded process (the learner, a streams worker) may end before its other threads, and
-    the process's status only exists once the last one has ended."""
+    With ``settle_s``, waits up to that long while ``pid`` shows as a zombie whose status cannot be collected yet:
+    the main thread of a multi-threaded process (the learner, a streams worker) may end before its other threads,
+    and the process's status only exists once the last one has ended."""
     deadline = time.monotonic() + settle_s
-    while (exit_code := _reap(pid)) is None and time.monotonic() < deadline:
+    while True:
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not ours, or collected already
+            return None
+        if reaped == pid:
+            return os.waitstatus_to_exitcode(status)
         fields = _stat_fields(pid)
-        if fields is None or fields[0] != "Z":  # gone (not ours, or collected) or still running
-            break
+        if fields is None or fields[0] != "Z" or time.monotonic() >= deadline:
+            return None
         time.sleep(0.02)
-    return exit_code
 
 
 def _signal(pid: int, sig: int, group: bool) -> None:
@@ -206,7 +204,7 @@ def stop_pid(pid: int, timeout_s: float = 30.0) -> int | None:
                 break
             time.sleep(0.05)
     if exit_code is None:
-        exit_code = _reap_exited(pid, settle_s=5.0)
+        exit_code = _reap(pid, settle_s=5.0)
     if group and group_members(pid):  # members that outlived their leader (they had its SIGTERM too)
         _signal(pid, signal.SIGTERM, True)
         deadline = time.monotonic() + min(5.0, timeout_s)
