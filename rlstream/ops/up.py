@@ -117,8 +117,7 @@ class Supervisor:
             log.info("stopped", service=child.name, pid=child.proc.pid,
                      exit_code=ended if ended is not None else reaped)
         for name, pid in self.extra_pids.items():
-            stop_pid(pid, timeout_s=20.0)
-            log.info("stopped", service=name, pid=pid)
+            log.info("stopped", service=name, pid=pid, exit_code=stop_pid(pid, timeout_s=20.0))
 
 
 def rlstream_command(*args: str) -> list[str]:

@@ -52,6 +52,11 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
            "-o", "streams.app_id", f"streams-{unique}"]  # its own table changelogs and consumer group
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stopped = {event["service"]: event.get("exit_code") for event in (
+        json.loads(line) for line in (proc.stdout + proc.stderr).splitlines()
+        if line.startswith("{") and '"event": "stopped"' in line)}
+    # the exit codes of the multi-threaded learner and streams worker are collected (`up` logged null for them before)
+    assert isinstance(stopped.get("learner"), int) and isinstance(stopped.get("streams"), int), stopped
     summary_line = next(line for line in proc.stdout.splitlines() if line.startswith("summary:"))
     summary = json.loads(Path(summary_line.split(":", 1)[1].strip()).read_text())
     logs = Path(summary["logs"])
