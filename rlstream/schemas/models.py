@@ -107,6 +107,8 @@ class RewardEvent(WireModel):
     reward: float
     components: dict[str, float] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=utc_now)
+    #: names a piece of feedback; a later reward with the same id corrects it (streams/assembly.py has the rule)
+    feedback_id: str | None = None
 
 
 class SourceOffset(WireModel):
