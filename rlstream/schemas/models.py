@@ -75,6 +75,8 @@ class Turn(WireModel):
     completion_logprobs: list[float] | None = None
     trainable: bool = True
     finish_reason: str | None = None
+    policy_version: int | None = None  # the version that produced this call (None: the trajectory's)
+    temperature: float | None = None  # the sampling temperature of this call (None: 1.0)
 
 
 class TrajectoryEvent(WireModel):
