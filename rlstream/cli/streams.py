@@ -45,7 +45,7 @@ def worker(
 ) -> None:
     """Run one worker of the group assembler; several with the same app_id share the partitions.
 
-    Overrides: -o KEY VALUE (repeatable), e.g. -o streams.processing_guarantee at_least_once.
+    Overrides: -o KEY VALUE (repeatable), e.g. -o streams.store rocksdb.
     """
     from rlstream.streams.app import run_worker
 

@@ -161,7 +161,11 @@ class StreamsConfig(Section):
     min_reward_diff: float = Field(0.1, ge=0.0)
     curriculum_window: int = Field(64, ge=1)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    processing_guarantee: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    processing_guarantee: Literal["exactly_once"] = Field(
+        "exactly_once", description="the only processing guarantee: input offsets, table changes and outputs "
+        "(groups, dead letters) commit in one Kafka transaction per source partition. There is no at_least_once "
+        "mode: the assembler drops a replayed trajectory id it already holds, so a state change committed without "
+        "its output would lose that output instead of repeating it")
     store: Literal["memory", "rocksdb"] = "memory"
     data_dir: Path = Path("runs/streams")
     metrics_interval_s: float = Field(5.0, gt=0)

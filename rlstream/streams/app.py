@@ -5,7 +5,7 @@ co-partitioned, keyed by example_id); a timer sends a tick to every partition of
 timeouts are decided inside the partition's own event stream, where table writes and outputs share
 the partition's transaction. Tables (changelog-backed, keyed by group_id / trajectory_id) hold the
 assembly state; ``groups`` and ``dlq`` records are produced in the same transaction as the input
-offsets (exactly_once) or after the state change (at_least_once).
+offsets (exactly_once, the only processing guarantee).
 
 Recovery: a ``progress`` table holds, per source partition, the offset of the last applied record,
 written in that record's transaction; after every rebalance the tables are rebuilt from the committed
@@ -203,10 +203,9 @@ class StreamsApp:
                                                                      isolation_level="read_committed"))
         self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards},
                                  self.offset_probe)
-        exactly_once = self.cfg.streams.processing_guarantee == "exactly_once"
         self.app.transaction_manager().configure(TransactionSettings(
             source_topic=self.names.trajectories, buffer_tracker=BufferTracker(self.app.producer.buffer),
-            processing_lock=self.processing_lock if exactly_once else None))
+            processing_lock=self.processing_lock))
         self.rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
                                    min_group_size=self.cfg.streams.min_group_size,
                                    closed_retention_s=self.cfg.streams.closed_retention_s,
@@ -247,14 +246,14 @@ class StreamsApp:
 
         @app.task
         async def check_transaction_mode() -> None:
-            # runs once the worker has started: an exactly_once worker without transactions would lose and repeat
-            # state changes on a crash, so it stops instead
-            problem = check_guarantee(self.app, self.cfg.streams.processing_guarantee == "exactly_once")
+            # runs once the worker has started: a worker without transactions would lose and repeat state changes
+            # on a crash, so it stops instead
+            problem = check_guarantee(self.app)
             if problem is not None:
                 log.error("streams worker stops: wrong transaction mode", problem=problem)
                 await self.app.crash(RuntimeError(problem))
 
-        if self.cfg.streams.processing_guarantee == "exactly_once" and self.cfg.streams.exit_on_broker_loss:
+        if self.cfg.streams.exit_on_broker_loss:
             @app.task
             async def exit_on_broker_loss() -> None:
                 # a transaction resumed on a restarted broker can stay open forever (streams/exactly_once/broker_watch.py)

@@ -8,8 +8,8 @@ input partition from its recovered progress marker. Both stores, memory and Rock
 Negative control: the same output read with read_uncommitted, where the transactions the kills aborted are
 visible, must fail the same check (records twice). That shows the kills cut transactions with output in them and
 that the check sees duplicates when they are there; read_committed hiding them is the guarantee under test.
-(`at_least_once` was tried as the control first and told the guarantees apart in only two runs of three: the app
-drops replayed trajectories by id, so what a kill cuts off goes missing rather than twice, and not always.)"""
+(exactly_once is the only processing guarantee: without transactions the app drops replayed trajectories by id, so
+what a kill cuts off would go missing rather than come out twice.)"""
 from __future__ import annotations
 
 import asyncio

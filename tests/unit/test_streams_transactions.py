@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from aiokafka.errors import ProducerFenced
 from faust.types import TP
+from pydantic import ValidationError
 
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.streams.app import StreamsApp
@@ -17,46 +18,43 @@ from rlstream.streams.exactly_once.transactions import (SourcePartitionTransacti
                                                         check_guarantee)
 
 
-@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
-def test_transaction_manager_gets_explicit_settings(tmp_path: Path, guarantee: str) -> None:
-    cfg = RlstreamConfig()
-    cfg.kafka.bootstrap_servers = "localhost:9092"  # never contacted: the app is only built
-    cfg.streams.data_dir = str(tmp_path)
-    cfg.streams.processing_guarantee = guarantee  # type: ignore[assignment]
-    streams = StreamsApp(cfg, "w0")
+def test_transaction_manager_gets_explicit_settings(tmp_path: Path) -> None:
+    streams = build(tmp_path)
     manager = streams.app.consumer.transactions
     assert isinstance(streams.app.transport, SourcePartitionTransport)
     assert isinstance(manager, SourcePartitionTransactionManager) and manager.settings is not None
     assert manager.settings.source_topic == streams.names.trajectories
     assert manager.settings.buffer_tracker is not None
-    expected_lock = streams.processing_lock if guarantee == "exactly_once" else None
-    assert manager.settings.processing_lock is expected_lock
+    assert manager.settings.processing_lock is streams.processing_lock
     assert not [name for name in vars(streams.app) if name.startswith("rlstream")]
 
 
-def build(tmp_path: Path, guarantee: str) -> StreamsApp:
+def build(tmp_path: Path) -> StreamsApp:
     cfg = RlstreamConfig()
     cfg.kafka.bootstrap_servers = "localhost:9092"  # never contacted: the app is only built
     cfg.streams.data_dir = str(tmp_path)
-    cfg.streams.processing_guarantee = guarantee  # type: ignore[assignment]
     return StreamsApp(cfg, "w0")
 
 
-@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+def test_at_least_once_is_refused_by_the_config() -> None:
+    """exactly_once is the only guarantee: a config that asks for at_least_once fails to load, naming the field."""
+    with pytest.raises(ValidationError, match="processing_guarantee"):
+        RlstreamConfig.model_validate({"streams": {"processing_guarantee": "at_least_once"}})
+    assert RlstreamConfig.model_validate(
+        {"streams": {"processing_guarantee": "exactly_once"}}).streams.processing_guarantee == "exactly_once"
+
+
 def test_the_worker_uses_transactions_although_its_consumer_is_built_before_the_worker_starts(
-        tmp_path: Path, guarantee: str) -> None:
+        tmp_path: Path) -> None:
     # Faust caches App.in_transaction on first read and its consumer copies it when built; StreamsApp builds the
     # consumer before faust.Worker sets in_worker, which left exactly_once workers without any transaction
-    streams = build(tmp_path, guarantee)
+    streams = build(tmp_path)
     app, consumer = streams.app, streams.app.consumer
     assert not app.in_transaction and not consumer.in_transaction  # not in a worker (yet)
-    exactly_once = guarantee == "exactly_once"
-    assert check_guarantee(app, exactly_once) == (None if not exactly_once else
-                                                 "processing_guarantee is exactly_once but the app does not use "
-                                                 "transactions")
+    assert check_guarantee(app) == "processing_guarantee is exactly_once but the app does not use transactions"
     app.in_worker = True  # what faust.Worker.on_start does
-    assert app.in_transaction is exactly_once and consumer.in_transaction is exactly_once
-    assert check_guarantee(app, exactly_once) is None
+    assert app.in_transaction and consumer.in_transaction
+    assert check_guarantee(app) is None
 
 
 class FakeTxnManager:
@@ -94,7 +92,7 @@ class FakeProducer:
 def test_a_rebalance_commits_every_open_transaction_between_two_events(tmp_path: Path) -> None:
     # partitions a worker keeps through a rebalance would otherwise carry an open transaction into the next
     # generation: the changelog's last stable offset stays behind it and the full recovery would wait for it
-    streams = build(tmp_path, "exactly_once")
+    streams = build(tmp_path)
     manager = streams.app.transaction_manager()
     producer = FakeProducer(streams.processing_lock)
     manager.producer = producer  # type: ignore[assignment]
@@ -130,7 +128,7 @@ class CommittingProducer:
 
 def committing_manager(tmp_path: Path, producer_fenced: set[str] = frozenset()  # type: ignore[assignment]
                        ) -> tuple[StreamsApp, Any, CommittingProducer]:
-    streams = build(tmp_path, "exactly_once")
+    streams = build(tmp_path)
     manager = streams.app.transaction_manager()
     producer = CommittingProducer(streams.processing_lock, producer_fenced)
     manager.producer = producer  # type: ignore[assignment]
@@ -167,7 +165,7 @@ def test_a_fenced_partition_crashes_the_worker_after_the_other_commits_finish(tm
 
 
 def test_an_aiokafka_producer_without_its_transaction_manager_fails_loudly_at_a_rebalance(tmp_path: Path) -> None:
-    streams = build(tmp_path, "exactly_once")
+    streams = build(tmp_path)
     manager = streams.app.transaction_manager()
     producer = FakeProducer(streams.processing_lock)
     del producer._transaction_producers["app-0-0"]._txn_manager  # as a release that renamed it would look

@@ -226,11 +226,9 @@ class SourcePartitionApp(faust.App):
         return manager
 
 
-def check_guarantee(app: faust.App, exactly_once: bool) -> str | None:
-    """What is wrong with the running worker's transaction mode (None when it matches the configured guarantee):
-    an exactly_once worker must use transactions in the app and in its consumer."""
-    if not exactly_once:
-        return None
+def check_guarantee(app: faust.App) -> str | None:
+    """What is wrong with the running worker's transaction mode (None when it is right): the worker must use
+    transactions in the app and in its consumer (exactly_once)."""
     if not app.in_transaction:
         return "processing_guarantee is exactly_once but the app does not use transactions"
     if not app.consumer.in_transaction:
