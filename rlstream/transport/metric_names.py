@@ -147,6 +147,9 @@ STREAMS_PAYLOADS_READ_BACK = "streams.payloads_read_back"
 #: upstream call (non-streamed), up to handing on the first event minus the upstream's time to it (streamed).
 #: Tags ``route`` (``chat_completions``, ``responses``) and ``streamed`` (``true``/``false``).
 GATEWAY_OVERHEAD_S = "gateway/overhead_s"
+GATEWAY_REQUESTS_REJECTED = "gateway/requests_rejected"
+GATEWAY_SESSIONS_EVICTED = "gateway/sessions_evicted"
+GATEWAY_SESSIONS_SPLIT_LONG = "gateway/sessions_split_long"
 
 # --- groups of names ---------------------------------------------------------------------------------------------
 #: The names ``rlstream plot`` draws, in the order of its legend.
@@ -172,7 +175,7 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
            STREAMS_PAYLOADS_READ_BACK)
-GATEWAY = (GATEWAY_OVERHEAD_S,)
+GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 #: Every name rlstream emits (a name in several groups appears once).
 ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY))
 
@@ -363,4 +366,13 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _histogram(GATEWAY_OVERHEAD_S, "rlstream_gateway_overhead_seconds", ("route", "streamed"), "Time the gateway "
                "spent on a captured call besides waiting for the upstream", topic=False,
                buckets=FAST_SECONDS_BUCKETS),
+    MetricSpec(GATEWAY_REQUESTS_REJECTED, "counter", "rlstream_gateway_requests_rejected_total", ("reason",),
+               "Requests the gateway answered with a 4xx or 503 for a bound (body or headers too large, slow "
+               "body, bad session id, bad JSON, n too large, overloaded)", cumulative=True, topic=False),
+    MetricSpec(GATEWAY_SESSIONS_EVICTED, "counter", "rlstream_gateway_sessions_evicted_total", (),
+               "Open sessions closed and published early because max_open_sessions were open", cumulative=True,
+               topic=False),
+    MetricSpec(GATEWAY_SESSIONS_SPLIT_LONG, "counter", "rlstream_gateway_sessions_split_long_total", (),
+               "Sessions split because their trajectory reached max_session_turns or max_session_bytes",
+               cumulative=True, topic=False),
 )}

@@ -12,6 +12,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -19,6 +20,8 @@ from starlette.routing import Route
 from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.filtering import (ClientAsked, client_asked, filter_response, rejects_extensions,
                                                 upstream_request)
+from rlstream.rollout.gateway.limits import (LimitStats, RequestLimits, RequestRejected, check_choices, check_id,
+                                             malformed_answer, parse_json)
 from rlstream.rollout.gateway.queue import CaptureQueue, Submitter
 from rlstream.rollout.gateway.responses import request_messages, response_message
 from rlstream.rollout.gateway.spool import Spool
@@ -28,6 +31,7 @@ from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.schemas.masking import mask_text
 from rlstream.schemas.models import RewardEvent, new_id
 
 log = get_logger(__name__)
@@ -68,16 +72,29 @@ def requested_choices(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def upstream_json(response: httpx.Response, raw: bytes) -> dict[str, Any] | Response:
+def upstream_json(response: httpx.Response, raw: bytes, max_choices: int = 1 << 30) -> dict[str, Any] | Response:
     """The upstream's JSON answer, or the response to hand the client: the upstream's own error as it came, or
-    a 502 when a 200 is not JSON."""
+    a 502 when a 200 is not JSON or not shaped as a chat completion (:func:`limits.malformed_answer`)."""
     if response.status_code != 200:
         return Response(raw, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
     try:
-        return json.loads(raw)  # type: ignore[no-any-return]
-    except json.JSONDecodeError:
+        payload = json.loads(raw)
+    except (ValueError, RecursionError):
         return openai_error(502, "upstream answered with invalid JSON", "upstream_error")
+    problem = malformed_answer(payload, max_choices)
+    if problem is not None:
+        log.warning("malformed upstream answer", problem=problem)
+        return openai_error(502, problem, "upstream_error")
+    return payload  # type: ignore[no-any-return]
+
+
+def upstream_failed(exc: Exception, config: GatewayConfig, what: str = "unreachable") -> JSONResponse:
+    """The 502 for an upstream that failed: the client learns the kind of failure, never the upstream's address
+    (which may carry credentials); the log gets the details with secrets masked."""
+    log.warning(f"upstream {what}", upstream=config.upstream_shown, error=mask_text(str(exc)),
+                kind=type(exc).__name__)
+    return openai_error(502, f"upstream {what} ({type(exc).__name__})", "upstream_error")
 
 
 class Gateway:
@@ -90,7 +107,10 @@ class Gateway:
         self.publisher = publisher
         self.route = route
         self.metrics = metrics
-        self.sessions = SessionStore(config.session_idle_s, config.remembered_trajectories)
+        self.sessions = SessionStore(config.session_idle_s, config.remembered_trajectories,
+                                     max_open=config.max_open_sessions, max_turns=config.max_session_turns,
+                                     max_bytes=config.max_session_bytes)
+        self.limit_stats = LimitStats()
         self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s)
         self._client = client
         self._own_client = client is None
@@ -100,7 +120,8 @@ class Gateway:
     # -- lifecycle --
     async def start(self) -> None:
         if self._client is None:
-            headers = {"authorization": f"Bearer {self.config.upstream_api_key}"} if self.config.upstream_api_key else {}
+            key = self.config.upstream_key
+            headers = {"authorization": f"Bearer {key}"} if key else {}
             self._client = httpx.AsyncClient(timeout=self.config.upstream_timeout_s, headers=headers)
         if self.config.spool_dir is not None and self.capture.spool is None:
             self.capture.use_spool(await asyncio.to_thread(
@@ -133,6 +154,16 @@ class Gateway:
             await asyncio.sleep(period)
             for traj in self.sessions.idle():
                 self.publish(traj)
+            await self._emit_bounds()
+
+    async def _emit_bounds(self) -> None:
+        """The bounds' running totals to Prometheus (when the gateway has metrics)."""
+        if self.metrics is None:
+            return
+        for reason, count in list(self.limit_stats.rejected.items()):
+            await self.metrics.emit(mn.GATEWAY_REQUESTS_REJECTED, count, tags={"reason": reason})
+        await self.metrics.emit(mn.GATEWAY_SESSIONS_EVICTED, self.sessions.evicted)
+        await self.metrics.emit(mn.GATEWAY_SESSIONS_SPLIT_LONG, self.sessions.splits_long)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -163,6 +194,12 @@ class Gateway:
         with contextlib.suppress(Exception):
             messages = [to_message(m) for m in body.get("messages", [])]
         traj, closed = self.sessions.begin(session_id, prompt_ids, messages, version, task)
+        evicted = self.sessions.take_evicted()
+        if evicted:
+            log.warning("open sessions at their limit: the least recently active closed and published",
+                        count=len(evicted), max_open_sessions=self.config.max_open_sessions)
+            for old in evicted:
+                self.publish(old)
         if closed is not None:
             log.info("session split: the call does not extend its session's trajectory token for token",
                      session_id=session_id, closed_trajectory_id=closed.trajectory_id,
@@ -244,12 +281,10 @@ class Gateway:
     # -- routes --
     async def chat_completions(self, request: Request) -> Response:
         started = time.perf_counter()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return openai_error(400, f"request body is not valid JSON: {exc}")
+        body = parse_json(await request.body(), self.config.max_json_depth)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
+        check_choices(body, self.config.max_choices)
         session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
         task = request.headers.get(TASK_HEADER) or None
         asked = client_asked(body)
@@ -260,7 +295,7 @@ class Gateway:
         try:
             response = await self._send(upstream_body, stream)
         except httpx.HTTPError as exc:
-            return openai_error(502, f"upstream {self.config.upstream_base} unreachable: {exc}", "upstream_error")
+            return upstream_failed(exc, self.config)
         if stream and response.status_code == 200:
             return await self._stream(response, body, asked, session_id, task, version, model, started,
                                       upstream_started)
@@ -268,10 +303,14 @@ class Gateway:
         upstream_s = time.perf_counter() - upstream_started
         if response.status_code != 200:
             await response.aclose()
-        payload = upstream_json(response, raw)
+        payload = upstream_json(response, raw, self.config.max_choices)
         if isinstance(payload, Response):
             return payload
-        prompt_ids, completion_ids, logprobs = token_data(payload)
+        try:
+            prompt_ids, completion_ids, logprobs = token_data(payload)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            log.warning("upstream token data unreadable; captured without it", error=str(exc))
+            prompt_ids = completion_ids = logprobs = None
         choices = payload.get("choices") or []
         if len(choices) > 1 and session_id is None:
             headers = self._capture_choices(body, payload, version, task, model)
@@ -294,10 +333,7 @@ class Gateway:
         """``/v1/responses`` passed to the upstream (where it has the API) and recorded like a chat call (no token
         data: the Responses API has no token-id extension). Streamed responses are passed through, not recorded."""
         started = time.perf_counter()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return openai_error(400, f"request body is not valid JSON: {exc}")
+        body = parse_json(await request.body(), self.config.max_json_depth)
         if not isinstance(body, dict):
             return openai_error(400, "a Responses request is a JSON object")
         try:
@@ -314,18 +350,17 @@ class Gateway:
             upstream = await self.client.send(self.client.build_request("POST", url, json={**body, "model": model}),
                                               stream=stream)
         except httpx.HTTPError as exc:
-            return openai_error(502, f"upstream {self.config.upstream_base} unreachable: {exc}", "upstream_error")
+            return upstream_failed(exc, self.config)
         upstream_s = time.perf_counter() - upstream_started
         if upstream.status_code == 404:
             await upstream.aclose()
-            return openai_error(404, f"the upstream {self.config.upstream_base} has no Responses API",
-                                "not_found_error")
+            return openai_error(404, "the upstream has no Responses API", "not_found_error")
         if stream:
             log.warning("streamed Responses call passed through without capture")
             return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
                                      media_type=upstream.headers.get("content-type", "text/event-stream"),
                                      background=BackgroundTask(upstream.aclose))
-        payload = upstream_json(upstream, upstream.content)
+        payload = upstream_json(upstream, upstream.content, self.config.max_choices)
         if isinstance(payload, Response):
             return payload
         chat_body = {"model": body.get("model", model), "messages": messages}
@@ -356,7 +391,7 @@ class Gateway:
                     break
         except httpx.HTTPError as exc:
             await response.aclose()
-            return openai_error(502, f"upstream stream failed: {exc}", "upstream_error")
+            return upstream_failed(exc, self.config, "stream failed")
         upstream_s = time.perf_counter() - upstream_started
         prompt_ids = (first or {}).get("prompt_token_ids")
         n = requested_choices(body)
@@ -379,10 +414,15 @@ class Gateway:
                 return line + "\n"
             try:
                 chunk = json.loads(data)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
+                return line + "\n"
+            if not isinstance(chunk, dict):
                 return line + "\n"
             for acc in accumulators:
-                acc.add(chunk)
+                try:
+                    acc.add(chunk)
+                except (TypeError, ValueError, AttributeError) as exc:  # handed on as it came, not captured
+                    log.warning("malformed upstream stream chunk not captured", error=str(exc))
             out = filter_response(chunk, asked)
             if out.get("model") == model:
                 out["model"] = client_model
@@ -420,12 +460,13 @@ class Gateway:
         try:
             response = await self.client.get(self.config.upstream_base + "/models")
         except httpx.HTTPError as exc:
-            return openai_error(502, f"upstream {self.config.upstream_base} unreachable: {exc}", "upstream_error")
+            return upstream_failed(exc, self.config)
         return Response(response.content, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
 
     async def end_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
+        check_id(session_id, "session id", self.config.max_id_chars)
         traj = self.sessions.close(session_id)
         if traj is None:
             known = self.sessions.lookup(session_id=session_id)
@@ -436,10 +477,7 @@ class Gateway:
         return JSONResponse({"session_id": session_id, "trajectory_id": traj.trajectory_id, "published": True})
 
     async def feedback(self, request: Request) -> Response:
-        try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return openai_error(400, f"request body is not valid JSON: {exc}")
+        raw = parse_json(await request.body(), self.config.max_json_depth)
         try:
             fb = Feedback.model_validate(raw)
         except ValidationError as exc:
@@ -465,6 +503,10 @@ class Gateway:
                              "spool": self.capture.figures(),
                              "open_sessions": len(self.sessions.open),
                              "session_splits": self.sessions.splits,
+                             "sessions_evicted": self.sessions.evicted,
+                             "session_splits_long": self.sessions.splits_long,
+                             "rejected": dict(self.limit_stats.rejected),
+                             "in_flight": self.limit_stats.in_flight,
                              "session_retokenized": self.sessions.retokenized,
                              "request_token_data": self.request_token_data,
                              "request_logprobs": self.request_token_data and self.config.request_logprobs})
@@ -486,4 +528,15 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/rlstream/stats", gateway.stats, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=gateway.lifespan)
+
+    async def rejected(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestRejected)
+        gateway.limit_stats.count(exc.reason)
+        answer = openai_error(exc.status, exc.message, exc.kind)
+        if exc.close:  # the body was not read whole: the connection cannot carry another request
+            answer.headers["connection"] = "close"
+        return answer
+
+    return Starlette(routes=routes, lifespan=gateway.lifespan,
+                     middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats)],
+                     exception_handlers={RequestRejected: rejected})

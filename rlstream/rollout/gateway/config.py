@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlstream.schemas.masking import Secret, SecretUrl, mask_url
+
 
 class GatewayConfig(BaseModel):
     """The capture gateway: an OpenAI-compatible server in front of one upstream."""
@@ -14,8 +16,9 @@ class GatewayConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535, description="0 = a free port")
-    upstream_url: str = Field("http://127.0.0.1:8000", description="OpenAI-compatible server (with or without /v1)")
-    upstream_api_key: str | None = Field(None, description="sent upstream as a bearer token when set")
+    upstream_url: SecretUrl = Field("http://127.0.0.1:8000", description="OpenAI-compatible server (with or without /v1)")
+    upstream_api_key: Secret | None = Field(None, description="the upstream's API key (vLLM's --api-key), sent as "
+                                            "Authorization: Bearer; a secret, masked in every output")
     upstream_timeout_s: float = Field(600.0, gt=0)
     run_id: str = "run-0"
     policy: str = Field("policy", description="the policy the captured trajectories train")
@@ -47,12 +50,47 @@ class GatewayConfig(BaseModel):
     drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve the gateway's metrics to "
                                         "Prometheus on this port (0 = a free port)")
+    metrics_host: str | None = Field(None, description="address the Prometheus endpoint binds (None: the gateway's "
+                                     "own host)")
+    # -- bounds on what a client can make the gateway hold or do (each answered with a 4xx) --
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body; a larger one is answered 413")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="request line plus headers; more is answered 400 "
+                                  "and the connection closed")
+    max_id_chars: int = Field(256, ge=1, description="longest session id (path /s/{id}/ or X-Session-Id) and task "
+                              "name (X-Rlstream-Task); longer ones, or other characters than letters, digits and "
+                              "._:@+=~-, are answered 400")
+    max_json_depth: int = Field(64, ge=2, description="deepest nesting of arrays and objects in a JSON body (400)")
+    max_choices: int = Field(256, ge=1, description="largest n a chat request may ask for (400); `rlstream gateway "
+                             "serve` sets it to streams.max_allowed_group_size, the largest group streams accepts")
+    max_concurrent_requests: int = Field(1024, ge=1, description="requests served at once; more are answered 503 "
+                                         "with Retry-After (/health is not counted)")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a request body not received whole within this "
+                                       "long is answered 408 and its connection closed")
+    header_read_timeout_s: float = Field(10.0, gt=0, description="a request whose line and headers are not "
+                                         "received whole within this long has its connection closed")
+    keep_alive_timeout_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this long")
+    max_open_sessions: int = Field(10_000, ge=1, description="open session trajectories held at once; past it the "
+                                   "least recently active one is closed and published (counted)")
+    max_session_turns: int = Field(256, ge=1, description="calls in one session trajectory; a longer session is "
+                                   "split (the full trajectory published, the next call starts a new one; counted)")
+    max_session_bytes: int = Field(8 << 20, ge=1024, description="approximate bytes (messages and token ids of all "
+                                   "its calls) of one session trajectory; past it the session is split (counted)")
 
     @property
     def upstream_base(self) -> str:
         """The upstream URL ending in ``/v1``."""
         url = self.upstream_url.rstrip("/")
         return url if url.endswith("/v1") else url + "/v1"
+
+    @property
+    def upstream_shown(self) -> str:
+        """:attr:`upstream_base` as logs may show it (a password in it masked)."""
+        return mask_url(self.upstream_base)
+
+    @property
+    def upstream_key(self) -> str | None:
+        """The clear value of :attr:`upstream_api_key`."""
+        return self.upstream_api_key.get_secret_value() if self.upstream_api_key is not None else None
 
 
 def default_spool_dir(port: int) -> Path:

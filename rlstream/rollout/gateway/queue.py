@@ -62,6 +62,7 @@ class CaptureStats:
     acknowledged: int = 0      # written by the broker (directly or from the spool), each event once
     failed: int = 0            # not encoded, not handed over, or not written (with a spool: then spooled)
     lost_on_shutdown: int = 0
+    overflowed: int = 0        # the queue was full: the event went to the spool instead (a burst, a shutdown)
     spooled: int = 0           # events written to the spool
     spool_sent: int = 0        # spooled events handed to the producer by the drainer
     spool_dropped: int = 0     # the spool was full (spool_max_bytes) or the disk failed: the event was not kept
@@ -95,6 +96,7 @@ class CaptureQueue:
         #: spool positions whose record is also pending directly: the drainer waits for that delivery first
         self._links: dict[Position, "asyncio.Future[Any]"] = {}
         self._holding: list[SpoolRecord] = []  # taken from the queue, neither handed over nor being spooled
+        self._overflow: list[WireModel] = []  # did not fit the queue: the watcher writes them to the spool
         self._appends: set["asyncio.Task[list[Position | None]]"] = set()
         self._appending = 0  # spool writes under way
         self._drain_busy = False
@@ -114,10 +116,18 @@ class CaptureQueue:
 
     # -- the routes' side ---------------------------------------------------------------------
     def put(self, event: WireModel) -> bool:
-        """Queue one event without waiting; False (counted and logged) when the queue is full."""
+        """Queue one event without waiting. When the queue is full the event goes to the spool (where there is
+        one: a burst of closed sessions, a shutdown); without a spool it is dropped: False, counted and logged."""
         try:
             self.queue.put_nowait(event)
         except asyncio.QueueFull:
+            if self.spool is not None and self._tasks:
+                if not self._overflow:
+                    log.warning("capture queue full: events go to the spool", queue_size=self.queue.maxsize)
+                self._overflow.append(event)
+                self.stats.overflowed += 1
+                self._watch_wake.set()
+                return True
             self.stats.dropped_full += 1
             log.warning("capture queue full: event dropped", kind=type(event).__name__,
                         dropped=self.stats.dropped_full, key=getattr(event, "trajectory_id", ""))
@@ -252,6 +262,7 @@ class CaptureQueue:
             self._appending -= 1
         kept = sum(p is not None for p in positions)
         self.stats.spooled += kept
+        self._drain_progress = time.monotonic()  # the drainer has new work: shutdown gives it time to send it
         if kept < len(records):
             self.stats.spool_dropped += len(records) - kept
             log.error("capture events dropped: the spool is full or the disk failed", count=len(records) - kept,
@@ -267,9 +278,23 @@ class CaptureQueue:
                 await asyncio.wait_for(self._watch_wake.wait(), period)
             self._watch_wake.clear()
             try:
+                await self._spool_overflow()
                 await self._spool_troubled()
             except Exception as exc:
                 log.error("capture watcher error", error=str(exc))
+
+    async def _spool_overflow(self, chunk: int = 512) -> None:
+        """Events that did not fit the queue, to the spool (encoded a chunk at a time: the loop keeps serving)."""
+        while self._overflow:
+            events, self._overflow = self._overflow[:chunk], self._overflow[chunk:]
+            self._appending += 1  # counted from here: shutdown waits for these too
+            try:
+                records = [r for r in map(self._encode, events) if r is not None]
+            finally:
+                self._appending -= 1
+            if records:
+                await self._append(records)
+            await asyncio.sleep(0)
 
     async def _spool_troubled(self) -> None:
         now = time.monotonic()
@@ -375,9 +400,12 @@ class CaptureQueue:
         if self.spool is not None:
             # direct deliveries end acknowledged, or spooled by the watcher once overdue; a drained batch that
             # is being acknowledged is let finish (its acknowledgements then need not be sent again)
+            # events that did not fit the queue are written, and the spool sent while Kafka keeps acknowledging
             while time.monotonic() < deadline and (
-                    any(not d.spooled for d in self._inflight)
-                    or (self._drain_busy and time.monotonic() - self._drain_progress < self.spool_after_s)):
+                    any(not d.spooled for d in self._inflight) or self._overflow or self._appending
+                    or (self._drain_busy and time.monotonic() - self._drain_progress < self.spool_after_s)
+                    or (self.spool.pending and not self.spooling
+                        and time.monotonic() - self._drain_progress < self.spool_after_s)):
                 await asyncio.sleep(0.02)
         for task in self._tasks:
             task.cancel()
@@ -393,6 +421,8 @@ class CaptureQueue:
         assert self.spool is not None
         await asyncio.gather(*self._appends, return_exceptions=True)
         records, self._holding = list(self._holding), []
+        overflow, self._overflow = self._overflow, []
+        records += [r for r in map(self._encode, overflow) if r is not None]
         while not self.queue.empty():
             record = self._encode(self.queue.get_nowait())
             self.queue.task_done()

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
 import uvicorn
 
 from rlstream.rollout.gateway.app import Gateway, create_app
+from rlstream.rollout.gateway.limits import uvicorn_options
 
 T = TypeVar("T")
 
@@ -28,7 +29,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 async def serving(gateway: Gateway, log_level: str = "warning") -> AsyncIterator[str]:
     """Serve ``gateway`` on its configured host and port while the block runs; yields its base URL."""
     config = uvicorn.Config(create_app(gateway), host=gateway.config.host, port=gateway.config.port,
-                            lifespan="on", log_level=log_level, access_log=False)
+                            lifespan="on", log_level=log_level, access_log=False, **uvicorn_options(gateway.config))
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -68,5 +69,5 @@ class StoppableServer(uvicorn.Server):
 async def serve_forever(gateway: Gateway, log_level: str = "info") -> None:
     """Serve ``gateway`` until SIGTERM or SIGINT, then return (after a graceful shutdown)."""
     config = uvicorn.Config(create_app(gateway), host=gateway.config.host, port=gateway.config.port,
-                            lifespan="on", log_level=log_level)
+                            lifespan="on", log_level=log_level, **uvicorn_options(gateway.config))
     await StoppableServer(config).serve()

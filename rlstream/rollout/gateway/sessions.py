@@ -61,6 +61,7 @@ class Trajectory:
     choices_group: str | None = None  # n > 1: the group of the request's choices (one trajectory per choice)
     group_size: int = 1
     generation_index: int = 0
+    approx_bytes: int = 0  # what its calls hold in memory, roughly (:func:`call_bytes`)
 
     @property
     def example_id(self) -> str:
@@ -74,6 +75,7 @@ class Trajectory:
 
     def add(self, call: RecordedCall) -> None:
         self.recording.add(call)
+        self.approx_bytes += call_bytes(call)
         self.last_active = time.monotonic()
 
     def to_event(self, *, run_id: str, policy: str, producer_id: str) -> TrajectoryEvent:
@@ -91,6 +93,17 @@ class Trajectory:
         return event.model_copy(update={"trajectory_id": self.trajectory_id})
 
 
+def call_bytes(call: RecordedCall) -> int:
+    """Roughly the memory one recorded call holds: its messages' text and its token ids (8 bytes each)."""
+    text = sum(len(str(m.content or "")) + len(str(m.tool_calls or "")) for m in call.request_messages)
+    reply = call.response_message
+    text += len(str(reply.content or "")) + len(str(reply.tool_calls or ""))
+    turn = call.turn
+    tokens = sum(len(ids or ()) for ids in (turn.prompt_token_ids, turn.completion_token_ids,
+                                             turn.completion_logprobs))
+    return text + 8 * tokens
+
+
 @dataclass(frozen=True)
 class KnownTrajectory:
     """What /v1/feedback needs to address a reward to a trajectory."""
@@ -103,14 +116,20 @@ class KnownTrajectory:
 class SessionStore:
     """Open session trajectories, and the ids of recent trajectories (for feedback)."""
 
-    def __init__(self, idle_s: float, remembered: int = 100_000) -> None:
+    def __init__(self, idle_s: float, remembered: int = 100_000, max_open: int = 1 << 62,
+                 max_turns: int = 1 << 62, max_bytes: int = 1 << 62) -> None:
         self.idle_s = idle_s
         self.remembered = remembered
-        self.open: dict[str, Trajectory] = {}
+        self.max_open, self.max_turns, self.max_bytes = max_open, max_turns, max_bytes
+        #: open session trajectories, least recently active first
+        self.open: OrderedDict[str, Trajectory] = OrderedDict()
         self.known: OrderedDict[str, KnownTrajectory] = OrderedDict()
         self.session_last: OrderedDict[str, str] = OrderedDict()  # session id -> its latest trajectory id
         self.splits = 0  # calls of a session that did not extend its open trajectory and started a new one
         self.retokenized = 0  # calls that continued by messages while their prompt tokens differ (tool calls)
+        self.evicted = 0  # open sessions closed (and published) because max_open were open
+        self.splits_long = 0  # sessions split because their trajectory reached max_turns or max_bytes
+        self._evicted: list[Trajectory] = []
 
     def remember(self, traj: Trajectory) -> None:
         self.known[traj.trajectory_id] = KnownTrajectory(traj.trajectory_id, traj.example_id, traj.group_id)
@@ -125,26 +144,44 @@ class SessionStore:
 
     def begin(self, session_id: str | None, prompt_ids: list[int] | None, messages: list[Message],
               policy_version: int, task: str | None = None) -> tuple[Trajectory, Trajectory | None]:
-        """(the trajectory this call joins, a trajectory it closes: to publish now, or None)."""
+        """(the trajectory this call joins, a trajectory it closes: to publish now, or None). Past ``max_open``
+        open sessions, the least recently active ones are closed too: :meth:`take_evicted` hands them out."""
         closed = None
         if session_id is not None:
             current = self.open.get(session_id)
             how = continuation(current.recording.calls[-1], prompt_ids, messages) if (
                 current is not None and current.recording.calls) else None
-            if current is not None and how is not None:
+            full = current is not None and (len(current.recording.calls) >= self.max_turns
+                                            or current.approx_bytes >= self.max_bytes)
+            if current is not None and how is not None and not full:
                 if how == MESSAGES and prompt_ids is not None:
                     self.retokenized += 1
                 current.last_active = time.monotonic()
+                self.open.move_to_end(session_id)
                 return current, None
             if current is not None:
                 closed = self.close(session_id)
                 if closed is not None:
-                    self.splits += 1
+                    if how is not None:  # it continued, but the trajectory is as long as one may be
+                        self.splits_long += 1
+                    else:
+                        self.splits += 1
         traj = Trajectory(session_id=session_id, policy_version=policy_version, task=task)
         if session_id is not None:
             self.open[session_id] = traj
+            while len(self.open) > self.max_open:
+                oldest, _ = next(iter(self.open.items()))
+                evicted = self.close(oldest)
+                self.evicted += 1
+                if evicted is not None:
+                    self._evicted.append(evicted)
         self.remember(traj)
         return traj, closed
+
+    def take_evicted(self) -> list[Trajectory]:
+        """The trajectories closed because ``max_open`` sessions were open (to publish), since the last call."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def close(self, session_id: str) -> Trajectory | None:
         """Take a session's open trajectory out (to publish); None when it has none (or no calls)."""

@@ -3,6 +3,8 @@
 While Kafka is slow or down the gateway writes its events here; a drainer re-sends them in order once Kafka
 answers, and a restarted gateway finds them again. Layout of a spool directory:
 
+The directory is 0700 and its files 0600 (they hold conversations).
+
 * ``.lock``: an exclusive ``flock`` held while a gateway uses the spool (two gateways never share one);
 * ``<seq>.seg`` (``seq``: 20 digits): segment files, written by one gateway in order; a gateway never appends to a
   segment it did not create (after a restart the old ones are only read);
@@ -19,6 +21,7 @@ reader resynchronises on the next ``RSP1`` whose checksum holds) and never stops
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -42,6 +45,8 @@ _KEY_LEN = struct.Struct(">I")
 #: Larger payloads are taken for a damaged length field (Kafka's own limit is far below).
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 SEGMENT_SUFFIX, ACK_SUFFIX = ".seg", ".ack"
+#: The spool holds conversations: only the gateway's user may read it.
+DIRECTORY_MODE, FILE_MODE = 0o700, 0o600
 
 
 class SpoolError(RuntimeError):
@@ -217,8 +222,9 @@ class Spool:
 
     def _open(self) -> None:
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self.directory.mkdir(parents=True, exist_ok=True, mode=DIRECTORY_MODE)
+            os.chmod(self.directory, DIRECTORY_MODE)  # it holds conversations: the gateway's user only
+            self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         except OSError as exc:
             raise SpoolError(f"spool directory {self.directory} is not usable: {exc}") from exc
         try:
@@ -231,6 +237,8 @@ class Spool:
             if not path.stem.isdigit():
                 log.warning("not a spool segment; left alone", path=str(path))
                 continue
+            with contextlib.suppress(OSError):  # a spool written with wider permissions is narrowed
+                os.chmod(path, FILE_MODE)
             self._load(int(path.stem), path)
             self._next_seq = max(self._next_seq, int(path.stem) + 1)
         for path in self.directory.glob("*" + ACK_SUFFIX):  # acknowledgements of segments already deleted
@@ -375,7 +383,7 @@ class Spool:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         path = self.directory / f"{seq:020d}{SEGMENT_SUFFIX}"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, FILE_MODE)
         except OSError as exc:
             log.error("spool segment not created", path=str(path), error=str(exc))
             return
@@ -498,7 +506,7 @@ class Spool:
         for seg, body in writes:
             tmp = seg.ack_path.with_suffix(".ack-tmp")
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
                 try:
                     os.write(fd, body)
                     os.fsync(fd)
