@@ -63,7 +63,7 @@ def test_the_best_constant_answer_is_what_ignoring_the_instruction_earns() -> No
 
 
 def test_under_the_default_reward_no_constant_answer_passes_for_skill() -> None:
-    """The issue's bar: on `up`'s held-out prompts a constant answer earns <= 0.2 under the toy run's reward,
+    """The toy task separates skill from format: on `up`'s held-out prompts a constant answer earns <= 0.2 under the toy run's reward,
     while answering each prompt's own letter earns 1 (the partial-credit reward lets a constant earn 0.56)."""
     from rlstream.ops.toy import best_constant_answer, toy_dataset, toy_reward, toy_strict_reward
     from rlstream.ops.up import HELDOUT_SEED, TOY_DEFAULTS
