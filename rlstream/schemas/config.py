@@ -6,6 +6,7 @@ Sources, lowest to highest precedence: defaults < YAML file < environment
 """
 from __future__ import annotations
 
+import math
 import os
 import types
 from pathlib import Path, PurePath
@@ -32,42 +33,52 @@ class Section(BaseModel):
 
 # --- NAT `finetuning:` semantics -------------------------------------------------------
 class CurriculumConfig(Section):
-    """NAT's curriculum learning (reference/nat_harness.md), same names and defaults."""
+    """NAT's curriculum learning (the NeMo Agent Toolkit finetuning harness), same names and defaults."""
 
-    enabled: bool = False
-    initial_percentile: float = Field(0.3, gt=0.0, le=1.0)
-    increment_percentile: float = Field(0.2, gt=0.0, le=1.0)
-    expansion_interval: int = Field(5, ge=1)
-    min_reward_diff: float = Field(0.1, ge=0.0)
-    sort_ascending: bool = False
-    random_subsample: float | None = Field(None, gt=0.0, le=1.0)
+    enabled: bool = Field(False, description="apply the curriculum: train only the groups of the accepted "
+                          "percentile of the window, ranked by their reward spread")
+    initial_percentile: float = Field(0.3, gt=0.0, le=1.0, description="share of the window accepted at first")
+    increment_percentile: float = Field(0.2, gt=0.0, le=1.0, description="share added at each expansion, up to 1")
+    expansion_interval: int = Field(5, ge=1, description="epochs (offline) or policy versions (online) between "
+                                    "expansions of the accepted share")
+    min_reward_diff: float = Field(0.1, ge=0.0, description="groups whose reward spread (max - min) is below this "
+                                   "are left out before ranking")
+    sort_ascending: bool = Field(False, description="rank the easiest groups first instead of the hardest")
+    random_subsample: float | None = Field(None, gt=0.0, le=1.0, description="keep this random share of the "
+                                           "accepted groups; None = all of them")
 
 
 class RewardFunctionConfig(Section):
-    name: str = "reward"
+    name: str = Field("reward", description="name the reward is reported under (metrics, NAT's outputs)")
     function: str | None = Field(None, description="module:function computing the reward")
 
 
 class FinetuningConfig(Section):
-    enabled: bool = True
-    num_generations: int = Field(2, ge=1)
-    target_functions: list[str] = Field(default_factory=lambda: ["<workflow>"])
-    target_model: str | None = None
+    enabled: bool = Field(True, description="NAT's switch for the finetuning section")
+    num_generations: int = Field(2, ge=1, description="generations per example in each epoch (the GRPO group size)")
+    target_functions: list[str] = Field(default_factory=lambda: ["<workflow>"], description="functions whose LLM "
+                                        "calls are trainable; <workflow> = every call of the workflow")
+    target_model: str | None = Field(None, description="only calls to this model are trainable; None = every "
+                                     "model the workflow calls")
     reward_function: RewardFunctionConfig = Field(default_factory=RewardFunctionConfig)
-    num_epochs: int = Field(1, ge=1)
-    output_dir: Path = Path(".tmp/finetuning/output")
-    curriculum_learning: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    num_epochs: int = Field(1, ge=1, description="passes over the dataset")
+    output_dir: Path = Field(Path(".tmp/finetuning/output"), description="where NAT's output files of a run are "
+                             "written (metrics, reward and validation history, curriculum state, plot)")
+    curriculum_learning: CurriculumConfig = Field(default_factory=CurriculumConfig, description="NAT's curriculum")
     trajectory_builder: str = Field("rlstream_kafka", description="a name in trajectory_builders, or a _type")
     trainer_adapter: str = Field("rlstream_kafka", description="a name in trainer_adapters, or a _type")
     trainer: str = Field("rlstream_grpo", description="a name in trainers, or a _type")
     #: NAT-style component sections: name -> {"_type": registered type, ...its options}
-    trajectory_builders: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    trainer_adapters: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    trainers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    trajectory_builders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trajectory "
+                                                            "builder components: name -> {_type, options}")
+    trainer_adapters: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trainer adapter "
+                                                         "components: name -> {_type, options}")
+    trainers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trainer components: "
+                                                 "name -> {_type, options}")
     plugins: list[str] = Field(default_factory=list, description="modules imported before components are built "
                                "(they register custom components by _type)")
     validation_dataset: Path | None = Field(None, description="held-out examples (JSON/JSONL); never trained on")
-    validation_interval: int = Field(5, ge=1)
+    validation_interval: int = Field(5, ge=1, description="epochs between validation passes (and after the last)")
     validation_config_file: Path | None = Field(None, description="YAML merged over this config for validation "
                                                 "passes (e.g. another rollout.temperature or workflow)")
     group_timeout_s: float = Field(20.0, gt=0, description="finetune's streams worker emits a group with failed "
@@ -78,15 +89,18 @@ class FinetuningConfig(Section):
 # --- infrastructure ----------------------------------------------------------------
 class KafkaConfig(Section):
     bootstrap_servers: str = Field("", description="host:port[,host:port]; empty = embedded noida-db")
-    client_id: str = "rlstream"
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] | None = None
-    sasl_plain_username: str | None = None
+    client_id: str = Field("rlstream", description="Kafka client id prefix of every client")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="how every client (aiokafka and Faust) talks to the brokers")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] | None = Field(
+        None, description="SASL mechanism; required with SASL_PLAINTEXT and SASL_SSL")
+    sasl_plain_username: str | None = Field(None, description="SASL user (PLAIN and SCRAM)")
     sasl_plain_password: Secret | None = Field(None, description="a secret: masked in every output; env form "
                                                "RLSTREAM_KAFKA__SASL_PLAIN_PASSWORD")
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
+    ssl_cafile: Path | None = Field(None, description="CA bundle that signs the brokers' certificates (SSL, "
+                                    "SASL_SSL); None = the system's CAs")
+    ssl_certfile: Path | None = Field(None, description="client certificate for mutual TLS")
+    ssl_keyfile: Path | None = Field(None, description="key of ssl_certfile")
     ssl_password: Secret | None = Field(None, description="password of ssl_keyfile (a secret)")
     schema_registry_url: SecretUrl | None = Field(None, description="Confluent schema registry: when set, every "
                                                   "writer and reader uses it (Confluent wire format); a password in "
@@ -108,9 +122,10 @@ class KafkaConfig(Section):
     schema_registry_failure_ttl_s: float = Field(30.0, ge=0, description="a schema id the registry could not "
                                                  "resolve is not asked for again for this long (records with it "
                                                  "fail at once, without a blocking request each)")
-    max_message_bytes: int = Field(1_000_000, ge=1024)
-    request_timeout_ms: int = Field(30_000, ge=1000)
-    session_timeout_ms: int = Field(10_000, ge=6000)
+    max_message_bytes: int = Field(1_000_000, ge=1024, description="largest record a producer sends (the broker's "
+                                   "message.max.bytes must allow it); larger events are refused at encode time")
+    request_timeout_ms: int = Field(30_000, ge=1000, description="Kafka request timeout of every client")
+    session_timeout_ms: int = Field(10_000, ge=6000, description="consumer group session timeout")
     empty_fetch_wait_ms: float = Field(20.0, ge=0, le=1000, description=(
         "a fetch answered empty sooner than this waits out the rest before the next fetch to that broker: a broker "
         "that does not hold empty fetches (noida-db) is otherwise asked thousands of times a second by every idle "
@@ -131,21 +146,29 @@ class RedisConfig(Section):
 
 
 class TopicsConfig(Section):
-    prefix: str = Field("rlstream.", pattern=r"^[A-Za-z0-9._-]*$")
-    partitions: int = Field(8, ge=1, le=1024)
-    replication_factor: int = Field(1, ge=1)
-    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+    prefix: str = Field("rlstream.", pattern=r"^[A-Za-z0-9._-]*$", description="prefix of every topic name")
+    partitions: int = Field(8, ge=1, le=1024, description="partitions of each topic created by rlstream")
+    replication_factor: int = Field(1, ge=1, description="replication factor of each topic created by rlstream")
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1, description="retention of every topic but "
+                              "policy-versions; -1 = forever. trajectories must outlast streams.reward_window_s")
     policy_versions_retention_ms: int = Field(-1, ge=-1, description="-1 = keep forever (lineage)")
 
 
 class StreamsConfig(Section):
-    app_id: str = "rlstream-streams"
-    group_timeout_s: float = Field(300.0, gt=0)
-    min_group_size: int = Field(2, ge=1)
+    app_id: str = Field("rlstream-streams", description="Faust application id: consumer group, changelog topic "
+                        "and transactional id prefix")
+    group_timeout_s: float = Field(300.0, gt=0, description="a generations group (group_size > 1) still missing "
+                                   "members or rewards this long after its first record leaves with what it has "
+                                   "(completion timeout) or expires")
+    min_group_size: int = Field(2, ge=1, description="members with rewards a timed-out group needs to leave; with "
+                                "fewer it expires (counted)")
     reward_window_s: float = Field(86_400.0, gt=0, description="how long a single response (group_size 1: "
                                    "production traffic) waits for its reward (feedback may come hours later); "
                                    "the trajectories topic's retention must outlast it (waiting records are read "
                                    "back from it)")
+    reward_range: tuple[float, float] = Field((-10.0, 10.0), description="[low, high] a reward and each of its "
+                                              "components must lie in (finite numbers, low <= high); the gateway "
+                                              "answers feedback outside it with 422")
     payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="waiting members' records kept in memory "
                                      "by a worker (least recently used out first); the state holds only their offsets "
                                      "and a record not cached is read back from its topic when its group leaves")
@@ -155,34 +178,38 @@ class StreamsConfig(Section):
         "mean and variance")
     baseline_window: int = Field(64, ge=1, description="rewards in the window baseline")
     baseline_ema_alpha: float = Field(0.1, gt=0, le=1, description="weight of the newest reward in the EMA baseline")
-    min_allowed_group_size: int = Field(1, ge=1)
-    max_allowed_group_size: int = Field(256, ge=1)
-    max_policy_lag: int = Field(4, ge=0)
-    min_reward_diff: float = Field(0.1, ge=0.0)
-    curriculum_window: int = Field(64, ge=1)
-    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    min_allowed_group_size: int = Field(1, ge=1, description="a trajectory announcing a smaller group_size is "
+                                        "dead-lettered")
+    max_allowed_group_size: int = Field(256, ge=1, description="a trajectory announcing a larger group_size is "
+                                        "dead-lettered")
+    max_policy_lag: int = Field(4, ge=0, description="a group whose oldest member was produced more than this "
+                                "many versions before the newest trusted version is filtered as stale")
+    min_reward_diff: float = Field(0.1, ge=0.0, description="a generations group whose reward spread (max - min) "
+                                   "is below this is filtered (zero variance: no learning signal)")
+    curriculum_window: int = Field(64, ge=1, description="candidate groups the online curriculum ranks at once")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig, description="the online curriculum "
+                                         "(expansion_interval counts policy versions)")
     processing_guarantee: Literal["exactly_once"] = Field(
         "exactly_once", description="the only processing guarantee: input offsets, table changes and outputs "
         "(groups, dead letters) commit in one Kafka transaction per source partition. There is no at_least_once "
         "mode: the assembler drops a replayed trajectory id it already holds, so a state change committed without "
         "its output would lose that output instead of repeating it")
-    store: Literal["memory", "rocksdb"] = "memory"
-    data_dir: Path = Path("runs/streams")
-    metrics_interval_s: float = Field(5.0, gt=0)
-    prometheus_port: int | None = None
+    store: Literal["memory", "rocksdb"] = Field("memory", description="table store; both are rebuilt from the "
+                                                "changelogs after a restart")
+    data_dir: Path = Field(Path("runs/streams"), description="the worker's local data (RocksDB tables)")
+    metrics_interval_s: float = Field(5.0, gt=0, description="seconds between the worker's metric events")
+    prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")
     tick_interval_s: float = Field(1.0, gt=0, description="how often open groups are checked for timeout")
     commit_interval_s: float = Field(0.2, gt=0, description=(
         "Faust commit (and transaction) interval: read_committed readers see a group only once its transaction "
-        "commits, so it bounds the assembly latency (bench/streams_throughput.py: p50 529 ms at 1 s, 150 ms at "
-        "0.2 s, at no throughput cost; Kafka Streams commits every 100 ms under exactly_once)"))
+        "commits, so it bounds the assembly latency (Kafka Streams commits every 100 ms under exactly_once)"))
     group_commit_delay_s: float = Field(0.05, ge=0, description=(
         "after a group is sent, commit its transaction this many seconds later instead of at the next periodic "
         "commit (commit_interval_s), so read_committed readers (the learner) see it sooner; groups sent in the "
-        "meantime share that commit. 0 = periodic commits only. bench/streams_throughput.py at half the maximum "
-        "rate: p50 57-71 ms, p99 97-141 ms with 0.05; p50 137-146 ms, p99 240-294 ms with 0"))
+        "meantime share that commit. 0 = periodic commits only"))
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
-    standby_replicas: int = Field(0, ge=0)
+    standby_replicas: int = Field(0, ge=0, description="Faust standby replicas of each table partition")
     static_membership: bool = Field(True, description="join the consumer group with group.instance.id = "
                                     "app_id-worker_id, so a restarted worker takes its old place")
     rebalance_timeout_s: float = Field(20.0, gt=0, description="how long a rebalance waits for members to rejoin "
@@ -199,15 +226,19 @@ class StreamsConfig(Section):
     def _bounds(self) -> "StreamsConfig":
         if self.min_allowed_group_size > self.max_allowed_group_size:
             raise ValueError("min_allowed_group_size must be <= max_allowed_group_size")
+        low, high = self.reward_range
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError("reward_range is two finite numbers, low <= high")
         return self
 
 
 class LoraConfig(Section):
-    enabled: bool = True
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    enabled: bool = Field(True, description="train a LoRA adapter; false = full fine-tuning")
+    r: int = Field(8, ge=1, description="LoRA rank")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (scaling alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="module names the adapter wraps")
 
 
 class LearnerConfig(Section):
@@ -293,44 +324,49 @@ class RolloutConfig(Section):
     workflow: str | None = Field(None, description="module:function, async (example, client, sampling) -> output")
     reward_function: str | None = Field(None, description="module:function (example, output) -> float; "
                                         "unset = rewards come later as RewardEvents")
-    group_size: int = Field(4, ge=1)
+    group_size: int = Field(4, ge=1, description="generations per example (the GRPO group size)")
     concurrency: int = Field(8, ge=1, description="generations running at once")
     max_policy_lag: int = Field(2, ge=0, description="pause while more than this many versions ahead of the learner")
     groups_per_version: int | None = Field(None, ge=1, description="groups the learner needs per new version "
                                            "(default learner.groups_per_step * learner.publish_every)")
-    mode: Literal["epoch", "continuous"] = "continuous"
+    mode: Literal["epoch", "continuous"] = Field("continuous", description="epoch = pass over the dataset epochs "
+                                                 "times; continuous = sample examples forever")
     epochs: int = Field(1, ge=1, description="passes over the dataset in epoch mode")
     prompts_topic: str | None = Field(None, description="continuous mode: read examples (JSON) from this topic")
     max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = no limit)")
-    base_url: SecretUrl = "http://127.0.0.1:8000/v1"  # a password in it is masked in every output
+    base_url: SecretUrl = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible endpoint the "
+                                "workflow calls; a password in it is masked in every output")
     api_key: Secret | None = Field(None, description="sent to the OpenAI-compatible endpoint (a secret: masked in "
                                    "every output; env form RLSTREAM_ROLLOUT__API_KEY); none = vLLM's placeholder")
     model: str = Field("policy", description="the served base model name; requests for it are routed to the "
                        "newest loaded version")
     route_worker_id: str | None = Field(None, description="route by this sync worker's heartbeat only")
     request_token_data: bool = Field(True, description="ask for token ids and logprobs (vLLM extensions)")
-    temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of the rollout's calls")
+    max_tokens: int = Field(64, ge=1, description="completion token limit of the rollout's calls")
     max_in_flight: int = Field(256, ge=1, description="publisher: unacknowledged events before send() waits")
     delivery_timeout_s: float = Field(120.0, gt=0, description="publisher: report an event as not acknowledged "
                                       "after this long")
-    admission_poll_s: float = Field(1.0, gt=0)
-    producer_id: str = "rollout"
+    admission_poll_s: float = Field(1.0, gt=0, description="how often a paused runner checks the learner's "
+                                    "version again")
+    producer_id: str = Field("rollout", description="producer_id written into every trajectory")
     prometheus_port: int | None = Field(None, description="serve the runner's metrics to Prometheus on this port")
 
 
 class InferenceConfig(Section):
     """The inference sync worker (``rlstream inference sync``) and the vLLM launcher."""
 
-    backend: Literal["vllm"] = "vllm"
-    url: SecretUrl = "http://127.0.0.1:8000"  # a password in it is masked in every output
+    backend: Literal["vllm"] = Field("vllm", description="the inference server kind")
+    url: SecretUrl = Field("http://127.0.0.1:8000", description="the vLLM server's base URL; a password in it is "
+                           "masked in every output")
     served_model: str = Field("policy", description="the base model name the server was started with")
-    worker_id: str = "worker-0"
+    worker_id: str = Field("worker-0", description="this sync worker's id (its Redis heartbeat key)")
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
-    heartbeat_ttl_s: float = Field(30.0, gt=0)
-    load_retries: int = Field(3, ge=0)
-    retry_backoff_s: float = Field(1.0, ge=0)
-    request_timeout_s: float = Field(120.0, gt=0)
+    heartbeat_ttl_s: float = Field(30.0, gt=0, description="the worker's heartbeat expires this long after its "
+                                   "last renewal (a worker gone longer counts as down)")
+    load_retries: int = Field(3, ge=0, description="retries of a failed load before the version is refused")
+    retry_backoff_s: float = Field(1.0, ge=0, description="first backoff between load retries (doubling)")
+    request_timeout_s: float = Field(120.0, gt=0, description="timeout of one request to vLLM's admin endpoints")
     weights_root: Path | None = Field(None, description="resolve relative PolicyVersion uris against this")
     weights_roots: list[Path] = Field(
         default_factory=list,
@@ -351,8 +387,8 @@ class RlstreamConfig(BaseSettings):
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
     )
 
-    run_id: str = "run-0"
-    policy: str = "policy"
+    run_id: str = Field("run-0", description="the run every trajectory, group and metric is tagged with")
+    policy: str = Field("policy", description="the policy (model) name: Redis keys, transactional ids, versions")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     topics: TopicsConfig = Field(default_factory=TopicsConfig)

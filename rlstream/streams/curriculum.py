@@ -5,7 +5,7 @@ Online (the stream app) the window is the last W candidate groups and ``epoch`` 
 so the accepted percentile grows every ``expansion_interval`` policy versions. Both call
 :func:`select_groups`; nothing here touches Kafka.
 
-The rule (reference/nat_harness.md):
+The rule (the NeMo Agent Toolkit finetuning harness's curriculum, step for step):
 
 1. disabled: everything passes;
 2. drop groups with ``max - min reward < min_reward_diff`` (strict);
