@@ -49,7 +49,7 @@ from rlstream.streams.telemetry import Telemetry
 from rlstream.streams.exactly_once.broker_watch import (BROKER_LOST_EXIT_CODE, BrokerConnectionWatch,
                                                        first_bootstrap_address)
 from rlstream.streams.exactly_once.internals import check_internals, forget_unacked, send_queued_changelogs
-from rlstream.streams.exactly_once.progress import Admission, ProgressGate, VisibleOffsetProbe
+from rlstream.streams.exactly_once.progress import Admission, GapProbe, ProgressGate
 from rlstream.streams.exactly_once.state_reset import (BulkChangelogLoader, SettledTransactions,
                                                       install_full_recovery)
 from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePartitionApp, TransactionSettings,
@@ -199,10 +199,11 @@ class StreamsApp:
         self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
         install_full_recovery(self.app, self.settled, BulkChangelogLoader(
             self.app, lambda: make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")))
-        self.offset_probe = VisibleOffsetProbe(lambda: make_consumer(self.cfg.kafka, group_id=None,
-                                                                     isolation_level="read_committed"))
+        self.offset_probe = GapProbe(lambda: make_consumer(self.cfg.kafka, group_id=None,
+                                                           isolation_level="read_committed"))
         self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards},
-                                 self.offset_probe)
+                                 self.offset_probe,
+                                 on_unproven_gap=lambda *_: self.telemetry.count(mn.STREAMS_UNPROVEN_GAPS))
         self.app.transaction_manager().configure(TransactionSettings(
             source_topic=self.names.trajectories, buffer_tracker=BufferTracker(self.app.producer.buffer),
             processing_lock=self.processing_lock))

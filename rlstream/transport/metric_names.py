@@ -121,6 +121,9 @@ STREAMS_CONSUMER_LAG = "streams.consumer_lag"
 #: Records put off by the progress gate (rebalance, recovery) and records skipped as already applied.
 STREAMS_RECORDS_DEFERRED = "streams.records_deferred"
 STREAMS_RECORDS_SKIPPED = "streams.records_skipped"
+#: Probes that found offsets a read_committed consumer did not deliver which cannot be proven to hold only transaction
+#: markers and aborted records: the partition stops there (error log) and the probe is repeated.
+STREAMS_UNPROVEN_GAPS = "streams.unproven_gaps"
 #: Dead letters (tag ``reason``) and their total.
 STREAMS_DLQ = "streams.dlq"
 STREAMS_DLQ_TOTAL = "streams.dlq_total"
@@ -170,6 +173,7 @@ LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_R
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
            STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_ASSEMBLY_LATENCY_S,
            STREAMS_CONSUMER_LAG,
+           STREAMS_UNPROVEN_GAPS,
            STREAMS_RECORDS_DEFERRED, STREAMS_RECORDS_SKIPPED, STREAMS_DLQ, STREAMS_DLQ_TOTAL, STREAMS_GROUPS_EMITTED,
            STREAMS_GROUPS_FILTERED, STREAMS_TRAJECTORIES_ACCEPTED, STREAMS_DUPLICATE_TRAJECTORY,
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
@@ -333,6 +337,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "progress gate"),
     _total(STREAMS_RECORDS_SKIPPED, "rlstream_streams_records_skipped_total", _WORKER, "Records skipped as already "
            "applied"),
+    _total(STREAMS_UNPROVEN_GAPS, "rlstream_streams_unproven_gaps_total", _WORKER, "Probes of undelivered offsets "
+           "that could not be proven markers or aborted records (the partition is stopped)"),
     _total(STREAMS_DLQ, "rlstream_streams_dead_letters_total", _WORKER_REASON, "Records the stream app "
            "dead-lettered"),
     _topic_only(STREAMS_DLQ_TOTAL, "counter", "Prometheus: sum without (reason) (rlstream_streams_dead_letters_total)"),

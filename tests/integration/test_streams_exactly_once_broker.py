@@ -1,8 +1,8 @@
 """The broker facts the exactly-once streams worker relies on, on the real broker.
 
-* The progress gate's probe: the first offset a read_committed consumer sees at or after a given one skips
-  transaction markers and aborted records and stops at a committed record; that is what lets the gate tell
-  "records not delivered yet" (seek back) from "no records there" (go on) without a timer.
+* The progress gate's probe: it reads a gap from the log and proves it holds only transaction markers and
+  aborted records (go on), or finds a committed record in it ("records not delivered yet": seek back), or
+  cannot prove either (offsets the log does not hold: the partition stops), without a timer.
 * The recovery's settle wait: it returns only once the open transaction on a changelog is decided, however
   long that takes, and says meanwhile what it waits for.
 """
@@ -14,8 +14,9 @@ from faust.types import TP
 
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
-from rlstream.streams.exactly_once.progress import VisibleOffsetProbe
+from rlstream.streams.exactly_once.progress import GapProbe
 from rlstream.streams.exactly_once.state_reset import SettledTransactions
+from rlstream.transport.aborted_index import GapProof, GapVerdict
 from rlstream.transport.kafka import create_topics, make_consumer, make_producer
 
 PARTITION = 1
@@ -46,44 +47,38 @@ async def write_with_markers(cfg: RlstreamConfig, topic: str) -> dict[str, int]:
     return offsets
 
 
-def test_the_probe_finds_the_first_visible_record_past_markers_and_aborted_records(rl_config: RlstreamConfig
-                                                                                     ) -> None:
+def probe_gaps(cfg: RlstreamConfig, topic: str, gaps: list[tuple[int, int]]) -> list[GapProof | None]:
+    """The gate's probe on each [start, stop) of ``gaps``."""
+    async def go() -> list[GapProof | None]:
+        probe = GapProbe(lambda: make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed"),
+                         timeout_s=10)
+        try:
+            return [await probe(TP(topic, PARTITION), start, stop) for start, stop in gaps]
+        finally:
+            await probe.close()
+    return asyncio.run(go())
+
+
+def test_the_probe_proves_markers_and_aborted_records_and_finds_committed_ones(rl_config: RlstreamConfig) -> None:
     asyncio.run(create_topics(rl_config.kafka, rl_config.topics))
     topic = TopicNames.from_config(rl_config.topics).trajectories
     at = asyncio.run(write_with_markers(rl_config, topic))
     assert at["b"] - at["a"] == 1 and at["c"] > at["b"] + 1 and at["d"] > at["c"] + 1 and at["e"] > at["d"] + 1
 
-    def probe_all(isolation_level: str, starts: list[int]) -> list[int | None]:
-        async def go() -> list[int | None]:
-            probe = VisibleOffsetProbe(lambda: make_consumer(rl_config.kafka, group_id=None,
-                                                             isolation_level=isolation_level), timeout_s=10)
-            try:
-                return [await probe(TP(topic, PARTITION), start) for start in starts]
-            finally:
-                await probe.close()
-        return asyncio.run(go())
-
     gap_after_b = at["b"] + 1  # b's commit marker, then c (aborted) and its abort marker
-    committed = probe_all("read_committed", [at["a"], at["b"], gap_after_b, at["c"], at["d"] + 1])
-    assert committed == [at["a"], at["b"], at["d"], at["d"], at["e"]]
-    # negative control: without read_committed the aborted record counts as a record, and the gate would wait
-    # forever for a record it can never be handed
-    assert probe_all("read_uncommitted", [gap_after_b]) == [at["c"]]
+    proofs = probe_gaps(rl_config, topic, [(gap_after_b, at["d"]), (at["d"] + 1, at["e"]), (at["a"], at["d"]),
+                                           (gap_after_b, at["e"]), (at["c"], at["c"] + 1)])
+    assert [p.verdict if p else None for p in proofs] == [GapVerdict.HIDDEN, GapVerdict.HIDDEN, GapVerdict.VISIBLE,
+                                                          GapVerdict.VISIBLE, GapVerdict.HIDDEN]
+    assert proofs[2] is not None and proofs[2].offset == at["a"]
+    assert proofs[3] is not None and proofs[3].offset == at["d"]  # a committed record: records not delivered yet
 
 
-def test_the_probe_answers_none_when_nothing_comes(rl_config: RlstreamConfig) -> None:
+def test_offsets_the_log_does_not_hold_are_unproven(rl_config: RlstreamConfig) -> None:
     asyncio.run(create_topics(rl_config.kafka, rl_config.topics))
-    topic = TopicNames.from_config(rl_config.topics).rewards
-
-    async def go() -> int | None:
-        probe = VisibleOffsetProbe(lambda: make_consumer(rl_config.kafka, group_id=None,
-                                                         isolation_level="read_committed"), timeout_s=1.5)
-        try:
-            return await probe(TP(topic, PARTITION), 0)
-        finally:
-            await probe.close()
-
-    assert asyncio.run(go()) is None
+    topic = TopicNames.from_config(rl_config.topics).rewards  # empty: nothing below offset 3 can be accounted for
+    proof = probe_gaps(rl_config, topic, [(0, 3)])[0]
+    assert proof is not None and proof.verdict is GapVerdict.UNPROVEN and proof.offset == 0
 
 
 def test_the_settle_wait_lasts_until_the_open_transaction_is_decided(rl_config: RlstreamConfig) -> None:

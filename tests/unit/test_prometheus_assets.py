@@ -200,6 +200,8 @@ ALERT_CASES: list[dict[str, Any]] = [
                 'rlstream_inference_loaded_version{run_id="r",source="inference:b",worker="b"}': "6x30"},
      "alert": "RlstreamInferenceWorkerBehind", "quiet_at": "10m", "fires_at": "20m",
      "labels": [{"run_id": "r", "source": "inference:a", "worker": "a"}]},
+    {"series": {'rlstream_streams_unproven_gaps_total{run_id="r",source="s",worker="w"}': "0x5 1 2 3x20"},
+     "alert": "RlstreamStreamsPartitionStopped", "quiet_at": "5m", "fires_at": "9m", "labels": [{"worker": "w"}]},
 ]
 
 

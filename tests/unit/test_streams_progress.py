@@ -8,6 +8,7 @@ from faust.types import TP
 
 from rlstream.streams.exactly_once import progress
 from rlstream.streams.exactly_once.progress import Admission, ProgressGate, progress_key
+from rlstream.transport.aborted_index import GapProof, GapVerdict
 
 
 class RecordingConsumer:
@@ -31,21 +32,26 @@ class RecordingConsumer:
 T0, T1, R0 = TP("traj", 0), TP("traj", 1), TP("rew", 0)
 
 
+HIDDEN = GapProof(GapVerdict.HIDDEN, None, "transaction markers and aborted records only")
+VISIBLE = GapProof(GapVerdict.VISIBLE, 5, "a record outside any transaction")
+UNPROVEN = GapProof(GapVerdict.UNPROVEN, 5, "offsets no longer in the log (deleted by retention?)")
+
+
 class ScriptedProbe:
     """A probe answering from a script (None: no answer from the broker); records what it was asked."""
 
-    def __init__(self, *answers: int | None) -> None:
+    def __init__(self, *answers: GapProof | None) -> None:
         self.answers = list(answers)
-        self.asked: list[tuple[TP, int]] = []
+        self.asked: list[tuple[TP, int, int]] = []
 
-    async def __call__(self, tp: TP, offset: int) -> int | None:
-        self.asked.append((tp, offset))
+    async def __call__(self, tp: TP, start: int, stop: int) -> GapProof | None:
+        self.asked.append((tp, start, stop))
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
 def records_missing() -> ScriptedProbe:
-    """The broker holds a visible record right at the expected offset: a hole is records not delivered yet."""
-    return ScriptedProbe(5)
+    """The broker holds a visible record in the hole: a hole is records not delivered yet."""
+    return ScriptedProbe(VISIBLE)
 
 
 def run(coro: Any) -> Any:
@@ -102,22 +108,35 @@ def test_a_hole_with_records_in_it_is_never_accepted_on_a_timer(monkeypatch: Any
         assert run(gate.admit("traj", 0, 9)) is Admission.LATER
         run(gate.maintain())
     assert len(consumer.seeks) == 21 and set(consumer.seeks) == {(T0, 5)}
-    assert len(probe.asked) == 20 and set(probe.asked) == {(T0, 5)}
+    assert len(probe.asked) == 20 and set(probe.asked) == {(T0, 5, 9)}
     assert run(gate.admit("traj", 0, 5)) is Admission.PROCESS  # the missing record, at last
 
 
-def test_offsets_without_visible_records_are_skipped_at_once() -> None:
+def test_offsets_proven_to_hold_only_markers_and_aborted_records_are_passed_at_once() -> None:
     table = {progress_key("traj", 0): 4}
     consumer = RecordingConsumer({T0})
-    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(9))  # 5..8: transaction markers / aborted
+    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(HIDDEN))  # 5..8: transaction markers / aborted
     assert run(gate.admit("traj", 0, 9)) is Admission.PROCESS
     assert consumer.seeks == []
+
+
+def test_a_gap_that_cannot_be_proven_hidden_stops_the_partition_loudly(monkeypatch: Any) -> None:
+    table = {progress_key("traj", 0): 4}
+    consumer = RecordingConsumer({T0})
+    stops: list[tuple[TP, int, int, GapProof]] = []
+    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(UNPROVEN),
+                        on_unproven_gap=lambda *args: stops.append(args))
+    monkeypatch.setattr(progress, "PROBE_RETRY_S", 0.0)
+    for _ in range(5):  # however often the record comes, it never passes the gap
+        assert run(gate.admit("traj", 0, 9)) is Admission.LATER
+    assert stops == [(T0, 5, 9, UNPROVEN)] * 5
+    assert table == {progress_key("traj", 0): 4}
 
 
 def test_an_unanswered_probe_defers_the_record_and_is_asked_again_later(monkeypatch: Any) -> None:
     table = {progress_key("traj", 0): 4}
     consumer = RecordingConsumer({T0})
-    probe = ScriptedProbe(None, 9)
+    probe = ScriptedProbe(None, HIDDEN)
     gate = ProgressGate(table, consumer, {"traj"}, probe)
     assert run(gate.admit("traj", 0, 9)) is Admission.LATER  # no answer: never a guess
     assert run(gate.admit("traj", 0, 9)) is Admission.LATER  # not asked again right away
@@ -139,7 +158,7 @@ def test_seeks_move_fausts_read_offset_back_so_deferred_records_come_again() -> 
     table = {progress_key("traj", 0): 41}
     consumer = FaustLikeConsumer({T0, T1}, committed={T1: 0})
     consumer._read_offset.update({T0: 57, T1: 12})  # records handed to the stream (and deferred) before the resync
-    gate = ProgressGate(table, consumer, {"traj"}, ScriptedProbe(42))
+    gate = ProgressGate(table, consumer, {"traj"}, records_missing())
     run(gate.resync())
     assert consumer._read_offset == {T0: 42, T1: None}  # None: what faust's Consumer.seek stores for offset 0
     consumer._read_offset[T0] = 60

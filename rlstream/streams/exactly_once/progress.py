@@ -14,12 +14,19 @@ consumer group committed.
 * a record at or below M was applied already and is skipped (replays after a seek are cheap);
 * a record above M + 1 means records in between were not delivered (stale buffered records from an
   older position, or records Faust dropped on a flow resume), or that the offsets in between hold no
-  record a read_committed consumer sees (transaction markers, aborted records). A
-  :class:`VisibleOffsetProbe` (a group-less read_committed consumer) tells the two apart: when the first
-  visible offset at or after M + 1 is the record's own, the gap is real and the record is processed;
-  otherwise the record is skipped *un-acked* (so the committed offset cannot pass it) and the partition
-  is sought back to M + 1, again and again, until the missing records come in order. A gap is never
-  accepted on a timer: under load a seek back can take longer than any fixed patience.
+  record a read_committed consumer sees (transaction markers, aborted records). A :class:`GapProbe`
+  reads the offsets in between from the log (:func:`rlstream.transport.aborted_index.prove_gap`):
+
+  - proven to hold only transaction markers and records of transactions that ended in an ABORT marker:
+    the record is processed;
+  - a record a read_committed consumer must deliver is there: the record is skipped *un-acked* (so the
+    committed offset cannot pass it) and the partition is sought back to M + 1, again and again, until
+    the missing records come in order. A gap is never accepted on a timer: under load a seek back can
+    take longer than any fixed patience;
+  - neither can be proven (offsets deleted from the log, an open transaction, a broker that returns no
+    batch): the partition stops there, loudly (an error log and ``on_unproven_gap``, which the worker
+    counts as ``streams.unproven_gaps``), and the gate asks again every ``PROBE_RETRY_S``. No gap is
+    accepted because a probe saw nothing.
 
 Every seek of the gate also moves Faust's read offset for the partition back (as Faust's own
 ``Consumer.seek`` does): Faust drops fetched records below the offset it last handed to the stream, so
@@ -38,6 +45,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.types import TP
 
+from rlstream.transport.aborted_index import GapProof, GapVerdict, prove_gap
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -61,13 +69,15 @@ def progress_key(topic: str, partition: int) -> str:
     return f"{topic}:{partition}"
 
 
-#: ``probe(tp, offset)``: the first offset at or after ``offset`` holding a visible record (None: no answer)
-Probe = Callable[[TP, int], Awaitable["int | None"]]
+#: ``probe(tp, start, stop)``: what the offsets [start, stop) hold (None: no answer from the broker)
+Probe = Callable[[TP, int, int], Awaitable["GapProof | None"]]
+#: ``on_unproven_gap(tp, start, stop, proof)``: a partition stopped before a gap that cannot be proven hidden
+UnprovenGapHook = Callable[[TP, int, int, GapProof], None]
 
 
-class VisibleOffsetProbe:
-    """The first offset at or after a given one where a group-less read_committed consumer finds a record:
-    the consumer's own answer to "are records missing before this one, or only markers?"."""
+class GapProbe:
+    """What the offsets a read_committed consumer did not deliver hold, read from the log with a group-less
+    consumer's client (:func:`rlstream.transport.aborted_index.prove_gap`)."""
 
     def __init__(self, consumer_factory: Callable[[], AIOKafkaConsumer], timeout_s: float = 10.0) -> None:
         self._factory = consumer_factory
@@ -75,24 +85,18 @@ class VisibleOffsetProbe:
         self._lock = asyncio.Lock()
         self.timeout_s = timeout_s
 
-    async def __call__(self, tp: TP, offset: int) -> int | None:
+    async def __call__(self, tp: TP, start: int, stop: int) -> GapProof | None:
         async with self._lock:
             try:
                 if self._consumer is None:
                     consumer = self._factory()
                     await consumer.start()
                     self._consumer = consumer
-                part = TopicPartition(tp.topic, tp.partition)
-                self._consumer.assign([part])
-                self._consumer.seek(part, offset)
-                deadline = time.monotonic() + self.timeout_s
-                while time.monotonic() < deadline:
-                    batch = await self._consumer.getmany(part, timeout_ms=500, max_records=1)
-                    if batch.get(part):
-                        return int(batch[part][0].offset)
+                return await asyncio.wait_for(
+                    prove_gap(self._consumer, TopicPartition(tp.topic, tp.partition), start, stop), self.timeout_s)
             except Exception as exc:  # inconclusive: the gate keeps the record back and asks again later
-                log.warning("offset probe failed", topic=tp.topic, partition=tp.partition, offset=offset,
-                            error=str(exc))
+                log.warning("offset probe failed", topic=tp.topic, partition=tp.partition, start=start, stop=stop,
+                            error=repr(exc))
             return None
 
     async def close(self) -> None:
@@ -104,11 +108,13 @@ class VisibleOffsetProbe:
 class ProgressGate:
     """Per-record gate over a ``progress`` table (see the module docstring)."""
 
-    def __init__(self, table: MutableMapping[str, Any], consumer: Any, topics: set[str], probe: Probe) -> None:
+    def __init__(self, table: MutableMapping[str, Any], consumer: Any, topics: set[str], probe: Probe,
+                 on_unproven_gap: UnprovenGapHook | None = None) -> None:
         self.table = table
         self.consumer = consumer
         self.topics = topics
         self.probe = probe
+        self.on_unproven_gap = on_unproven_gap
         self.resync_needed = True
         self._seek_back: dict[TP, tuple[int, float, int]] = {}  # offset, when, attempt
         self._probed: dict[TP, tuple[int, float]] = {}  # the expected offset last probed, and when
@@ -169,11 +175,17 @@ class ProgressGate:
         probed = self._probed.get(tp)
         if probed is None or probed[0] != expected or time.monotonic() - probed[1] >= PROBE_RETRY_S:
             self._probed[tp] = (expected, time.monotonic())
-            first_visible = await self.probe(tp, expected)
-            if first_visible is not None and first_visible >= offset:
-                log.info("offsets without visible records skipped (transaction markers or aborted records)",
-                         topic=topic, partition=partition, first=expected, last=offset - 1)
+            proof = await self.probe(tp, expected, offset)
+            if proof is not None and proof.verdict is GapVerdict.HIDDEN:
+                log.debug("offsets proven to hold only transaction markers and aborted records",
+                          topic=topic, partition=partition, first=expected, last=offset - 1)
                 return Admission.PROCESS
+            if proof is not None and proof.verdict is GapVerdict.UNPROVEN:
+                log.error("partition stopped: offsets before this record cannot be proven to hold only transaction "
+                          "markers and aborted records", topic=topic, partition=partition, expected=expected,
+                          offset=offset, unproven_offset=proof.offset, reason=proof.reason)
+                if self.on_unproven_gap is not None:
+                    self.on_unproven_gap(tp, expected, offset, proof)
         sought = self._seek_back.get(tp)
         if sought is not None and sought[0] == expected:
             return Admission.LATER  # stale records still in the buffer; the seek back is under way
