@@ -26,7 +26,7 @@ def gateway_serve(
     spool: bool = typer.Option(True, "--spool/--no-spool", help="keep events on disk while Kafka is slow or down "
                                "(re-sent in order once it answers, also after a restart); --no-spool drops them"),
     spool_dir: Optional[Path] = typer.Option(None, help="spool directory (default: "
-                                             "$XDG_STATE_HOME or ~/.local/state, then rlstream/gateway-spool/PORT)"),
+                                             "$XDG_STATE_HOME/rlstream/gateway-spool/PORT, or ~/.local/state/... without it)"),
     spool_max_bytes: int = typer.Option(1 << 30, help="disk the spool may use; past it events are dropped (counted)"),
     spool_after_s: float = typer.Option(2.0, help="spool once Kafka has not taken or acknowledged an event this long"),
     route_versions: bool = typer.Option(True, help="route the policy's model name to the newest loaded version "
@@ -37,11 +37,42 @@ def gateway_serve(
                                   "logprobs with their ids (the learner's off-policy correction); --no-logprobs asks "
                                   "for token ids only, saving the upstream's logprobs work, and those turns train "
                                   "as on-policy"),
+    api_key: Optional[list[str]] = typer.Option(None, "--api-key", help="a client key (Authorization: Bearer KEY) of "
+                                                "the default tenant with every scope; repeatable; also "
+                                                "RLSTREAM_GATEWAY_API_KEYS (comma separated)"),
+    api_keys_file: Optional[Path] = typer.Option(None, help="YAML or JSON keys file: per key a tenant, scopes, "
+                                                 "models, tasks, rpm, max_concurrent; re-read when it changes"),
+    feedback_secret: Optional[str] = typer.Option(None, envvar="RLSTREAM_GATEWAY_FEEDBACK_SECRET",
+                                                  help="HMAC secret of the feedback tokens (at least 16 bytes; the "
+                                                  "same on every gateway behind one load balancer); default: a "
+                                                  "random one per start", show_default=False),
+    feedback_token_ttl_s: Optional[float] = typer.Option(None, help="feedback tokens expire this long after their "
+                                                         "response (default: streams.reward_window_s)"),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="serve a non-loopback address without "
+                                          "API keys (anyone who reaches it can steer training)"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
     from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
 
+    from pydantic import SecretStr
+
+    from rlstream.rollout.gateway.auth import AccessConfig, exposure_problem, inline_keys_from_env
+
     cfg = load_or_exit(config, override)
+    try:
+        access = AccessConfig(api_keys=[SecretStr(k) for k in [*(api_key or []), *inline_keys_from_env()]],
+                              api_keys_file=api_keys_file,
+                              feedback_secret=SecretStr(feedback_secret) if feedback_secret else None,
+                              feedback_token_ttl_s=feedback_token_ttl_s or cfg.streams.reward_window_s,
+                              reward_range=cfg.streams.reward_range)
+        keys = access.key_store()
+    except Exception as exc:  # a bad key or keys file: say which field, never the key
+        console.print(f"API keys not usable: {type(exc).__name__}: {_field_errors(exc)}", highlight=False)
+        raise typer.Exit(2)
+    problem = exposure_problem(host, keys.enabled, insecure_no_auth)
+    if problem is not None:
+        console.print(problem, highlight=False)
+        raise typer.Exit(2)
     gw = GatewayConfig(host=host, port=port, upstream_url=upstream, run_id=cfg.run_id, policy=cfg.policy,
                        served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
                        spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
@@ -52,10 +83,26 @@ def gateway_serve(
                   highlight=False)
     from rlstream.rollout.gateway.server import run
 
-    run(_serve(cfg, gw, route_versions))
+    if keys.enabled:
+        console.print(f"clients authenticate with API keys ({len(keys)} loaded"
+                      f"{', file ' + str(api_keys_file) if api_keys_file else ''})", highlight=False)
+    elif insecure_no_auth:
+        console.print(f"WARNING: no API keys on {host}: anyone who reaches it may call and reward", highlight=False)
+    else:
+        console.print("no API keys: serving loopback only, every caller trusted (--api-key or --api-keys-file "
+                      "to authenticate clients)", highlight=False)
+    run(_serve(cfg, gw, route_versions, access))
 
 
-async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-untyped-def]
+def _field_errors(exc: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):  # its message may quote a key: fields and problems only
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return type(exc).__name__ if not isinstance(exc, OSError) else str(exc)
+
+
+async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore[no-untyped-def]
     from rlstream.rollout.gateway.app import Gateway
     from rlstream.rollout.gateway.server import serve_forever
     from rlstream.rollout.publisher import TrajectoryPublisher
@@ -85,7 +132,7 @@ async def _serve(cfg, gw, route_versions: bool) -> None:  # type: ignore[no-unty
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures
         console.print(f"Kafka not reachable yet ({exc}); serving, capture will retry", highlight=False)
     try:
-        await serve_forever(Gateway(gw, publisher, route=route, metrics=metrics))
+        await serve_forever(Gateway(gw, publisher, route=route, metrics=metrics, access=access))
     finally:
         await _close_publisher(publisher, gw.drain_timeout_s, spooled=gw.spool_dir is not None)
         if control is not None:

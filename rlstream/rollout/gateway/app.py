@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -17,7 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rlstream.rollout.gateway.auth import (BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, AccessConfig, AuthMiddleware,
+                                           AuthRefusal, Principal, forbidden, task_for, unauthorized)
 from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.rollout.gateway.feedback import RANGE_CONTEXT, Feedback, FeedbackIndex, validation_problems
+from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, generate_secret
 from rlstream.rollout.gateway.filtering import (ClientAsked, client_asked, filter_response, rejects_extensions,
                                                 upstream_request)
 from rlstream.rollout.gateway.limits import (LimitStats, RequestLimits, RequestRejected, check_choices, check_id,
@@ -25,7 +30,7 @@ from rlstream.rollout.gateway.limits import (LimitStats, RequestLimits, RequestR
 from rlstream.rollout.gateway.queue import CaptureQueue, Submitter
 from rlstream.rollout.gateway.responses import request_messages, response_message
 from rlstream.rollout.gateway.spool import Spool
-from rlstream.rollout.gateway.sessions import SessionStore, Trajectory, recorded_call
+from rlstream.rollout.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
@@ -38,6 +43,7 @@ log = get_logger(__name__)
 
 SESSION_HEADER = "x-session-id"
 TASK_HEADER = "x-rlstream-task"
+FEEDBACK_TOKEN_HEADER = "x-rlstream-feedback-token"
 #: A streamed answer's lines are handed on an event at a time (up to its blank line); an upstream that writes long
 #: runs of lines without one is handed on this many lines at a time.
 MAX_LINES_PER_WRITE = 16
@@ -50,20 +56,9 @@ def openai_error(status: int, message: str, kind: str = "invalid_request_error",
                         status_code=status)
 
 
-class Feedback(BaseModel):
-    """Body of ``POST /v1/feedback``."""
-
-    model_config = ConfigDict(extra="forbid")
-    trajectory_id: str | None = None
-    session_id: str | None = None
-    reward: float
-    components: dict[str, float] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _one_id(self) -> "Feedback":
-        if not (self.trajectory_id or self.session_id):
-            raise ValueError("give trajectory_id or session_id")
-        return self
+def request_session(request: Request) -> str | None:
+    """The session id a request names, as the client sent it."""
+    return request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
 
 
 def requested_choices(body: dict[str, Any]) -> int:
@@ -102,8 +97,15 @@ class Gateway:
     gateway's overhead per captured call (``metric_names.GATEWAY_OVERHEAD_S``, Prometheus only)."""
 
     def __init__(self, config: GatewayConfig, publisher: Submitter, route: RouteSource | None = None,
-                 client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None,
+                 access: AccessConfig | None = None) -> None:
         self.config = config
+        self.access = access if access is not None else AccessConfig()
+        self.keys = self.access.key_store()
+        secret = self.access.feedback_secret
+        self.signer = FeedbackSigner(secret.get_secret_value() if secret is not None else generate_secret(),
+                                     self.access.feedback_token_ttl_s)
+        self.feedback_index = FeedbackIndex(config.remembered_trajectories)
         self.publisher = publisher
         self.route = route
         self.metrics = metrics
@@ -278,6 +280,56 @@ class Gateway:
                 response = await self.client.send(request, stream=stream)
         return response
 
+    # -- callers --
+    def _scoped(self, tenant: str, session_id: str) -> str:
+        """The gateway's own name of a tenant's session id (two tenants' equal ids never meet; an open gateway
+        has one tenant and keeps the id as sent)."""
+        return f"{tenant}:{session_id}" if self.keys.enabled else session_id
+
+    def _is_policy_model(self, model: str) -> bool:
+        return model in (self.config.policy, self.config.served_model)
+
+    def _admit(self, request: Request, model: str) -> tuple[Principal, str | None, str | None, bool]:
+        """(the caller, its task, its scoped session id or None, whether the call is captured) of an inference
+        call for ``model``; :class:`AuthRefusal` (403) for a model or a task the caller's key may not use."""
+        caller: Principal = request.scope.get(PRINCIPAL_KEY) or OPEN
+        if not caller.may_call(model, (self.config.policy, self.config.served_model)):
+            raise forbidden(f"this API key may not call model {model!r}", "model_not_allowed")
+        task = task_for(caller, request.headers.get(TASK_HEADER) or None)
+        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
+        scoped = self._scoped(caller.tenant, session_id) if session_id else None
+        return caller, task, scoped, caller.open_access or self._is_policy_model(model)
+
+    def _sign(self, headers: dict[str, str], caller: Principal, session_id: str | None,
+              response_id: Any = None) -> dict[str, str]:
+        """Add the feedback token(s) of the captured trajectories named in ``headers``, record their owner (and
+        the response id of the body), and show the session id as the client sent it."""
+        ids = headers.get("x-rlstream-trajectory-ids")
+        trajectory_ids = ids.split(",") if ids else [headers["x-rlstream-trajectory-id"]]
+        tokens = []
+        for trajectory_id in trajectory_ids:
+            self.feedback_index.own(caller.tenant, trajectory_id)
+            tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id))
+        headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
+        if ids:
+            headers["x-rlstream-feedback-tokens"] = ",".join(tokens)
+        elif response_id is not None:  # n > 1: a response id names the whole group, no one trajectory
+            self.feedback_index.add_response(caller.tenant, response_id, trajectory_ids[0])
+        if session_id is not None:
+            headers["x-rlstream-session-id"] = session_id
+        return headers
+
+    async def _passthrough(self, path: str, body: dict[str, Any]) -> Response:
+        """A call for a model that is not the policy's: passed to the upstream as it came, not captured."""
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", self.config.upstream_base + path,
+                                                                        json=body), stream=True)
+        except httpx.HTTPError as exc:
+            return upstream_failed(exc, self.config)
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type", "application/json"),
+                                 background=BackgroundTask(upstream.aclose))
+
     # -- routes --
     async def chat_completions(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -285,8 +337,9 @@ class Gateway:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
         check_choices(body, self.config.max_choices)
-        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
-        task = request.headers.get(TASK_HEADER) or None
+        caller, task, session_id, captured = self._admit(request, str(body.get("model", "")))
+        if not captured:
+            return await self._passthrough("/chat/completions", body)
         asked = client_asked(body)
         model, version = await self._route(str(body.get("model", "")))
         upstream_body = {**body, "model": model}
@@ -298,7 +351,7 @@ class Gateway:
             return upstream_failed(exc, self.config)
         if stream and response.status_code == 200:
             return await self._stream(response, body, asked, session_id, task, version, model, started,
-                                      upstream_started)
+                                      upstream_started, caller)
         raw = await response.aread() if stream else response.content
         upstream_s = time.perf_counter() - upstream_started
         if response.status_code != 200:
@@ -325,7 +378,7 @@ class Gateway:
         out = filter_response(payload, asked)
         if "model" in out and out.get("model") == model:
             out["model"] = body.get("model", model)
-        answer = JSONResponse(out, headers=headers)
+        answer = JSONResponse(out, headers=self._sign(headers, caller, request_session(request), payload.get("id")))
         await self._overhead("chat_completions", False, started, upstream_s)
         return answer
 
@@ -340,8 +393,9 @@ class Gateway:
             messages = request_messages(body)
         except ValueError as exc:
             return openai_error(400, str(exc))
-        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
-        task = request.headers.get(TASK_HEADER) or None
+        caller, task, session_id, captured = self._admit(request, str(body.get("model", "")))
+        if not captured:
+            return await self._passthrough("/responses", body)
         model, version = await self._route(str(body.get("model", "")))
         url = self.config.upstream_base + "/responses"
         stream = bool(body.get("stream"))
@@ -370,13 +424,13 @@ class Gateway:
                      "stop" if status in (None, "completed") else str(status), model)
         if payload.get("model") == model:
             payload["model"] = body.get("model", model)
-        answer = JSONResponse(payload, headers=headers)
+        answer = JSONResponse(payload, headers=self._sign(headers, caller, request_session(request), payload.get("id")))
         await self._overhead("responses", False, started, upstream_s)
         return answer
 
     async def _stream(self, response: httpx.Response, body: dict[str, Any], asked: ClientAsked,
                       session_id: str | None, task: str | None, version: int, model: str, started: float,
-                      upstream_started: float) -> Response:
+                      upstream_started: float, caller: Principal = OPEN) -> Response:
         """Pass a streamed answer on while accumulating it; the overhead reported is the time up to handing on the
         first event, less the upstream's time to it (``started``, ``upstream_started``: ``time.perf_counter``)."""
         lines = response.aiter_lines()
@@ -405,6 +459,8 @@ class Gateway:
             trajs = [traj]
         accumulators = [StreamAccumulator(prompt_ids, choice_index=index) for index in range(len(trajs))]
         client_model = body.get("model", model)
+        client_session = session_id.split(":", 1)[1] if session_id and self.keys.enabled else session_id
+        headers = self._sign(headers, caller, client_session, (first or {}).get("id"))
 
         def render(line: str) -> str | None:
             if not line.startswith("data:"):
@@ -467,36 +523,88 @@ class Gateway:
     async def end_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         check_id(session_id, "session id", self.config.max_id_chars)
-        traj = self.sessions.close(session_id)
+        caller: Principal = request.scope.get(PRINCIPAL_KEY) or OPEN
+        scoped = self._scoped(caller.tenant, session_id)
+        traj = self.sessions.close(scoped)
         if traj is None:
-            known = self.sessions.lookup(session_id=session_id)
+            known = self.sessions.lookup(session_id=scoped)
             if known is None:
                 return openai_error(404, f"unknown session {session_id!r}", "not_found")
             return JSONResponse({"session_id": session_id, "trajectory_id": known.trajectory_id, "published": False})
         self.publish(traj)
         return JSONResponse({"session_id": session_id, "trajectory_id": traj.trajectory_id, "published": True})
 
+    async def new_session(self, request: Request) -> Response:
+        """``POST /v1/sessions``: an unguessable session id for a client that has none of its own."""
+        return JSONResponse({"session_id": secrets.token_urlsafe(24)}, status_code=201)
+
     async def feedback(self, request: Request) -> Response:
+        """A reward for a trajectory (by its id, the response id of its body, its session, or the feedback token
+        alone), from the holder of its feedback token or a key with the feedback scope of the same tenant. Another
+        tenant's trajectory answers exactly as one that does not exist."""
         raw = parse_json(await request.body(), self.config.max_json_depth)
         try:
-            fb = Feedback.model_validate(raw)
+            fb = Feedback.model_validate(raw, context={RANGE_CONTEXT: self.access.reward_range})
         except ValidationError as exc:
-            problems = [{"field": ".".join(str(p) for p in e["loc"]) or "(body)", "problem": e["msg"]}
-                        for e in exc.errors()]
+            problems = validation_problems(exc.errors())
             text = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
             return openai_error(422, f"invalid feedback: {text}", problems=problems)
-        known = self.sessions.lookup(fb.trajectory_id, fb.session_id)
+        token = request.headers.get(FEEDBACK_TOKEN_HEADER) or fb.feedback_token or request.scope.get(
+            BEARER_TOKEN_KEY)
+        caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
+        granted: str | None = None  # the trajectory a token names
+        if token:
+            try:
+                grant = self.signer.verify(token)
+            except FeedbackTokenError as exc:
+                raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
+            tenant = grant.tenant
+            if grant.kind == "trajectory":
+                granted = grant.target_id
+            elif not (fb.trajectory_id or fb.response_id or fb.session_id):
+                fb = fb.model_copy(update={"session_id": grant.target_id.split(":", 1)[-1]})
+        elif caller is None:
+            raise unauthorized("feedback needs the response's feedback token (x-rlstream-feedback-token) or an API "
+                               "key with the feedback scope", "missing_api_key")
+        else:
+            tenant = caller.tenant
+        if granted is None and not (fb.trajectory_id or fb.response_id or fb.session_id):
+            problem = "name trajectory_id, response_id or session_id, or send the response's feedback token"
+            return openai_error(422, f"invalid feedback: {problem}", problems=[{"field": "(body)",
+                                                                               "problem": problem}])
+        known = self._feedback_target(fb, tenant, granted)
         if known is None:
-            what = f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"session {fb.session_id!r}"
+            what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
+                    if fb.response_id else f"session {fb.session_id!r}" if fb.session_id else "trajectory")
             return openai_error(404, f"unknown {what}", "not_found")
         still_open = self.sessions.open_trajectory(known.trajectory_id)
         if still_open is not None:  # it will carry the reward itself too
             still_open.reward, still_open.reward_components = fb.reward, dict(fb.components)
         event = RewardEvent(trajectory_id=known.trajectory_id, group_id=known.group_id, example_id=known.example_id,
-                            run_id=self.config.run_id, reward=fb.reward, components=dict(fb.components))
+                            run_id=self.config.run_id, reward=fb.reward, components=dict(fb.components),
+                            feedback_id=fb.feedback_id)
         queued = self.capture.put(event)
         return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
                             status_code=202 if queued else 503)
+
+    def _feedback_target(self, fb: Feedback, tenant: str, granted: str | None) -> KnownTrajectory | None:
+        """The trajectory ``fb`` rewards, when it exists and belongs to ``tenant`` (and is the one a token
+        grants); None otherwise, whichever the reason."""
+        if fb.trajectory_id:
+            trajectory_id: str | None = fb.trajectory_id
+        elif fb.response_id:
+            trajectory_id = self.feedback_index.response(tenant, fb.response_id)
+        elif fb.session_id:
+            known = self.sessions.lookup(session_id=self._scoped(tenant, fb.session_id))
+            trajectory_id = known.trajectory_id if known is not None else None
+        else:
+            trajectory_id = granted
+        if trajectory_id is None or (granted is not None and trajectory_id != granted):
+            return None
+        owner = self.feedback_index.owner(trajectory_id)
+        if owner is not None and owner != tenant or owner is None and self.keys.enabled:
+            return None
+        return self.sessions.lookup(trajectory_id)
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse({"capture": asdict(self.capture.stats), "queue_depth": self.capture.queue.qsize(),
@@ -523,6 +631,7 @@ def create_app(gateway: Gateway) -> Starlette:
                    Route(prefix + "/v1/responses", gateway.responses, methods=["POST"]),
                    Route(prefix + "/v1/models", gateway.models, methods=["GET"])]
     routes += [
+        Route("/v1/sessions", gateway.new_session, methods=["POST"]),
         Route("/v1/sessions/{session_id}/end", gateway.end_session, methods=["POST"]),
         Route("/v1/feedback", gateway.feedback, methods=["POST"]),
         Route("/rlstream/stats", gateway.stats, methods=["GET"]),
@@ -537,6 +646,11 @@ def create_app(gateway: Gateway) -> Starlette:
             answer.headers["connection"] = "close"
         return answer
 
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, AuthRefusal)
+        return Response(exc.body(), status_code=exc.status, media_type="application/json")
+
     return Starlette(routes=routes, lifespan=gateway.lifespan,
-                     middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats)],
-                     exception_handlers={RequestRejected: rejected})
+                     middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats),
+                                 Middleware(AuthMiddleware, keys=gateway.keys)],
+                     exception_handlers={RequestRejected: rejected, AuthRefusal: refused})
