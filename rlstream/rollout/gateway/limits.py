@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -188,6 +189,13 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise ValueError(f"{text} is out of range (numbers must be finite)")
+    return value
+
+
 def json_depth(value: Any) -> int:
     """How deeply arrays and objects nest in ``value`` (a scalar: 0)."""
     deepest = 0
@@ -204,10 +212,10 @@ def json_depth(value: Any) -> int:
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:
-    """``raw`` as JSON; :class:`RequestRejected` (400) when it is not valid JSON, holds NaN or Infinity, or nests
-    deeper than ``max_depth``."""
+    """``raw`` as JSON; :class:`RequestRejected` (400) when it is not valid JSON, holds NaN or Infinity (also as a
+    number too large for a float, such as 1e400), or nests deeper than ``max_depth``."""
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
