@@ -36,26 +36,48 @@ def baseline_advantage(reward: float, mean: float, std: float, count: int, scale
                        min_count: int = 2, eps: float = STD_EPS) -> float:
     r"""
     Advantage of a single response (production traffic: one response per prompt) against the keyed baseline
-    of the rewards that came before it (REINFORCE with a baseline; leave-one-out, as RLOO, Ahmadian et al. 2024).
+    of the $n$ rewards that came before it: centred on their mean (leave-one-out, as RLOO, Ahmadian et al. 2024),
+    scaled by the spread of those $n$ rewards *together with this one*, as GRPO scales by the std of the group the
+    response belongs to (Shao et al. 2024):
 
-    $$A = \frac{r - \bar r_{\text{key}}}{\sigma_{\text{key}} + \epsilon}$$
+    $$A = \frac{r - \bar r}{\tilde\sigma + \epsilon}, \qquad
+      \tilde\sigma^2 = \frac{(n-1)\,\sigma^2 + \frac{n}{n+1}(r - \bar r)^2}{n}$$
+
+    where $\bar r$, $\sigma$ (unbiased) and $n$ are the baseline's and $\tilde\sigma$ is the unbiased std of the
+    $n + 1$ rewards. Dividing by the baseline's own $\sigma$ instead is unbounded: after $n$ equal rewards
+    $\sigma = 0$ and a differing reward gets $(r - \bar r) / \epsilon$ (two thumbs-up then a thumbs-down: $-10^4$).
+    With $\tilde\sigma$, $|A| \le \sqrt{n + 1}$ whatever the rewards, reached exactly when the window's rewards
+    are equal (the GRPO counterpart: one differing answer in a group of $G$ equal ones gets $(G-1)/\sqrt{G}$; the
+    leave-one-out centring is that group-mean centring times $(n+1)/n$). A reward equal to an equal-reward
+    window's mean gets 0. Computed on values scaled by $\max(|r - \bar r|, \sigma)$, so nothing overflows.
+
+    Hand-computed: window $[1, 1]$, $r = 0$: $\tilde\sigma^2 = (0 + \frac23) / 2 = \frac13$, $A = -\sqrt3
+    \approx -1.732$; window $[1]$, $r = 0$ (with ``min_count`` 1): $\tilde\sigma^2 = \frac12$, $A = -\sqrt2$.
 
     Args:
         reward (`float`): the response's reward.
-        mean (`float`), std (`float`), count (`int`): the baseline (never including this reward) and how many
-            rewards are behind it.
+        mean (`float`), std (`float`), count (`int`): the baseline (never including this reward): mean, unbiased
+            std and how many rewards are behind it ($n$; for an EMA, its equivalent window).
         scale (`str`, *optional*, defaults to `"group"`): `"none"` keeps $r - \bar r$ (Dr. GRPO); `"group"` and
-            `"batch"` divide by the baseline's std (a single response has no group of its own).
-        min_count (`int`, *optional*, defaults to 2): fewer rewards behind the baseline give advantage 0.
-        eps (`float`, *optional*, defaults to `1e-4`): added to the std.
+            `"batch"` divide by $\tilde\sigma$ (a single response has no group of its own).
+        min_count (`int`, *optional*, defaults to 2): fewer rewards behind the baseline give advantage 0 (so does
+            an empty baseline, whatever ``min_count``).
+        eps (`float`, *optional*, defaults to `1e-4`): added to $\tilde\sigma$.
 
     Returns:
-        `float`: the advantage.
+        `float`: the advantage; 0 when an input is not finite.
     """
-    if count < min_count:
+    if count < max(min_count, 1) or not all(math.isfinite(x) for x in (reward, mean, std)):
         return 0.0
     centred = reward - mean
-    return centred if scale == "none" else centred / (std + eps)
+    if scale == "none":
+        return centred
+    size = max(abs(centred), abs(std))
+    if size == 0.0:
+        return 0.0
+    c, s, n = centred / size, abs(std) / size, float(count)
+    pooled = math.sqrt(((n - 1.0) * s * s + n / (n + 1.0) * c * c) / n)
+    return c / (pooled + eps / size)
 
 
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scale: ScaleRewards = "group",

@@ -207,13 +207,14 @@ class StreamsApp:
         self.app.transaction_manager().configure(TransactionSettings(
             source_topic=self.names.trajectories, buffer_tracker=BufferTracker(self.app.producer.buffer),
             processing_lock=self.processing_lock))
+        self.reward_range = v.RewardRange(*self.cfg.streams.reward_range)
         self.rules = AssemblyRules(group_timeout_s=self.cfg.streams.group_timeout_s,
                                    min_group_size=self.cfg.streams.min_group_size,
                                    closed_retention_s=self.cfg.streams.closed_retention_s,
                                    single_timeout_s=self.cfg.streams.reward_window_s,
                                    baseline=BaselineRules(self.cfg.streams.baseline_method,
                                                           self.cfg.streams.baseline_window,
-                                                          self.cfg.streams.baseline_ema_alpha))
+                                                          self.cfg.streams.baseline_ema_alpha, self.reward_range))
         self.groups_view = DetachedValues(self.group_table)
         # members' records stay on their topic: a bounded cache, and a read back by offset on a miss
         self.payloads = PayloadCache(self.cfg.streams.payload_cache_bytes)
@@ -418,11 +419,11 @@ class StreamsApp:
             event = ingested.event
             invalid = v.check_key(msg.key, event.example_id) or v.validate_trajectory(
                 event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size,
-                ingested.turn_counts)
+                ingested.turn_counts, self.reward_range)
         else:
             event = v.decode_event(self.codec, msg.value, RewardEvent)
             assert isinstance(event, RewardEvent)
-            invalid = v.check_key(msg.key, event.example_id) or v.validate_reward(event)
+            invalid = v.check_key(msg.key, event.example_id) or v.validate_reward(event, self.reward_range)
         if invalid:
             raise v.Rejected(invalid)
         return event

@@ -16,10 +16,23 @@ held; a group completes when ``group_size`` members have rewards; after ``group_
 first record it is emitted with completion=timeout if at least ``min_group_size`` members have rewards,
 else it expires. Members left out of a timed-out group and every member of an expired group go to the
 dead letters (nothing is dropped silently).
+
+Which reward a trajectory trains with (feedback corrections):
+
+* The first reward to reach a trajectory is its reward: the trajectory's own (inline) reward, else the first
+  RewardEvent for it (held if it came before the trajectory). That reward's ``feedback_id`` (or none) owns it.
+* A later RewardEvent with the *same* ``feedback_id`` is a correction: while the trajectory's group is still open,
+  the last write wins (its reward replaces the owned one, its components replace those the feedback set; counted
+  ``rewards_corrected``; the group's ``source_offsets`` then name the correcting record). Feedback ids are scoped to
+  their trajectory.
+* Once the group has left (emitted, or expired), a correction is never trained: it is recorded on ``dlq`` with
+  reason ``correction_after_emit`` and counted ``rewards_corrected_after_emit``. A single response (group_size 1)
+  leaves at its first reward, so every correction of one is of this kind.
+* Any other later reward (no ``feedback_id``, or another one, or a reward for a trajectory that had its own) keeps
+  the first-reward-wins rule: counted ``duplicate_reward`` and ignored, before and after its group left.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,7 +42,8 @@ from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import (GroupBaseline, GroupCompletion, RewardEvent, SourceOffset, TrajectoryEvent,
                                      TrajectoryGroup, utc_now)
 from rlstream.streams import validation as v
-from rlstream.streams.baseline import BaselineRules, BaselineState, baseline_key, is_baseline, score, table_key, task_of
+from rlstream.streams.baseline import (BaselineRules, BaselineState, baseline_key, is_baseline, mean_and_std, score,
+                                       table_key, task_of)
 from rlstream.streams.deadlines import DueIndex
 
 
@@ -56,8 +70,9 @@ class SourceRef:
 # JSON keys (the changelog layout): group "g" group_id, "e" example_id, "r" run_id, "pol" policy,
 # "n" group_size, "p" partition, "t0" opened_at, "t1" last_record_ts, "m" members, "pr" pending rewards;
 # "tk" task (baseline key of a single response); member "src" source, "rw" reward, "comp" reward components,
-# "rsrc" reward source, "v" policy version, "gi" generation index, "k" record key; closed group "g", "p", "closed",
-# "closed_at", "ids" member ids.
+# "rsrc" reward source, "v" policy version, "gi" generation index, "k" record key, "fid" feedback id of its reward,
+# "fc" component names that feedback set; pending reward "rw", "comp", "src", "fid"; closed group "g", "p",
+# "closed", "closed_at", "ids" member ids, "fids" feedback id of each member's reward (members that had one).
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
@@ -74,6 +89,8 @@ class MemberState:
     policy_version: int
     key: str | None  # the record key as text (dead letters carry it back as bytes)
     generation_index: int = 0
+    feedback_id: str | None = None  # of the RewardEvent that gave its reward (a correction must repeat it)
+    feedback_components: list[str] = field(default_factory=list)  # component names that feedback set
 
     @property
     def rewarded(self) -> bool:
@@ -82,10 +99,24 @@ class MemberState:
     def key_bytes(self) -> bytes | None:
         return self.key.encode() if self.key is not None else None
 
+    def take_feedback(self, reward: float, components: dict[str, float], source: SourceRef,
+                      feedback_id: str | None) -> None:
+        """Set the reward from a RewardEvent (or correct it): the components an earlier write of the same feedback
+        set are replaced by this one's; the trajectory's own components stay."""
+        kept = {k: v for k, v in self.reward_components.items() if k not in self.feedback_components}
+        self.reward = reward
+        self.reward_components = {**kept, **components}
+        self.reward_source = source
+        self.feedback_id = feedback_id
+        self.feedback_components = sorted(components)
+
     def to_json(self) -> dict[str, Any]:
-        return {"src": self.source.as_list(), "rw": self.reward, "comp": dict(self.reward_components),
+        data = {"src": self.source.as_list(), "rw": self.reward, "comp": dict(self.reward_components),
                 "rsrc": self.reward_source.as_list() if self.reward_source is not None else None,
                 "v": self.policy_version, "gi": self.generation_index, "k": self.key}
+        if self.feedback_id is not None:
+            data["fid"], data["fc"] = self.feedback_id, list(self.feedback_components)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MemberState":
@@ -94,7 +125,8 @@ class MemberState:
                    reward_components=dict(data.get("comp") or {}),
                    reward_source=SourceRef.from_list(rsrc) if rsrc is not None else None,
                    policy_version=int(data.get("v") or 0), key=data.get("k"),
-                   generation_index=int(data.get("gi") or 0))
+                   generation_index=int(data.get("gi") or 0), feedback_id=data.get("fid"),
+                   feedback_components=list(data.get("fc") or []))
 
 
 @dataclass
@@ -104,14 +136,18 @@ class PendingReward:
     reward: float
     reward_components: dict[str, float]
     source: SourceRef
+    feedback_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rw": self.reward, "comp": dict(self.reward_components), "src": self.source.as_list()}
+        data = {"rw": self.reward, "comp": dict(self.reward_components), "src": self.source.as_list()}
+        if self.feedback_id is not None:
+            data["fid"] = self.feedback_id
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PendingReward":
         return cls(reward=float(data["rw"]), reward_components=dict(data.get("comp") or {}),
-                   source=SourceRef.from_list(data["src"]))
+                   source=SourceRef.from_list(data["src"]), feedback_id=data.get("fid"))
 
 
 @dataclass
@@ -158,15 +194,19 @@ class ClosedGroup:
     partition: int
     closed_at: float
     member_ids: list[str]  # sorted trajectory ids it held
+    feedback_ids: dict[str, str] = field(default_factory=dict)  # trajectory id -> feedback id of its reward
 
     def to_json(self) -> dict[str, Any]:
-        return {"g": self.group_id, "p": self.partition, "closed": True, "closed_at": self.closed_at,
+        data = {"g": self.group_id, "p": self.partition, "closed": True, "closed_at": self.closed_at,
                 "ids": list(self.member_ids)}
+        if self.feedback_ids:
+            data["fids"] = dict(self.feedback_ids)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClosedGroup":
         return cls(group_id=data["g"], partition=int(data["p"]), closed_at=float(data["closed_at"]),
-                   member_ids=list(data.get("ids", [])))
+                   member_ids=list(data.get("ids", [])), feedback_ids=dict(data.get("fids") or {}))
 
 
 GroupState = OpenGroup | ClosedGroup
@@ -269,10 +309,9 @@ class AssemblyRules:
 
 
 def group_stats(rewards: list[float]) -> tuple[float, float, float, float]:
-    """Mean, population standard deviation, min and max of a group's rewards."""
-    n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    """Mean, population standard deviation, min and max of a group's rewards (no overflow: see
+    :func:`streams.baseline.mean_and_std`)."""
+    mean, std = mean_and_std(rewards, ddof=0)
     return mean, std, min(rewards), max(rewards)
 
 
@@ -318,9 +357,7 @@ class GroupAssembler:
         pending = state.pending_rewards.pop(event.trajectory_id, None)
         if pending is not None:
             if member.reward is None:
-                member.reward = pending.reward
-                member.reward_components = {**member.reward_components, **pending.reward_components}
-                member.reward_source = pending.source
+                member.take_feedback(pending.reward, pending.reward_components, pending.source, pending.feedback_id)
             else:
                 out.counts["duplicate_reward"] += 1
         state.members[event.trajectory_id] = member
@@ -334,7 +371,15 @@ class GroupAssembler:
                   now: float) -> Outcome:
         out = Outcome()
         state = self._open_state(event, src, now)
+        fid = event.feedback_id
         if isinstance(state, ClosedGroup):
+            if fid is not None and state.feedback_ids.get(event.trajectory_id) == fid:
+                out.rejects.append(Reject(v.CORRECTION_AFTER_EMIT, (
+                    f"correction {fid!r} of the reward of {event.trajectory_id} (now {event.reward:g}) came after "
+                    f"group {event.group_id} was emitted or expired; it is recorded here and never trained"),
+                    src, key, raw))
+                out.counts["rewards_corrected_after_emit"] += 1
+                return out
             self._on_closed(state, event.trajectory_id, "duplicate_reward",
                             f"reward for {event.trajectory_id} came after group "
                             f"{event.group_id} was emitted or expired", out, src, key, raw)
@@ -345,20 +390,25 @@ class GroupAssembler:
             return out
         member = state.members.get(event.trajectory_id)
         if member is None:
-            if event.trajectory_id in state.pending_rewards:
+            held = state.pending_rewards.get(event.trajectory_id)
+            if held is not None and (fid is None or held.feedback_id != fid):
                 out.counts["duplicate_reward"] += 1
                 return out
             state.pending_rewards[event.trajectory_id] = PendingReward(
-                reward=event.reward, reward_components=dict(event.components), source=src)
-            out.counts["rewards_held"] += 1
+                reward=event.reward, reward_components=dict(event.components), source=src, feedback_id=fid)
+            out.counts["rewards_corrected" if held is not None else "rewards_held"] += 1
             self._store(state)
             return out
         if member.rewarded:
-            out.counts["duplicate_reward"] += 1
+            if fid is None or member.feedback_id != fid:
+                out.counts["duplicate_reward"] += 1
+                return out
+            member.take_feedback(event.reward, dict(event.components), src, fid)  # a correction: last write wins
+            state.last_record_ts = max(state.last_record_ts, record_ts)
+            out.counts["rewards_corrected"] += 1
+            self._store(state)  # rewarded already: it cannot complete the group
             return out
-        member.reward = event.reward
-        member.reward_components = {**member.reward_components, **event.components}
-        member.reward_source = src
+        member.take_feedback(event.reward, dict(event.components), src, fid)
         state.last_record_ts = max(state.last_record_ts, record_ts)
         out.counts["rewards_joined"] += 1
         out.extend(self._maybe_complete(state, now))
@@ -420,8 +470,7 @@ class GroupAssembler:
         """The keyed baseline of a single response (then its reward joins that baseline)."""
         key = baseline_key(state.policy, state.task or state.policy)
         where = table_key(state.partition, key)
-        stored = self.groups.get(where)
-        baseline_state = BaselineState.from_json(stored) if is_baseline(stored) else BaselineState(state.partition)
+        baseline_state = BaselineState.from_stored(self.groups.get(where), state.partition, self.rules.baseline, key)
         baseline = score(baseline_state, reward, key, self.rules.baseline)
         self.groups[where] = baseline_state.to_json()
         return baseline
@@ -537,4 +586,6 @@ class GroupAssembler:
         for member in state.members.values():
             self.payloads.pop(member.source, None)
         self._store(ClosedGroup(group_id=state.group_id, partition=state.partition, closed_at=now,
-                                member_ids=sorted(state.members)))
+                                member_ids=sorted(state.members),
+                                feedback_ids={tid: m.feedback_id for tid, m in state.members.items()
+                                              if m.feedback_id is not None}))

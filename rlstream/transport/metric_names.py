@@ -136,6 +136,10 @@ STREAMS_DUPLICATE_TRAJECTORY = "streams.duplicate_trajectory"
 STREAMS_DUPLICATE_REWARD = "streams.duplicate_reward"
 STREAMS_REWARDS_HELD = "streams.rewards_held"
 STREAMS_REWARDS_JOINED = "streams.rewards_joined"
+#: Feedback corrections (a repeated feedback_id) applied while the trajectory's group was open (last write wins).
+STREAMS_REWARDS_CORRECTED = "streams.rewards_corrected"
+#: Feedback corrections that came after their group left: recorded on dlq (correction_after_emit), never trained.
+STREAMS_REWARDS_CORRECTED_AFTER_EMIT = "streams.rewards_corrected_after_emit"
 STREAMS_GROUPS_COMPLETED = "streams.groups_completed"
 STREAMS_GROUPS_TIMED_OUT = "streams.groups_timed_out"
 STREAMS_GROUPS_EXPIRED = "streams.groups_expired"
@@ -176,7 +180,8 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_UNPROVEN_GAPS,
            STREAMS_RECORDS_DEFERRED, STREAMS_RECORDS_SKIPPED, STREAMS_DLQ, STREAMS_DLQ_TOTAL, STREAMS_GROUPS_EMITTED,
            STREAMS_GROUPS_FILTERED, STREAMS_TRAJECTORIES_ACCEPTED, STREAMS_DUPLICATE_TRAJECTORY,
-           STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_GROUPS_COMPLETED,
+           STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_REWARDS_CORRECTED,
+           STREAMS_REWARDS_CORRECTED_AFTER_EMIT, STREAMS_GROUPS_COMPLETED,
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
            STREAMS_PAYLOADS_READ_BACK)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
@@ -356,6 +361,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "trajectory arrives"),
     _total(STREAMS_REWARDS_JOINED, "rlstream_streams_rewards_joined_total", _WORKER, "Rewards joined to their "
            "trajectory"),
+    _total(STREAMS_REWARDS_CORRECTED, "rlstream_streams_rewards_corrected_total", _WORKER, "Feedback corrections "
+           "(a repeated feedback_id) applied before the trajectory's group left"),
+    _total(STREAMS_REWARDS_CORRECTED_AFTER_EMIT, "rlstream_streams_rewards_corrected_after_emit_total", _WORKER,
+           "Feedback corrections that came after the trajectory's group left (recorded on dlq, never trained)"),
     _total(STREAMS_GROUPS_COMPLETED, "rlstream_streams_groups_completed_total", _WORKER, "Groups completed (all "
            "members)"),
     _total(STREAMS_GROUPS_TIMED_OUT, "rlstream_streams_groups_timed_out_total", _WORKER, "Groups closed by the "
