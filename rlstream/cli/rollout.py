@@ -129,6 +129,8 @@ def rollout_users(
     feedback_min_s: float = typer.Option(5.0, min=0.0, help="earliest feedback, seconds after the answer"),
     feedback_max_s: float = typer.Option(60.0, min=0.0, help="latest feedback"),
     duration: Optional[float] = typer.Option(None, help="stop after this many seconds (default: SIGINT/SIGTERM)"),
+    api_key: Optional[str] = typer.Option(None, envvar="RLSTREAM_GATEWAY_API_KEY", show_default=False,
+                                          help="the gateway's client key (sent as Authorization: Bearer)"),
 ) -> None:
     """Simulated production users: requests through the gateway (OpenAI client, streamed or not, and LangChain
     when installed), some two-turn sessions, feedback for a share of them after a delay."""
@@ -147,7 +149,7 @@ def rollout_users(
                             model=cfg.rollout.model, max_tokens=cfg.rollout.max_tokens,
                             temperature=cfg.rollout.temperature, seed=cfg.learner.seed)
     users = UserPopulation(gateway, load_examples(source, cfg.rollout.example_id_field), load_callable(reward_ref),
-                           population)
+                           population, api_key=api_key)
 
     async def main() -> None:
         from rlstream.transport.control import ControlPlane

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,13 +24,15 @@ from pydantic import ValidationError
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid, terminate_as_interrupt
+from rlstream.rollout.gateway.auth import API_KEYS_ENV
 from rlstream.rollout.sampling import SamplingSettings
+from rlstream.rollout.users import USERS_API_KEY_ENV
 from rlstream.rollout.workflows import Workflow, check_workflow
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import (ConfigError, RlstreamConfig, format_validation_error, load_config,
                                      overrides_to_dict, read_yaml)
-from rlstream.schemas.masking import public_config_text, secret_env
+from rlstream.schemas.masking import public_config_text, remember_secret, secret_env
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -565,6 +568,11 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
         if opts.traffic == "production":
             gateway_port = free_port()
+            api_key = f"rls-{secrets.token_urlsafe(32)}"  # the gateway's client key, through the environment only
+            remember_secret(api_key)
+            sup.env.update({API_KEYS_ENV: api_key, USERS_API_KEY_ENV: api_key})
+            print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
+                  flush=True)
             sup.spawn("gateway", rlstream_command("gateway", "serve", *c, "--upstream", vllm.url, "--port",
                                                   str(gateway_port), "--served-model", cfg.rollout.model,
                                                   "--session-idle-s", "30", "--spool-dir", str(run_dir / "spool")))

@@ -22,6 +22,8 @@ from rlstream.transport.log import get_logger
 log = get_logger(__name__)
 SESSION_HEADER = "X-Session-Id"
 TASK_HEADER = "X-Rlstream-Task"
+#: environment variable with the gateway's client key (``rlstream up`` sets it for the simulated users)
+USERS_API_KEY_ENV = "RLSTREAM_GATEWAY_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,11 @@ class UserPopulation:
     """Runs ``population.concurrency`` users until ``stop`` is set."""
 
     def __init__(self, gateway_url: str, examples: list[dict[str, Any]], reward_fn: Callable[[dict[str, Any], str], float],
-                 population: Population) -> None:
+                 population: Population, api_key: str | None = None) -> None:
         if not examples:
             raise ValueError("the user population needs examples (a dataset)")
         self.base = gateway_url.rstrip("/")
+        self.api_key = api_key  # the gateway's client key (with the inference and feedback scopes), if it has keys
         self.examples = examples
         self.reward_fn = reward_fn
         self.pop = population
@@ -78,8 +81,10 @@ class UserPopulation:
     async def run(self, stop: asyncio.Event) -> UserStats:
         from openai import AsyncOpenAI
 
-        async with httpx.AsyncClient(timeout=60.0) as http:
-            client = AsyncOpenAI(base_url=f"{self.base}/v1", api_key="none", http_client=http, max_retries=0)
+        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=60.0, headers=auth) as http:
+            client = AsyncOpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "none", http_client=http,
+                                 max_retries=0)
             users = [asyncio.create_task(self._user(client, http, stop)) for _ in range(self.pop.concurrency)]
             await asyncio.gather(*users)
             for task in list(self._feedback):
@@ -133,7 +138,8 @@ class UserPopulation:
     async def _ask_langchain(self, messages: list[dict[str, Any]], headers: dict[str, str]) -> str:
         from langchain_openai import ChatOpenAI
 
-        chat = ChatOpenAI(model=self.pop.model, base_url=f"{self.base}/v1", api_key="none",  # type: ignore[arg-type]
+        chat = ChatOpenAI(model=self.pop.model, base_url=f"{self.base}/v1",  # type: ignore[arg-type]
+                          api_key=self.api_key or "none",  # type: ignore[arg-type]
                           temperature=self.pop.temperature, max_tokens=self.pop.max_tokens,  # type: ignore[call-arg]
                           default_headers=headers, max_retries=0)
         reply = await chat.ainvoke([(m["role"], m["content"]) for m in messages])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import subprocess
 import sys
@@ -62,6 +63,11 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
     logs = Path(summary["logs"])
 
     users = {k: int(v) for k, v in summary["users"].items()}
+    # up made a client key, printed it, and the gateway requires it (the users' calls below all carried it)
+    key = re.search(r"Authorization: Bearer (rls-[A-Za-z0-9_-]{40,})", proc.stdout)
+    assert key is not None, proc.stdout[-3000:]
+    assert "clients authenticate with API keys" in (logs / "gateway.log").read_text()
+    assert key.group(1) not in (logs / "gateway.log").read_text()
     users_log = (logs / "users.log").read_text()
     failures = [line for line in users_log.splitlines() if "failed" in line]
     assert users["users_requests"] > 50 and users["users_errors"] == 0, "\n".join(failures[:10]) or users_log[-3000:]

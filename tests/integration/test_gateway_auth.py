@@ -3,6 +3,7 @@ tenant isolation and rewards validated at the door; the real ASGI app in front o
 upstream (bench/canned_upstream.py's answers), publishing to the real broker."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -255,3 +256,56 @@ def test_without_keys_only_loopback_serves_unless_insecure() -> None:
     assert KeyStore(["k" * 16]).authenticate("k" * 16) is not None
     with pytest.raises(ValueError):
         KeyStore(["short"])
+
+
+async def test_simulated_users_send_the_key_and_are_refused_without_it(rl_config: Any, created_topics: Any) -> None:
+    from rlstream.rollout.gateway.server import serving
+    from rlstream.rollout.users import Population, UserPopulation
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    key = "rls-" + "k" * 40
+    gateway = Gateway(GatewayConfig(port=0, policy=POLICY, served_model=POLICY, run_id=rl_config.run_id,
+                                    session_idle_s=60), publisher,
+                      client=httpx.AsyncClient(transport=httpx.ASGITransport(canned_upstream())),
+                      access=AccessConfig(api_keys=[SecretStr(key)]))
+    population = Population(concurrency=2, feedback_share=1.0, feedback_delay_s=(0.0, 0.0), second_turn_share=0.5,
+                            langchain_share=0.0, task="toy", model=POLICY)
+    examples = [{"prompt": "Repeat the letter c."}]
+    try:
+        async with serving(gateway) as url:
+            figures = {}
+            for sent_key in (key, None):  # the negative control: the same users without the key
+                users = UserPopulation(url, examples, lambda example, answer: 1.0, population, api_key=sent_key)
+                stop = asyncio.Event()
+                asyncio.get_running_loop().call_later(1.5, stop.set)
+                figures[sent_key] = await users.run(stop)
+    finally:
+        await publisher.close()
+    with_key, without = figures[key], figures[None]
+    assert with_key.requests > 0 and with_key.errors == 0 and with_key.feedback_sent > 0
+    assert with_key.feedback_refused == 0
+    assert without.errors > 0 and without.feedback_sent == 0
+
+
+def test_gateway_serve_refuses_a_routable_address_without_keys(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rlstream.cli.app import app
+
+    env = {"RLSTREAM_GATEWAY_API_KEYS": ""}
+    refused_run = CliRunner().invoke(app, ["gateway", "serve", "--host", "0.0.0.0", "--port", "0"], env=env)
+    assert refused_run.exit_code == 2 and "--insecure-no-auth" in refused_run.output, refused_run.output
+    bad_keys = tmp_path / "keys.yaml"
+    bad_keys.write_text(json.dumps({"keys": [{"key": "short-secret", "tenant": "acme"}]}))
+    bad = CliRunner().invoke(app, ["gateway", "serve", "--api-keys-file", str(bad_keys)], env=env)
+    assert bad.exit_code == 2 and "keys.0.key" in bad.output and "short-secret" not in bad.output, bad.output
+
+
+def test_keys_are_masked_wherever_logs_and_reports_go() -> None:
+    from rlstream.schemas.masking import mask_text
+
+    key = "tenant-secret-key-" + "x" * 20
+    store = KeyStore([key])
+    assert key not in mask_text(f"error: bad header Bearer {key}")
+    assert key not in repr(store.authenticate(key)) and store.authenticate(key + "!") is None

@@ -4,7 +4,7 @@ A key (``Authorization: Bearer <key>``) belongs to one tenant and carries scopes
 responses, models, sessions; ``feedback``: ``/v1/feedback``; ``admin``: ``/rlstream/stats``), the models it may call
 (default: the policy's own), the tasks it may name (default: its tenant; ``X-Rlstream-Task`` picks among them),
 and optional limits (requests per minute, concurrent requests). Keys come from ``--api-key`` / the
-``RLSTREAM_GATEWAY_API_KEYS`` environment variable (one tenant, every scope) and from a keys file (YAML or JSON),
+``RLSTREAM_GATEWAY_API_KEYS`` environment variable (the default tenant, every scope, any task) and from a keys file (YAML or JSON),
 re-read when it changes, without a restart.
 
 Keys are looked up by their SHA-256 digest (no comparison of the key itself: its timing says nothing about the key),
@@ -44,6 +44,8 @@ TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MIN_KEY_CHARS = 16
 #: ``models: ["*"]`` lets a key call any model at the upstream (only the policy's calls are captured)
 ANY_MODEL = "*"
+#: ``tasks: ["*"]`` lets a key name any task (``--api-key`` keys: the operator's own)
+ANY_TASK = "*"
 #: environment variable with ``--api-key`` keys, comma separated
 API_KEYS_ENV = "RLSTREAM_GATEWAY_API_KEYS"
 #: where the middleware leaves the caller (a :class:`Principal`, or None for a feedback call without a key)
@@ -66,7 +68,8 @@ class ApiKeySpec(BaseModel):
     models: list[str] | None = Field(None, description="models the key may call; None: the policy's own names; "
                                      "'*': any model of the upstream (calls for other models are not captured)")
     tasks: list[str] | None = Field(None, description="tasks (baseline keys) the key may name with "
-                                    "X-Rlstream-Task, the first being its default; None: [tenant]")
+                                    "X-Rlstream-Task, the first being its default; None: [tenant]; '*': any task "
+                                    "(without the header, none)")
     rpm: int | None = Field(None, ge=1, description="requests per minute (429 beyond)")
     max_concurrent: int | None = Field(None, ge=1, description="requests in flight at once (429 beyond)")
 
@@ -179,7 +182,7 @@ def forbidden(message: str, code: str = "permission_denied") -> AuthRefusal:
 def task_for(principal: Principal, asked: str | None) -> str | None:
     """The task (baseline key) of a call: ``asked`` (``X-Rlstream-Task``) when the key may name it, the key's
     first task when none is asked; :class:`AuthRefusal` (403) otherwise."""
-    if principal.tasks is None:
+    if principal.tasks is None or ANY_TASK in principal.tasks:
         return asked
     if asked is None:
         return principal.tasks[0]
@@ -212,7 +215,7 @@ class KeyStore:
         self.keys_file = keys_file
         self.reload_check_s = reload_check_s
         every_scope: list[Scope] = ["inference", "feedback", "admin"]
-        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope)
+        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope, tasks=[ANY_TASK])
                         for i, k in enumerate(inline_keys)]
         self._by_digest: dict[bytes, Principal] = {}
         self._file_stamp: tuple[int, int] | None = None
