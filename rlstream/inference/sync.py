@@ -3,11 +3,13 @@
 It reads ``policy-versions`` from the beginning (the topic keeps every version), catches up to
 the newest version of its policy, loads it, then loads each newer version as it is announced:
 
-* the record is untrusted: a ``uri`` outside ``inference.weights_roots`` (plus ``<learner.output_dir>/versions``
-  and ``inference.weights_root``; symlinks and ``..`` resolved first), a directory holding files the manifest
-  does not list, a version more than ``inference.max_version_jump`` above the newest known one (loaded, or the
-  Redis latest pointer) and a fencing token older than the newest seen for the policy are refused: dead-lettered
-  with the reason, counted in ``inference/version_refused`` (tag ``reason``), and the worker goes on;
+* the record is untrusted: one the fenced learner did not announce (transport/trusted_versions.py: a foreign or
+  stale fencing token, a version more than ``inference.max_version_jump`` above the newest trusted one, no
+  committed announcement of these bytes in Redis), a ``uri`` outside ``inference.weights_roots`` (plus
+  ``<learner.output_dir>/versions`` and ``inference.weights_root``; symlinks and ``..`` resolved first), a
+  directory holding files the manifest does not list, a file that is not safetensors, JSON or a tokenizer file, a
+  hard link and a version over ``inference.max_version_bytes`` are refused: dead-lettered with the reason, counted
+  in ``inference/version_refused`` (tag ``reason``), and the worker goes on;
 * the files are then copied into a private staging directory (``inference.staging_dir``), hashed as they are
   copied; a sha256 or size mismatch is refused (never loaded) and reported. vLLM loads the staged copy, so what
   was verified is what is loaded;
@@ -41,8 +43,8 @@ from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
-from rlstream.inference.manifest import (ManifestError, StaleFencingToken, UntrustedVersion, VersionJump, local_dir,
-                                        stage, verify)
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
+from rlstream.inference.manifest import ManifestError, UntrustedVersion, rollback_dir, stage, verify
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -99,7 +101,7 @@ class InferenceSyncWorker:
         self.adapters: deque[str] = deque()
         self.failures = 0
         self.refused: list[tuple[int, str]] = []
-        self.max_fencing_token = 0  # the newest fencing token seen on an adopted version of our policy
+        self.trust = TrustedVersions(control, self.icfg.max_version_jump)  # which records count
         self.staging_root = Path(self.icfg.staging_dir) if self.icfg.staging_dir else \
             Path(tempfile.mkdtemp(prefix=f"rlstream-staging-{self.icfg.worker_id}-"))
         self._staged: dict[int, Path] = {}  # version -> its staged copy
@@ -146,13 +148,10 @@ class InferenceSyncWorker:
         ends = await consumer.end_offsets(tps)
         newest: list[Decoded[PolicyVersion]] = []
         while not await caught_up(consumer, ends):
-            newest.extend(item for item in await reader.fetch(*tps, timeout_ms=500)
-                          if item.event.policy == self.cfg.policy)
+            for item in await reader.fetch(*tps, timeout_ms=500):
+                if item.event.policy == self.cfg.policy and await self._trusted(item.event, item.source):
+                    newest.append(item)
         newest.sort(key=lambda item: item.event.version, reverse=True)
-        # the newest fencing token among records not refused for their version number: an older token is stale
-        bound = await self._newest_known() + self.icfg.max_version_jump
-        self.max_fencing_token = max([self.max_fencing_token] + [
-            item.event.fencing_token for item in newest if item.event.version <= bound])
         for item in newest:  # newest first; fall back to an older one if it is refused
             if item.event.version <= self.state.version:
                 break
@@ -167,21 +166,41 @@ class InferenceSyncWorker:
         version = item.event
         if version.policy != self.cfg.policy:
             return
+        if not await self._trusted(version, item.source):
+            return
         if version.version <= self.state.version:
             log.info("version not newer than the loaded one; skipped", version=version.version,
                      loaded=self.state.version)
             return
         await self.sync(version, item.source)
 
+    async def _trusted(self, version: PolicyVersion, record: SourceRecord) -> bool:
+        """Whether the fenced learner announced this record (see transport/trusted_versions.py); a refused one is
+        reported and dead-lettered."""
+        delay = 0.5
+        while True:
+            try:
+                await self.trust.check(version, record.value)
+                return True
+            except UntrustedVersionRecord as exc:
+                await self._report(version, record, exc, refused=True)
+                return False
+            except Exception as exc:  # noqa: BLE001 - Redis unreachable: nothing is loaded until it can be checked
+                log.warning("cannot check a policy version against the control plane; retrying",
+                            version=version.version, error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
     # -- loading ----------------------------------------------------------------------------
     async def sync(self, version: PolicyVersion, record: SourceRecord | None = None) -> bool:
         """Verify and load one version; True when it is now served. Failures are reported, not raised."""
         started = time.monotonic()
         try:
-            await self._check_trusted(version)
-            source_dir = verify(version, self.icfg.weights_root, roots=self.weights_roots, hash_files=False)
+            source_dir = verify(version, self.icfg.weights_root, roots=self.weights_roots, hash_files=False,
+                                max_bytes=self.icfg.max_version_bytes)
             weights_dir = await asyncio.to_thread(stage, version, source_dir, self.staging_root,
-                                                  adapter_name(version.policy, version.version))
+                                                  adapter_name(version.policy, version.version),
+                                                  max_bytes=self.icfg.max_version_bytes)
         except ManifestError as exc:
             await self._report(version, record, exc, refused=True)
             return False
@@ -198,7 +217,6 @@ class InferenceSyncWorker:
                     self._drop_staged()
                     return False
                 await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
-        self.max_fencing_token = max(self.max_fencing_token, version.fencing_token)
         self._drop_staged()
         await self._heartbeat()
         seconds = time.monotonic() - started
@@ -210,29 +228,6 @@ class InferenceSyncWorker:
                  name=self.state.name, seconds=round(seconds, 3))
         self._loaded_event.set()
         return True
-
-    async def _newest_known(self) -> int:
-        """The newest version known to be genuine: the loaded one, or the Redis latest pointer (moved only by the
-        lease holder's fenced compare-and-set)."""
-        try:
-            pointer = await asyncio.wait_for(self.control.latest_version(self.cfg.policy), timeout=10.0)
-        except Exception as exc:  # noqa: BLE001 - without Redis, the loaded version bounds the jump
-            log.warning("could not read the latest pointer; bounding version jumps by the loaded version",
-                        error=str(exc))
-            pointer = -1
-        return max(self.state.version, pointer)
-
-    async def _check_trusted(self, version: PolicyVersion) -> None:
-        """Refuse a version number far above the newest known, and a fencing token older than the newest seen."""
-        newest = await self._newest_known()
-        if version.version > newest + self.icfg.max_version_jump:
-            raise VersionJump(f"version {version.version} of {version.policy!r} is more than "
-                              f"inference.max_version_jump={self.icfg.max_version_jump} above the newest known "
-                              f"version {newest}")
-        if version.fencing_token < self.max_fencing_token:
-            raise StaleFencingToken(f"version {version.version} of {version.policy!r} carries fencing token "
-                                    f"{version.fencing_token}, older than {self.max_fencing_token} already seen "
-                                    f"(a fenced-out learner)")
 
     def _drop_staged(self) -> None:
         """Remove staged copies the server no longer uses (the loaded adapters and full weights are kept)."""
@@ -267,11 +262,12 @@ class InferenceSyncWorker:
             raise LoadRefused(f"unknown weights kind {version.kind}")
 
     def _base_dir(self, version: PolicyVersion) -> Path | None:
-        try:
-            path = local_dir(version.base_model, self.icfg.weights_root)
-        except ManifestError:
-            return None
-        return path if path.is_dir() else None
+        """The base model's directory to fall back to when a full reload fails: only under the weights roots."""
+        path = rollback_dir(version.base_model, self.weights_roots, self.icfg.weights_root)
+        if path is None:
+            log.warning("base_model is not under the weights roots; a failed reload has no fallback",
+                        base_model=version.base_model, version=version.version)
+        return path
 
     async def _trim_adapters(self) -> None:
         while len(self.adapters) > self.icfg.keep_adapters:
@@ -293,7 +289,7 @@ class InferenceSyncWorker:
                   loaded_version=self.state.version)
         await self.metrics.emit(mn.INFERENCE_LOAD_FAILED, 1.0, step=version.version,
                                 tags={"worker": self.icfg.worker_id, "reason": type(exc).__name__})
-        if isinstance(exc, UntrustedVersion):
+        if isinstance(exc, (UntrustedVersion, UntrustedVersionRecord)):
             await self.metrics.emit(mn.INFERENCE_VERSION_REFUSED, 1.0, step=version.version,
                                     tags={"worker": self.icfg.worker_id, "reason": exc.reason})
         try:

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from rlstream.learner.checkpoint import MANIFEST, fsync_path, sha256_file, verify_manifest, write_manifest
 from rlstream.learner.policy import Policy
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
+from rlstream.transport.trusted_versions import announce_record
 from rlstream.transport.log import get_logger
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import FileDigest, OffsetRange, PolicyVersion, WeightsKind
@@ -112,6 +113,7 @@ def write_version(policy: Policy, root: Path, policy_name: str, version: int) ->
     tmp.mkdir()
     if policy.lora:
         policy.model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card: versions hold weights, JSON, tokenizer only
     else:
         _save_full(policy, tmp)
     manifest = write_manifest(tmp, {"policy": policy_name, "version": version,
@@ -176,7 +178,14 @@ async def announce(
         learner_step=step, group_count=group_count, trained_on=trained_on,
         metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,
     )
-    await send_announcement(producer, topic, codec.encode(event), policy_name.encode())
+    from aiokafka.errors import ProducerFenced
+
+    try:  # registered and confirmed under the lease: readers accept only such records (transport/trusted_versions)
+        await announce_record(producer, control, lease, topic=topic, policy=policy_name, version=version,
+                              value=codec.encode(event))
+    except ProducerFenced as exc:
+        raise PublicationFenced(f"the announcing producer was fenced by a newer learner ({exc}); "
+                                "version not announced") from exc
     moved = await control.publish_latest(policy_name, version, event.uri, manifest_digest(directory), lease)
     log.info("version published", policy=policy_name, version=version, step=step, uri=event.uri, moved=moved,
              groups=group_count)

@@ -6,6 +6,9 @@ trained into it (exactly those: skipped and dead-lettered records are not in it)
 ``source_offsets``: where each of its members was read on ``trajectories`` (and each late reward on ``rewards``).
 Nothing is written and no consumer group is joined: the reads are group-less.
 
+Only a version record the fenced learner announced counts (transport/trusted_versions.py); a record of the
+version that is not is reported with the reason and never resolved.
+
 A listed offset whose record is gone (retention), does not decode, or is not a group of the version's policy (a
 version announced before lineage was exact, or by another tool that announces ranges) is reported under
 ``unresolved`` with the reason, never silently dropped.
@@ -21,8 +24,10 @@ from rlstream.schemas.codec import codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import OffsetRange, PolicyVersion, SourceOffset, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
 from rlstream.transport.log import get_logger
 from rlstream.transport.topic_reader import SourceRecord, TopicReader, open_reader, read_slice, read_to_end
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 
 log = get_logger(__name__)
 
@@ -103,22 +108,32 @@ class VersionLineage:
         }
 
 
-async def find_version(consumer: AIOKafkaConsumer, cfg: RlstreamConfig, version: int, policy: str) -> PolicyVersion:
-    """The record of ``policy``'s ``version`` on ``policy-versions`` (the last one, should it have been announced
-    twice, e.g. after an interrupted publication); :class:`LineageError` when there is none."""
+async def find_version(consumer: AIOKafkaConsumer, cfg: RlstreamConfig, version: int, policy: str,
+                       trust: TrustedVersions) -> PolicyVersion:
+    """The trusted record of ``policy``'s ``version`` on ``policy-versions`` (the last one, should it have been
+    announced twice, e.g. after an interrupted publication); :class:`LineageError` when there is none."""
     topic = TopicNames.from_config(cfg.topics).policy_versions
     reader = TopicReader(consumer, codec_for(cfg), PolicyVersion)  # read-only: an undecodable record is skipped
     found: PolicyVersion | None = None
     known: set[int] = set()
+    refused: list[str] = []
     async for item in reader.stream(read_to_end(consumer, topic)):
         if item.event.policy != policy:
+            continue
+        try:
+            await trust.check(item.event, item.source.value)
+        except UntrustedVersionRecord as exc:
+            if item.event.version == version:
+                refused.append(f"offset {item.source.offset}: {exc.reason}: {exc}")
             continue
         known.add(item.event.version)
         if item.event.version == version:
             found = item.event
     if found is None:
         listed = ", ".join(str(v) for v in sorted(known)[-10:]) or "none"
-        raise LineageError(f"policy {policy!r} has no version {version} on {topic} (latest versions: {listed})")
+        untrusted = f"; untrusted records of it, not resolved: {'; '.join(refused)}" if refused else ""
+        raise LineageError(f"policy {policy!r} has no version {version} announced by its learner on {topic} "
+                           f"(latest versions: {listed}){untrusted}")
     return found
 
 
@@ -171,12 +186,17 @@ async def resolve_groups(consumer: AIOKafkaConsumer, cfg: RlstreamConfig,
 async def version_lineage(cfg: RlstreamConfig, version: int, policy: str | None = None) -> VersionLineage:
     """Resolve ``version`` of ``policy`` (default: the config's) to its groups and trajectory offsets."""
     policy = policy or cfg.policy
+    if not cfg.redis.url:
+        raise LineageError("redis.url is not set: version records cannot be checked against the control plane")
     consumer = await open_reader(cfg.kafka)
+    control = ControlPlane(cfg.redis.url, retry_max_s=cfg.redis.retry_max_s)
     try:
-        record = await find_version(consumer, cfg, version, policy)
+        trust = TrustedVersions(control, cfg.inference.max_version_jump, wait_pending=False)
+        record = await find_version(consumer, cfg, version, policy, trust)
         groups, unresolved = await resolve_groups(consumer, cfg, record)
     finally:
         await consumer.stop()
+        await control.close()
     return VersionLineage(
         policy=record.policy, version=record.version, run_id=record.run_id, uri=record.uri,
         learner_step=record.learner_step, group_count=record.group_count, created_at=record.created_at.isoformat(),

@@ -1,6 +1,7 @@
 """``rlstream status``: one look at a deployment.
 
-Policy versions (the Redis latest pointer and the recent PolicyVersion messages), the learner
+Policy versions (the Redis latest pointer and the recent PolicyVersion messages the fenced learner announced;
+records that do not count are listed apart with the reason, see transport/trusted_versions.py), the learner
 lease holder, inference workers and the version each has loaded, lag per topic and consumer
 group, the run's status hash and its latest metrics. Reads only: it joins no group and commits
 nothing.
@@ -19,6 +20,7 @@ from rlstream.transport.kafka import client_options
 from rlstream.transport.log import get_logger
 from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, open_reader, partitions_of,
                                              read_to_end)
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.masking import mask_data, mask_url
@@ -93,20 +95,43 @@ async def topic_end_offsets(kafka: KafkaConfig, names: TopicNames) -> dict[str, 
         await reader.stop()
 
 
-async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, limit: int = 5) -> list[PolicyVersion]:
-    """The newest ``limit`` PolicyVersion messages of ``policy``, newest first."""
+@dataclass
+class UntrustedVersionSeen:
+    """A PolicyVersion record that does not count (not announced by the fenced learner), and why."""
+
+    partition: int
+    offset: int
+    version: int
+    fencing_token: int
+    reason: str
+    message: str
+
+
+async def recent_versions(kafka: KafkaConfig, topic: str, policy: str, trust: TrustedVersions,
+                          limit: int = 5) -> tuple[list[PolicyVersion], list[UntrustedVersionSeen]]:
+    """The newest ``limit`` PolicyVersion messages of ``policy`` that ``trust`` accepts, newest first, and the
+    untrusted ones among the records read (the last ``max(50, 10 * limit)`` per partition), newest first."""
     codec = AvroCodec.from_config(kafka, {})  # reads only: no subject is ever named
     found: list[PolicyVersion] = []
+    untrusted: list[UntrustedVersionSeen] = []
     reader = await open_reader(kafka)
     try:
         versions = TopicReader(reader, codec, PolicyVersion)  # read-only: an undecodable record is skipped
         async for item in versions.stream(read_to_end(reader, topic, tail=max(50, limit * 10))):
-            if item.event.policy == policy:
-                found.append(item.event)
+            if item.event.policy != policy:
+                continue
+            try:
+                await trust.check(item.event, item.source.value)
+            except UntrustedVersionRecord as exc:
+                untrusted.append(UntrustedVersionSeen(item.source.partition, item.source.offset, item.event.version,
+                                                      item.event.fencing_token, exc.reason, str(exc)))
+                continue
+            found.append(item.event)
     finally:
         await reader.stop()
     found.sort(key=lambda v: (v.version, v.created_at), reverse=True)
-    return found[:limit]
+    untrusted.sort(key=lambda u: (u.partition, u.offset), reverse=True)
+    return found[:limit], untrusted[:limit]
 
 
 async def latest_metrics(kafka: KafkaConfig, topic: str, run_id: str | None, tail: int = 500) -> list[MetricEvent]:
@@ -160,8 +185,23 @@ async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, version
             status["errors"].append(f"redis {mask_url(cfg.redis.url)}: {exc}")
     else:
         status["errors"].append("redis.url is not set: no control-plane figures")
+    status["recent_versions"], status["untrusted_versions"] = [], []
+    if cfg.redis.url:
+        try:
+            control = ControlPlane(cfg.redis.url, retry_max_s=2.0)
+            try:
+                trust = TrustedVersions(control, cfg.inference.max_version_jump, wait_pending=False)
+                trusted, untrusted = await recent_versions(cfg.kafka, names.policy_versions, cfg.policy, trust,
+                                                           versions)
+            finally:
+                await control.close()
+            status["recent_versions"] = [v.model_dump(mode="json") for v in trusted]
+            status["untrusted_versions"] = [asdict(u) for u in untrusted]
+        except TopicMissingError as exc:
+            status["errors"].append(str(exc))
+        except Exception as exc:
+            status["errors"].append(f"recent_versions: {type(exc).__name__}: {exc}")
     for key, call in (
-        ("recent_versions", lambda: recent_versions(cfg.kafka, names.policy_versions, cfg.policy, versions)),
         ("lag", lambda: consumer_group_lags(cfg.kafka, cfg.topics.prefix)),
         ("metrics", lambda: latest_metrics(cfg.kafka, names.metrics, run_id)),
     ):
@@ -191,6 +231,12 @@ def render_status(status: dict[str, Any], console: Any) -> None:
         table.add_row(str(v["version"]), str(v["kind"]), str(v["learner_step"]), str(v["group_count"]), v["run_id"],
                       str(v["created_at"]), v["uri"])
     console.print(table)
+    if status.get("untrusted_versions"):
+        table = Table("partition:offset", "version", "fencing token", "reason",
+                      title="[red]untrusted policy-versions records (not counted)[/red]")
+        for u in status["untrusted_versions"]:
+            table.add_row(f"{u['partition']}:{u['offset']}", str(u["version"]), str(u["fencing_token"]), u["reason"])
+        console.print(table)
 
     table = Table("worker", "name", "loaded version", "heartbeat age s", title="inference workers")
     for wid, info in sorted((status.get("workers") or {}).items()):

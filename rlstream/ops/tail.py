@@ -9,6 +9,9 @@ lag of a consumer group (e.g. the learner's) to the table caption.
 ``--run`` keeps the events of one run. A dead letter belongs to the run of the event it carries
 when that event decodes; a dead letter whose run cannot be told is shown (it may be exactly the
 broken event of that run). Undecodable records are shown with their error, never skipped.
+
+``versions`` checks each record against the control plane (transport/trusted_versions.py): a record the fenced
+learner did not announce is shown flagged ``untrusted`` with the reason (JSON: ``_untrusted``), never as a version.
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from typing import Any, AsyncIterator, Callable, TextIO
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from rlstream.transport.control import ControlPlane
 from rlstream.transport.log import get_logger
 from rlstream.transport.topic_reader import open_reader, partitions_of
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.schemas.codec import AvroCodec, CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, WireModel
@@ -66,6 +71,7 @@ class TailItem:
     lag: int
     event: WireModel | None
     error: str | None = None
+    untrusted: str | None = None  # versions: why the record does not count ("<reason>: <message>")
 
 
 class Tailer:
@@ -85,8 +91,13 @@ class Tailer:
         self.highwater: dict[int, int] = {}
         self.positions: dict[int, int] = {}
         self.shown = 0
+        self.control: ControlPlane | None = None
+        self.trust: TrustedVersions | None = None
 
     async def start(self) -> None:
+        if self.kind == "versions" and self.cfg.redis.url:
+            self.control = ControlPlane(self.cfg.redis.url, retry_max_s=self.cfg.redis.retry_max_s)
+            self.trust = TrustedVersions(self.control, self.cfg.inference.max_version_jump, wait_pending=False)
         self.consumer = await open_reader(self.cfg.kafka)
         self.partitions = await partitions_of(self.consumer, self.topic)
         self.consumer.assign(self.partitions)
@@ -103,6 +114,9 @@ class Tailer:
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
+        if self.control is not None:
+            await self.control.close()
+            self.control = None
 
     async def __aenter__(self) -> "Tailer":
         await self.start()
@@ -140,6 +154,8 @@ class Tailer:
                     item = self._item(record.partition, record.offset, record.value)
                     if item is None:
                         continue
+                    if isinstance(item.event, PolicyVersion):
+                        item.untrusted = await self._untrusted(item.event, record.value)
                     self.shown += 1
                     yield item
                     if self._done():
@@ -163,6 +179,16 @@ class Tailer:
             if run is not None and run != self.options.run:
                 return None
         return TailItem(self.topic, partition, offset, lag, event)
+
+    async def _untrusted(self, event: PolicyVersion, value: bytes | None) -> str | None:
+        """Why a version record does not count, None when it does."""
+        if self.trust is None:
+            return "unverified: redis.url is not set"
+        try:
+            await self.trust.check(event, value)
+        except UntrustedVersionRecord as exc:
+            return f"{exc.reason}: {exc}"
+        return None
 
     def _run_of(self, event: WireModel) -> str | None:
         if isinstance(event, DeadLetter):
@@ -190,6 +216,8 @@ def json_line(item: TailItem) -> str:
     """One JSON object: the event's fields (bytes as base64) plus ``_kafka`` {topic, partition, offset, lag}."""
     row: dict[str, Any] = item.event.model_dump() if item.event is not None else {"_error": item.error}
     row["_kafka"] = {"topic": item.topic, "partition": item.partition, "offset": item.offset, "lag": item.lag}
+    if item.untrusted is not None:
+        row["_untrusted"] = item.untrusted
     return json.dumps(row, default=_json_default, separators=(",", ":"))
 
 
@@ -206,7 +234,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "metrics": ("time", "source", "run", "name", "value", "step", "tags"),
     "groups": ("time", "run", "example", "size", "reward mean", "std", "min", "max", "completion", "versions", "pct"),
     "dlq": ("time", "service", "from", "error", "message"),
-    "versions": ("time", "policy", "version", "kind", "step", "groups", "run", "uri"),
+    "versions": ("time", "policy", "version", "kind", "step", "groups", "run", "uri", "trust"),
 }
 
 
@@ -231,7 +259,7 @@ def table_cells(kind: str, event: WireModel) -> list[str]:
     if isinstance(event, PolicyVersion):
         kind_name = event.kind.value if isinstance(event.kind, Enum) else str(event.kind)
         return [_time(event.created_at), event.policy, str(event.version), kind_name, str(event.learner_step),
-                str(event.group_count), event.run_id, _short(event.uri, 50)]
+                str(event.group_count), event.run_id, _short(event.uri, 50), "announced"]
     raise TypeError(f"no table row for {type(event).__name__}")
 
 
@@ -245,6 +273,8 @@ def build_table(kind: str, rows: list[TailItem], caption: str) -> Any:
             cells = [f"[red]{_short(item.error, 80)}[/red]"] + [""] * (len(COLUMNS[kind]) - 1)
         else:
             cells = table_cells(kind, item.event)
+            if item.untrusted is not None:
+                cells[-1] = f"[red]untrusted {_short(item.untrusted, 60)}[/red]"
         table.add_row(f"{item.partition}:{item.offset}", str(item.lag), *cells)
     return table
 

@@ -372,9 +372,13 @@ class InferenceConfig(Section):
         default_factory=list,
         description="directories a PolicyVersion uri may lie under (after resolving symlinks and '..'); besides "
                     "these, <learner.output_dir>/versions and weights_root are always allowed; any other uri is "
-                    "refused and dead-lettered")
-    max_version_jump: int = Field(1000, ge=1, description="a version more than this above the newest known one "
-                                                           "(loaded or Redis latest pointer) is dead-lettered")
+                    "refused and dead-lettered. A full reload falls back to a version's base_model only when it "
+                    "lies under one of them")
+    max_version_jump: int = Field(1000, ge=1, description="every reader of policy-versions (streams, sync workers, "
+                                  "operator tools) refuses a version more than this above the newest trusted one "
+                                  "(the newest it accepted, or the Redis latest pointer); services dead-letter it")
+    max_version_bytes: int = Field(128 * 1024 ** 3, ge=1, description="a version whose files add up to more than "
+                                   "this many bytes is refused and dead-lettered (never staged or loaded)")
     staging_dir: Path | None = Field(None, description="private directory where verified copies of the weight files "
                                                        "are staged for vLLM (default: a new temporary directory)")
     prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")

@@ -223,7 +223,8 @@ class StreamsApp:
         # when each group's time comes, so a tick does not walk the table (rebuilt whenever the table changes under us)
         self.due_index = DueIndex()
         self.assembler = GroupAssembler(self.groups_view, self.payloads, self.codec, self.rules, self.due_index)
-        self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec)
+        self.policy = PolicyTracker(self.cfg, self.names.policy_versions, self.codec, dlq_topic=self.names.dlq,
+                                    service=f"{SERVICE}:{self.worker_id}", on_refused=self._count_refused_version)
         self._side_producer: Any = None
         self._metrics: MetricsPublisher | None = None
         check_internals(self.app, self.cfg.streams.store)  # before anything starts: fail naming what is missing
@@ -447,6 +448,11 @@ class StreamsApp:
             await self._dead_letter(reject)
         for finished in outcome.finished:
             await self._emit(finished, partition)
+
+    def _count_refused_version(self, reason: str) -> None:
+        """A policy-versions record the tracker dead-lettered (untrusted or undecodable)."""
+        self.telemetry.count(mn.STREAMS_DLQ, reason=reason)
+        self.telemetry.count(mn.STREAMS_DLQ_TOTAL)
 
     async def _dead_letter(self, reject: Reject) -> None:
         """Send one dead letter, cut to fit one record (see transport/deadletter.py)."""

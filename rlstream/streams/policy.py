@@ -3,14 +3,22 @@
 Every worker reads all partitions of the topic (no consumer group), from the beginning, so each
 knows the latest version whatever partitions it is assigned. ``ready`` is set once the reader has
 caught up with the end offsets seen at start, so that no group is judged against an old view.
+
+Version records are untrusted: only those the fenced learner announced count (transport/trusted_versions.py);
+any other record is dead-lettered with the reason and moves nothing. Without a control plane (``redis.url``
+empty) no record can be verified, so none is read and the staleness filter has no latest version.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
-from rlstream.transport.kafka import make_consumer
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.deadletter import DeadLetterSink
+from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion
@@ -21,11 +29,17 @@ log = get_logger(__name__)
 class PolicyTracker:
     """Keeps ``latest[policy]`` up to date; never moves a version backwards."""
 
-    def __init__(self, cfg: RlstreamConfig, topic: str, codec: AvroCodec, redis_poll_s: float = 2.0) -> None:
+    def __init__(self, cfg: RlstreamConfig, topic: str, codec: AvroCodec, redis_poll_s: float = 2.0, *,
+                 dlq_topic: str | None = None, service: str = "streams",
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.topic = topic
         self.codec = codec
         self.redis_poll_s = redis_poll_s
+        self.dlq_topic = dlq_topic  # refused records are dead-lettered there (logged only without it)
+        self.service = service
+        self.on_refused = on_refused  # called with the reason of each refused record (counting)
+        self.refused = 0
         self.latest: dict[str, int] = {}
         self.ready = asyncio.Event()
         self._stopping = False
@@ -39,9 +53,12 @@ class PolicyTracker:
 
     async def run(self) -> None:
         """Read the topic forever (and poll Redis alongside when configured)."""
-        tasks = [asyncio.create_task(self._read_topic_forever())]
-        if self.cfg.redis.url:
-            tasks.append(asyncio.create_task(self._poll_redis()))
+        if not self.cfg.redis.url:
+            log.error("redis.url is not set: policy versions cannot be verified and are not read; the staleness "
+                      "filter has no latest version")
+            self.ready.set()
+            return
+        tasks = [asyncio.create_task(self._read_topic_forever()), asyncio.create_task(self._poll_redis())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -62,8 +79,15 @@ class PolicyTracker:
 
     async def _read_topic(self) -> None:
         consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
-        reader = TopicReader(consumer, self.codec, PolicyVersion, on_reject=self._unreadable)
+        producer = make_producer(self.cfg.kafka) if self.dlq_topic else None
+        sink = DeadLetterSink(producer, self.codec, self.dlq_topic, self.service, best_effort=True) \
+            if producer is not None and self.dlq_topic else None
+        reader = TopicReader(consumer, self.codec, PolicyVersion, dead_letters=sink, on_reject=self._unreadable)
+        control = ControlPlane(self.cfg.redis.url, retry_max_s=self.cfg.redis.retry_max_s)
+        trust = TrustedVersions(control, self.cfg.inference.max_version_jump)
         await consumer.start()
+        if producer is not None:
+            await producer.start()
         try:
             tps = await wait_for_partitions(consumer, self.topic, timeout_s=10.0)  # the topic may be brand new
             consumer.assign(tps)
@@ -74,14 +98,22 @@ class PolicyTracker:
                     self.ready.set()
                     log.info("policy versions caught up", latest=self.latest)
                 for item in await reader.fetch(timeout_ms=500, max_records=500):
-                    self._apply(item)
+                    if await trust.admit(reader, item):
+                        self._apply(item)
         finally:
             await consumer.stop()
+            if producer is not None:
+                await producer.stop()
+            await control.close()
 
-    @staticmethod
-    def _unreadable(source: SourceRecord, reason: BaseException | str) -> None:
-        if source.value is not None:  # a tombstone is no error
-            log.warning("unreadable policy version ignored", offset=source.offset, error=str(reason))
+    def _unreadable(self, source: SourceRecord, reason: BaseException | str) -> None:
+        if source.value is None:  # a tombstone is no error
+            return
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused(reason.reason if isinstance(reason, UntrustedVersionRecord) else "corrupt_payload")
+        if not isinstance(reason, UntrustedVersionRecord):  # admit() already logged an untrusted one
+            log.warning("unreadable policy version refused", offset=source.offset, error=str(reason))
 
     def _apply(self, item: Decoded[PolicyVersion]) -> None:
         self.observe(item.event.policy, item.event.version)

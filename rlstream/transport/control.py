@@ -33,6 +33,19 @@ def fencing_counter_key(policy: str) -> str:
     return f"rlstream:{policy}:learner:fencing"
 
 
+def announcements_key(policy: str) -> str:
+    """Hash of the policy's version announcements: sha256 of the record's bytes -> :class:`Announcement` fields."""
+    return f"rlstream:{policy}:announcements"
+
+
+def worker_key(policy: str, worker_id: str) -> str:
+    return f"rlstream:{policy}:worker:{worker_id}"
+
+
+def status_key(run_id: str) -> str:
+    return f"rlstream:{run_id}:status"
+
+
 def worker_key(policy: str, worker_id: str) -> str:
     return f"rlstream:{policy}:worker:{worker_id}"
 
@@ -56,6 +69,21 @@ if tonumber(ARGV[1]) <= current then return 0 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'sha256', ARGV[3], 'published_at', ARGV[4])
 return 1
 """
+# An announcement is registered (pending) inside the learner's Kafka transaction and confirmed (committed) after the
+# commit, each only while the lease is held: a record counts once its announcement is committed.
+_REGISTER_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if held and string.sub(held, 1, 10) == 'committed|' then return 1 end
+redis.call('HSET', KEYS[1], ARGV[1], 'pending|' .. ARGV[2] .. '|' .. ARGV[3])
+return 1
+"""
+_CONFIRM_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'pending|' .. ARGV[2] .. '|' .. ARGV[3] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], 'committed|' .. ARGV[2] .. '|' .. ARGV[3])
+return 1
+"""
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -74,6 +102,25 @@ class Lease:
     @property
     def value(self) -> str:
         return f"{self.holder}|{self.token}"
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What the control plane holds about one announced PolicyVersion record (by the sha256 of its bytes):
+    ``committed`` once its learner confirmed the Kafka commit, else pending; the lease it was announced under."""
+
+    committed: bool
+    version: int
+    lease: str
+
+    @property
+    def fencing_token(self) -> int:
+        return int(self.lease.rsplit("|", 1)[1])
+
+    @classmethod
+    def parse(cls, raw: str) -> "Announcement":
+        state, version, lease = raw.split("|", 2)
+        return cls(state == "committed", int(version), lease)
 
 
 class ControlPlane:
@@ -129,6 +176,34 @@ class ControlPlane:
         if int(result) == -1:
             raise LeaseLost(f"learner lease for policy {policy!r} is not held by {fence}; refusing to publish")
         return int(result) == 1
+
+    # -- announcements -----------------------------------------------------------------
+    async def register_announcement(self, policy: str, record_sha256: str, version: int, lease: Lease) -> None:
+        """Record a PolicyVersion record as pending (sent in the learner's open Kafka transaction); raises
+        :class:`LeaseLost` unless ``lease`` is held."""
+        result = await self._retry("register_announcement", lambda: self.redis.eval(
+            _REGISTER_LUA, 2, announcements_key(policy), lease_key(policy), record_sha256, str(version), lease.value))
+        if int(result) == -1:
+            raise LeaseLost(f"learner lease for policy {policy!r} is not held by {lease.value}; not announced")
+
+    async def confirm_announcement(self, policy: str, record_sha256: str, version: int, lease: Lease) -> None:
+        """Mark a registered record committed (its Kafka transaction committed); raises :class:`LeaseLost` unless
+        ``lease`` is held and registered it."""
+        result = await self._retry("confirm_announcement", lambda: self.redis.eval(
+            _CONFIRM_LUA, 2, announcements_key(policy), lease_key(policy), record_sha256, str(version), lease.value))
+        if int(result) != 1:
+            raise LeaseLost(f"announcement of version {version} of {policy!r} not confirmed: the lease is not held by "
+                            f"{lease.value}, or it did not register the record")
+
+    async def announcement(self, policy: str, record_sha256: str) -> Announcement | None:
+        """The registered announcement of a record (by the sha256 of its bytes), None when never registered."""
+        raw = await self._retry("announcement", lambda: self.redis.hget(announcements_key(policy), record_sha256))
+        return Announcement.parse(raw) if raw else None
+
+    async def fencing_tokens_issued(self, policy: str) -> int:
+        """The newest fencing token ever issued for ``policy`` (0 when none): no genuine record carries a larger one."""
+        raw = await self._retry("fencing", lambda: self.redis.get(fencing_counter_key(policy)))
+        return int(raw or 0)
 
     # -- learner lease -----------------------------------------------------------------
     async def acquire_lease(self, policy: str, holder: str, ttl_s: float) -> Lease | None:

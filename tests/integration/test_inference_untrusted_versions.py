@@ -1,7 +1,9 @@
 """The sync worker treats PolicyVersion records as untrusted: a uri outside inference.weights_roots (absolute, ``..``
 or symlink escape), a file not in the manifest, a huge version jump and a stale fencing token are each dead-lettered
 with the reason and counted, the loaded version stays, the Redis pointer never moves back, and the worker goes on.
-What the (fake) server loads is the verified staged copy, not the announced directory."""
+The uri and manifest cases are registered as announced by the learner (a learner announcing a bad directory): the
+directory checks hold even then. What the (fake) server loads is the verified staged copy, not the announced
+directory."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +20,7 @@ from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_producer
 from tests.learner_helpers import read_topic
+from tests.version_helpers import announce_versions, register_committed
 
 CODEC = AvroCodec()
 
@@ -50,12 +53,13 @@ def record(cfg: RlstreamConfig, version: int, uri: str, files_of: Path, token: i
                          files=digest_files(files_of), learner_step=version, fencing_token=token)
 
 
-async def send(cfg: RlstreamConfig, topic: str, versions: list[PolicyVersion]) -> None:
+async def send(cfg: RlstreamConfig, topic: str, versions: list[PolicyVersion | bytes]) -> None:
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
         for v in versions:
-            await producer.send_and_wait(topic, CODEC.encode(v), key=cfg.policy.encode())
+            value = v if isinstance(v, bytes) else CODEC.encode(v)
+            await producer.send_and_wait(topic, value, key=cfg.policy.encode())
     finally:
         await producer.stop()
 
@@ -80,38 +84,44 @@ async def test_untrusted_version_records_are_dead_lettered_and_the_worker_goes_o
     escaped = make_version_dir(outside / "v000002", 3)  # a valid manifest, but outside every root
     (versions_root / "link").symlink_to(escaped, target_is_directory=True)
     extra = make_version_dir(versions_root / "v000003-extra", 4)
-    extra_record = record(cfg, 3, str(extra), extra, token=7)  # manifest computed before the extra file
-    (extra / "evil.py").write_text("import os\n")
-
     control = ControlPlane(cfg.redis.url)
+    fenced_out = await control.acquire_lease(cfg.policy, "fenced-out learner", ttl_s=60)
+    assert fenced_out is not None
+    await control.release_lease(cfg.policy, fenced_out)
     lease = await control.acquire_lease(cfg.policy, "learner", ttl_s=60)
     assert lease is not None
-    v1 = record(cfg, 1, str(good1), good1, token=7)
+    token = lease.token
+    extra_record = record(cfg, 3, str(extra), extra, token=token)  # manifest computed before the extra file
+    (extra / "evil.py").write_text("import os\n")
+
+    v1 = record(cfg, 1, str(good1), good1, token=token)
+    await announce_versions(cfg, [v1], lease=lease)
     assert await control.publish_latest(cfg.policy, 1, v1.uri, "digest-1", lease)
-    await send(cfg, created_topics.policy_versions, [v1])
 
     backend = RecordingBackend()
     worker = InferenceSyncWorker(cfg, backend=backend, control=control)  # type: ignore[arg-type]
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     bad = {
-        "absolute": record(cfg, 2, str(escaped), escaped, token=7),
-        "dotdot": record(cfg, 2, str(versions_root / ".." / ".." / "elsewhere" / "v000002"), escaped, token=7),
-        "symlink": record(cfg, 2, str(versions_root / "link"), escaped, token=7),
+        "absolute": record(cfg, 2, str(escaped), escaped, token=token),
+        "dotdot": record(cfg, 2, str(versions_root / ".." / ".." / "elsewhere" / "v000002"), escaped, token=token),
+        "symlink": record(cfg, 2, str(versions_root / "link"), escaped, token=token),
         "extra": extra_record,
-        "jump": record(cfg, 2 ** 62, str(good2), good2, token=7),
-        "stale": record(cfg, 2, str(good2), good2, token=6),
+        "jump": record(cfg, 2 ** 62, str(good2), good2, token=token),
+        "stale": record(cfg, 2, str(good2), good2, token=fenced_out.token),
     }
+    announced = {name: await register_committed(control, bad[name], lease)
+                 for name in ("absolute", "dotdot", "symlink", "extra")}
     expected = {"absolute": "UriOutsideRoots", "dotdot": "UriOutsideRoots", "symlink": "UriOutsideRoots",
                 "extra": "FileNotInManifest", "jump": "VersionJump", "stale": "StaleFencingToken"}
     try:
         await wait_for(lambda: asyncio.sleep(0, worker.state.version == 1), 30, "version 1 loaded", task)
-        await send(cfg, created_topics.policy_versions, list(bad.values()))
+        await send(cfg, created_topics.policy_versions, [announced.get(name, v) for name, v in bad.items()])
         letters = await read_topic(cfg, created_topics.dlq, DeadLetter, expect=len(bad), timeout_s=30)
         assert worker.state.version == 1
         # the worker goes on: the next genuine version is loaded
-        v2 = record(cfg, 2, str(good2), good2, token=7)
-        await send(cfg, created_topics.policy_versions, [v2])
+        v2 = record(cfg, 2, str(good2), good2, token=token)
+        await announce_versions(cfg, [v2], lease=lease)
         await wait_for(lambda: asyncio.sleep(0, worker.state.version == 2), 30, "version 2 loaded", task)
     finally:
         stop.set()
@@ -128,7 +138,7 @@ async def test_untrusted_version_records_are_dead_lettered_and_the_worker_goes_o
     messages = {name: letter.error_message for name, (_, letter) in zip(bad, by_version_reason)}
     assert "outside inference.weights_roots" in messages["absolute"] and str(outside) in messages["symlink"]
     assert "evil.py" in messages["extra"] and "max_version_jump" in messages["jump"]
-    assert "fencing token 6" in messages["stale"]
+    assert f"fencing token {fenced_out.token}" in messages["stale"]
 
     # what was loaded: the staged, verified copies (never the announced directories), byte for byte
     assert [name for name, _, _ in backend.loaded] == [f"{cfg.policy}-v1", f"{cfg.policy}-v2"]
@@ -150,7 +160,7 @@ async def test_a_configured_weights_root_is_allowed(rl_config: RlstreamConfig, c
     cfg.inference.staging_dir = tmp_path / "staging"
     cfg.inference.weights_roots = [tmp_path / "elsewhere"]
     directory = make_version_dir(tmp_path / "elsewhere" / "v1", 1)
-    await send(cfg, created_topics.policy_versions, [record(cfg, 1, str(directory), directory, token=1)])
+    await announce_versions(cfg, [record(cfg, 1, str(directory), directory, token=0)])
     control = ControlPlane(cfg.redis.url)
     backend = RecordingBackend()
     worker = InferenceSyncWorker(cfg, backend=backend, control=control)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from rlstream.schemas.config import dump_config
 from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent
 from tests.factories import make_trajectory
 from tests.ops_helpers import ops_app, publish, read_all
+from tests.version_helpers import announce_versions
 
 
 def config_file(rl_config, tmp_path) -> str:
@@ -36,8 +37,9 @@ async def seed_deployment(cfg, names) -> None:
         await plane.close()
     versions = [PolicyVersion(policy=cfg.policy, version=v, base_model="tiny", uri=f"file:///w/v{v}", learner_step=v,
                               run_id=cfg.run_id) for v in (1, 2, 3)]
-    versions.append(PolicyVersion(policy="another-policy", version=9, base_model="tiny", uri="x", learner_step=9))
-    await publish(cfg, names.policy_versions, versions, lambda v: v.policy)
+    versions.append(PolicyVersion(policy=f"{cfg.policy}-another", version=9, base_model="tiny", uri="x",
+                                  learner_step=9))
+    await announce_versions(cfg, versions, lease=lease)
     metrics = [MetricEvent(source="learner", run_id=cfg.run_id, name=mn.LEARNER_LOSS, value=v, step=i)
                for i, v in enumerate([0.9, 0.5, 0.25])]
     metrics.append(MetricEvent(source="streams", run_id=cfg.run_id, name=mn.STREAMS_GROUPS_EMITTED, value=7))

@@ -14,6 +14,7 @@ from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, Traj
 from tests.factories import make_trajectory
 from tests.ops_helpers import publish, publish_raw
 from tests.ops_helpers import ops_app
+from tests.version_helpers import announce_versions
 
 CODEC = AvroCodec()
 
@@ -115,7 +116,7 @@ def test_cli_follow_live_table_and_dlq_run_filter(rl_config, created_topics, tmp
 def test_cli_tail_versions_table_and_missing_topic(rl_config, created_topics, tmp_path):
     versions = [PolicyVersion(policy=rl_config.policy, version=v, base_model="tiny", uri=f"file:///w/v{v}",
                               learner_step=v * 10, group_count=4, run_id=rl_config.run_id) for v in (1, 2)]
-    asyncio.run(publish(rl_config, created_topics.policy_versions, versions, lambda v: v.policy))
+    asyncio.run(announce_versions(rl_config, versions))
     cfg = config_file(rl_config, tmp_path)
     result = CliRunner().invoke(ops_app(), ["tail", "versions", "-c", cfg], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output

@@ -19,6 +19,7 @@ from rlstream.streams.app import prepare_topics
 from tests.factories import make_reward, make_trajectory
 from tests.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, publish, read_all,
                                    read_dead_letters, read_groups)
+from tests.version_helpers import announce_versions
 
 
 @pytest.fixture
@@ -140,7 +141,7 @@ def test_malformed_events_go_to_dlq_while_good_ones_flow(rl_config: RlstreamConf
 
 def test_filters_and_metrics(rl_config: RlstreamConfig, names: TopicNames, start_worker: Any) -> None:
     pv = PolicyVersion(policy=rl_config.policy, version=10, base_model="tiny", uri="file:///x", learner_step=10)
-    asyncio.run(publish(rl_config, [(names.policy_versions, rl_config.policy.encode(), CODEC.encode(pv))]))
+    asyncio.run(announce_versions(rl_config, [pv]))  # only a version the fenced learner announced counts
     fresh, expected = interleaved_stream(rl_config, n_examples=3, group_size=2, seed=1, policy_version=7)
     stale, _ = interleaved_stream(rl_config, n_examples=2, group_size=2, seed=2, policy_version=5, prefix="old")
     flat = [make_trajectory(run_id=rl_config.run_id, example_id="flat", group_size=2, generation_index=i,

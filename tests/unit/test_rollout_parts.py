@@ -39,9 +39,9 @@ def test_manifest_accepts_matching_files_and_refuses_tampering(tmp_path: Path) -
     with pytest.raises(ManifestError, match="sha256"):
         verify(good)
     with pytest.raises(ManifestError, match="missing"):
-        verify(good.model_copy(update={"files": [FileDigest(path="gone.bin", sha256="0" * 64)]}))
+        verify(good.model_copy(update={"files": [FileDigest(path="gone.safetensors", sha256="0" * 64)]}))
     with pytest.raises(ManifestError, match="leaves"):
-        verify(good.model_copy(update={"files": [FileDigest(path="../x", sha256="0" * 64)]}))
+        verify(good.model_copy(update={"files": [FileDigest(path="../x.json", sha256="0" * 64)]}))
     with pytest.raises(ManifestError, match="empty"):
         verify(good.model_copy(update={"files": []}))
     with pytest.raises(ManifestError, match="scheme"):
