@@ -3,7 +3,7 @@
 non-streamed calls and the time to first token of streamed ones, both ways, and what the gateway adds.
 
     .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
-                                               [--no-logprobs]
+                                               [--no-logprobs] [--keys]
 
 The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
 machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server). The gateway runs
@@ -14,12 +14,17 @@ On two cores everything competes: vLLM's CPU engine binds its threads to every c
 vLLM and the other way round. `--separate-core` gives vLLM the last core alone (as on its own device) and the
 broker, the gateway and the clients the others; `--upstream canned` replaces vLLM with bench/canned_upstream.py,
 which answers at once, so what is left is the gateway's own work. `--no-logprobs` runs the gateway asking vLLM for
-token ids only (`rlstream gateway serve --no-logprobs`), which saves vLLM's logprobs work.
+token ids only (`rlstream gateway serve --no-logprobs`), which saves vLLM's logprobs work. `--keys` adds a second
+gateway that authenticates its clients (a keys file: tenant, allowed models and tasks), alternating with the first in
+the same rounds, and prints what the key check adds; every captured response carries a signed feedback token either
+way, and the cost of issuing one (and of checking a key) is timed on its own too.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -37,6 +42,8 @@ from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid  # noqa: E
 from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
 from rlstream.rollout.gateway.app import Gateway  # noqa: E402
+from rlstream.rollout.gateway.auth import AccessConfig, KeyStore  # noqa: E402
+from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner  # noqa: E402
 from rlstream.rollout.gateway.config import GatewayConfig  # noqa: E402
 from rlstream.rollout.gateway.filtering import upstream_request  # noqa: E402
 from rlstream.rollout.gateway.server import serving  # noqa: E402
@@ -48,6 +55,10 @@ from rlstream.transport.kafka import create_topics  # noqa: E402
 MODEL = "toy"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Repeat the letter c."}], "max_tokens": 8,
         "temperature": 1.0}
+BENCH_KEY = "bench-client-key-" + "0" * 32
+KEY_HEADERS = {"authorization": f"Bearer {BENCH_KEY}"}
+KEYS_FILE = {"keys": [{"key": BENCH_KEY, "name": "bench", "tenant": "bench", "models": [MODEL],
+                       "tasks": ["bench"]}]}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -55,17 +66,20 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def timed_call(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> float:
+async def timed_call(http: httpx.AsyncClient, base: str, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> float:
     started = time.perf_counter()
-    r = await http.post(f"{base}/v1/chat/completions", json=body)
+    r = await http.post(f"{base}/v1/chat/completions", json=body, headers=headers)
     r.raise_for_status()
     return time.perf_counter() - started
 
 
-async def time_to_first_token(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> float:
+async def time_to_first_token(http: httpx.AsyncClient, base: str, body: dict[str, Any],
+                              headers: dict[str, str] | None = None) -> float:
     started = time.perf_counter()
     first: float | None = None
-    async with http.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}) as r:
+    async with http.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
+                           headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():  # read to the end: the call is complete for both ways
             if first is None and line.startswith("data:") and '"content"' in line:
@@ -76,62 +90,80 @@ async def time_to_first_token(http: httpx.AsyncClient, base: str, body: dict[str
 
 
 async def load(http: httpx.AsyncClient, base: str, body: dict[str, Any], n: int, concurrency: int,
-               call: Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[float]]) -> list[float]:
+               call: Callable[..., Awaitable[float]], headers: dict[str, str] | None = None) -> list[float]:
     queue = list(range(n))
     out: list[float] = []
 
     async def worker() -> None:
         while queue:
             queue.pop()
-            out.append(await call(http, base, body))
+            out.append(await call(http, base, body, headers))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
 
 
-async def measure(direct: str, gateway: str, args: argparse.Namespace) -> dict[tuple[str, int], dict[str, list[float]]]:
+async def measure(direct: str, gateway: str, args: argparse.Namespace, keyed: str | None = None
+                  ) -> dict[tuple[str, int], dict[str, list[float]]]:
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     n, rounds = args.requests, args.rounds
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     # What the gateway sends upstream for BODY (asking for token ids, and logprobs unless --no-logprobs), sent
     # straight to vLLM as a second baseline: it tells vLLM's own work for that data from the gateway's hop.
     token_data_body = upstream_request(BODY, request_logprobs=not args.no_logprobs)
-    ways = (("direct", direct, BODY), ("direct+token data", direct, token_data_body), ("gateway", gateway, BODY))
+    ways: list[tuple[str, str, dict[str, Any], dict[str, str] | None]] = [
+        ("direct", direct, BODY, None), ("direct+token data", direct, token_data_body, None),
+        ("gateway", gateway, BODY, None)]
+    if keyed is not None:
+        ways.append(("gateway+keys", keyed, BODY, KEY_HEADERS))
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        for _, base, body in ways:  # warm-up
-            await load(http, base, body, 8, 4, timed_call)
+        for _, base, body, headers in ways:  # warm-up
+            await load(http, base, body, 8, 4, timed_call, headers)
         for kind, call in (("latency", timed_call), ("ttft", time_to_first_token)):
             for concurrency in (1, 16):
-                slot = results.setdefault((kind, concurrency), {way: [] for way, _, _ in ways})
+                slot = results.setdefault((kind, concurrency), {way: [] for way, _, _, _ in ways})
                 for _ in range(rounds):
-                    for way, base, body in ways:
-                        slot[way] += await load(http, base, body, n // rounds, concurrency, call)
+                    for way, base, body, headers in ways:
+                        slot[way] += await load(http, base, body, n // rounds, concurrency, call, headers)
     return results
 
 
 async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, args: argparse.Namespace
                                   ) -> tuple[dict[tuple[str, int], dict[str, list[float]]], Any]:
-    """The gateway as deployed: ``rlstream gateway serve`` in its own process, capturing to the embedded broker."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve", "--upstream", upstream,
-           "--port", str(port), "--served-model", MODEL, "--no-route-versions", "--spool-dir", str(root / "spool"),
-           "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix", "bench.", "-o", "policy", MODEL,
-           "--no-logprobs" if args.no_logprobs else "--logprobs"]
-    with open(root / "gateway.log", "ab") as log:
-        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    """The gateway as deployed: ``rlstream gateway serve`` in its own process, capturing to the embedded broker
+    (with ``--keys``, a second one that authenticates its clients)."""
+    procs = []
+
+    def start(name: str, extra: list[str]) -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve", "--upstream",
+               upstream, "--port", str(port), "--served-model", MODEL, "--no-route-versions", "--spool-dir",
+               str(root / f"spool-{name}"), "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix",
+               "bench.", "-o", "policy", MODEL, "--no-logprobs" if args.no_logprobs else "--logprobs", *extra]
+        with open(root / f"{name}.log", "ab") as log:
+            procs.append(spawn(cmd, stdout=log, stderr=subprocess.STDOUT))
+        return f"http://127.0.0.1:{port}"
+
+    url = start("gateway", [])
+    keyed = None
+    if args.keys:
+        keys_file = root / "keys.json"
+        keys_file.write_text(json.dumps(KEYS_FILE))
+        keys_file.chmod(0o600)
+        keyed = start("gateway-keys", ["--api-keys-file", str(keys_file)])
     try:
         async with httpx.AsyncClient(timeout=5) as http:
-            for _ in range(300):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the gateway exited: see {root / 'gateway.log'}")
-                try:
-                    if (await http.get(f"{url}/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
-            results = await measure(upstream, url, args)
+            for base, proc in zip([u for u in (url, keyed) if u], procs):
+                for _ in range(300):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"a gateway exited: see the logs in {root}")
+                    try:
+                        if (await http.get(f"{base}/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.1)
+            results = await measure(upstream, url, args, keyed)
             for _ in range(100):  # the last calls' events may still be on their way to the broker
                 stats = (await http.get(f"{url}/rlstream/stats")).json()["capture"]
                 if stats["acknowledged"] >= stats["queued"]:
@@ -139,7 +171,8 @@ async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, arg
                 await asyncio.sleep(0.1)
         return results, stats
     finally:
-        stop_pid(proc.pid, timeout_s=20)
+        for proc in procs:
+            stop_pid(proc.pid, timeout_s=20)
 
 
 class CannedUpstream:
@@ -198,10 +231,18 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.in_process:
             publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
             await publisher.start()
-            gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL,
-                                            request_logprobs=not args.no_logprobs), publisher)
-            async with serving(gateway) as gateway_url:
-                results = await measure(server.url, gateway_url, args)
+            settings = GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL,
+                                     request_logprobs=not args.no_logprobs)
+            gateway = Gateway(settings, publisher)
+            async with contextlib.AsyncExitStack() as servers:
+                gateway_url = await servers.enter_async_context(serving(gateway))
+                keyed_url = None
+                if args.keys:
+                    keys_file = root / "keys.json"
+                    keys_file.write_text(json.dumps(KEYS_FILE))
+                    keyed_url = await servers.enter_async_context(serving(Gateway(
+                        settings, publisher, access=AccessConfig(api_keys_file=keys_file))))
+                results = await measure(server.url, gateway_url, args, keyed_url)
                 stats: Any = vars(gateway.capture.stats)
             await publisher.close()
         else:
@@ -225,8 +266,36 @@ async def main_async(args: argparse.Namespace) -> None:
         name = "latency (non-streamed)" if kind == "latency" else "time to first token"
         print(f"{name:<22}{concurrency:>8}{d50:>12.1f}{g50:>9.1f}{g50 - d50:>8.1f}{t50 - d50:>9.1f}{g50 - t50:>7.1f}"
               f"{d99:>12.1f}{g99:>9.1f}{g99 - d99:>8.1f}{g50 / d50:>15.2f}")
+    if args.keys:
+        print(f"keys on - keys off (gateway+keys - gateway), ms: {'measure':<22}{'clients':>8}{'p50':>8}{'p99':>8}")
+        for (kind, concurrency), cell in results.items():
+            g, k = cell["gateway"], cell["gateway+keys"]
+            name = "latency (non-streamed)" if kind == "latency" else "time to first token"
+            print(f"{'':<40}{name:<22}{concurrency:>8}{1000 * (pct(k, 0.5) - pct(g, 0.5)):>8.2f}"
+                  f"{1000 * (pct(k, 0.99) - pct(g, 0.99)):>8.2f}")
+        print(f"alone, per call: {auth_costs_us()}")
     print(f"capture: {stats}")
     print(f"(mean direct latency at 1 client: {1000 * statistics.mean(results[('latency', 1)]['direct']):.1f} ms)")
+
+
+def auth_costs_us(calls: int = 20_000) -> str:
+    """What checking a key and issuing a feedback token cost on their own (µs per call, this machine)."""
+    keys = KeyStore([BENCH_KEY])
+    signer = FeedbackSigner(b"s" * 32, ttl_s=86_400)
+    started = time.perf_counter()
+    for _ in range(calls):
+        keys.authenticate(BENCH_KEY)
+    check = (time.perf_counter() - started) / calls * 1e6
+    started = time.perf_counter()
+    for index in range(calls):
+        signer.issue("bench", "trajectory", f"{index:032x}")
+    issue = (time.perf_counter() - started) / calls * 1e6
+    token = signer.issue("bench", "trajectory", "0" * 32)
+    started = time.perf_counter()
+    for _ in range(calls):
+        signer.verify(token)
+    verify = (time.perf_counter() - started) / calls * 1e6
+    return f"key check {check:.1f} us, feedback token issue {issue:.1f} us, verify {verify:.1f} us"
 
 
 def main() -> None:
@@ -241,6 +310,8 @@ def main() -> None:
                         help="vLLM alone on the last core, the broker, the gateway and the clients on the others")
     parser.add_argument("--no-logprobs", action="store_true",
                         help="the gateway asks the upstream for token ids only (rlstream gateway serve --no-logprobs)")
+    parser.add_argument("--keys", action="store_true",
+                        help="also a gateway that authenticates its clients with an API key, in the same rounds")
     asyncio.run(main_async(parser.parse_args()))
 
 

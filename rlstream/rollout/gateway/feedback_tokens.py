@@ -71,11 +71,13 @@ class FeedbackSigner:
         key = secret.encode() if isinstance(secret, str) else secret
         if len(key) < 16:
             raise ValueError("the feedback token secret must have at least 16 bytes")
-        self._key = key
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)  # copied per token: the key is set up once
         self.ttl_s = ttl_s
 
     def _mac(self, signed: str) -> str:
-        return _b64(hmac.new(self._key, signed.encode("ascii"), hashlib.sha256).digest())
+        mac = self._keyed.copy()
+        mac.update(signed.encode("ascii"))
+        return _b64(mac.digest())
 
     def issue(self, tenant: str, kind: TargetKind, target_id: str, now: float | None = None) -> str:
         """A token for feedback on ``target_id`` by ``tenant``, valid for ``ttl_s`` from ``now``."""
