@@ -28,7 +28,8 @@ class Sample:
 
     ``group`` numbers the sample's group in the step; ``trajectory`` names its trajectory (its id), so that the
     turns of one trajectory share one advantage and count once in the group statistics. ``None`` = a
-    trajectory of its own (one turn).
+    trajectory of its own (one turn). ``policy_version`` is the version that produced the turn (the turn's own when
+    recorded, else its trajectory's); ``temperature`` the one its logprobs are computed at (:func:`sampling_temperature`).
     """
 
     prompt_ids: list[int]
@@ -40,6 +41,7 @@ class Sample:
     advantage: float = 0.0
     baseline: GroupBaseline | None = None  # a single response's keyed baseline (its advantage is against it)
     trajectory: str | None = None
+    temperature: float = 1.0
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Batch:
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor | None
     samples: list[Sample] = field(default_factory=list)
+    temperatures: torch.Tensor | None = None  # (B,) float32: each row's sampling temperature (None: all 1.0)
 
     @property
     def completion_len(self) -> int:
@@ -63,7 +66,7 @@ class Batch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
                      move(self.completion_ids), move(self.completion_mask), move(self.advantages),
-                     move(self.behaviour_logprobs), self.samples)
+                     move(self.behaviour_logprobs), self.samples, move(self.temperatures))
 
 
 def turn_is_target(turn: Turn, target_functions: Sequence[str], target_model: str | None) -> bool:
@@ -121,6 +124,18 @@ def _implicit_turns(traj: TrajectoryEvent) -> list[Turn]:
     return [Turn(message_index=i, function=traj.target) for i, m in enumerate(traj.messages) if m.role == "assistant"]
 
 
+def sampling_temperature(turn: Turn, where: str) -> float:
+    """The temperature the learner computes a turn's logprobs at: the one it was sampled at; 1.0 when none was
+    recorded, and for a greedy call (0: no sampling distribution to match). Raises :class:`BatchError` for a
+    negative or non-finite temperature."""
+    t = turn.temperature
+    if t is None or t == 0:
+        return 1.0
+    if not math.isfinite(t) or t < 0:
+        raise BatchError(f"{where}: sampling temperature {t} is not a finite number >= 0")
+    return float(t)
+
+
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, what: str) -> None:
     """Raise :class:`BatchError` for a token id outside ``[0, vocab_size)`` (an embedding look-up would fail:
     an IndexError on CPU, a device-side assert that kills the process on CUDA)."""
@@ -163,9 +178,17 @@ def samples_from_trajectory(traj: TrajectoryEvent, group: int, tokenizer: Any, t
         where = f"trajectory {traj.trajectory_id}"
         check_token_ids(prompt, vocab_size, f"{where} prompt")
         check_token_ids(completion, vocab_size, f"{where} completion")
-        samples.append(Sample(prompt, completion, logprobs, float(traj.reward), group, traj.policy_version,
-                              trajectory=traj.trajectory_id))
+        version = traj.policy_version if turn.policy_version is None else turn.policy_version
+        samples.append(Sample(prompt, completion, logprobs, float(traj.reward), group, version,
+                              trajectory=traj.trajectory_id, temperature=sampling_temperature(turn, where)))
     return samples
+
+
+def behaviour_version(group: TrajectoryGroup, samples: Sequence[Sample]) -> int:
+    """The oldest policy version behind what the learner trains of ``group``: of its trainable turns (each turn's
+    own version where recorded, so a session that straddles a reload counts the turns before it), else of its
+    oldest member."""
+    return min((s.policy_version for s in samples), default=group.min_policy_version)
 
 
 def samples_from_groups(groups: Sequence[TrajectoryGroup], tokenizer: Any, target_functions: Sequence[str],
@@ -213,6 +236,7 @@ def collate(samples: Sequence[Sample], pad_id: int, max_completion_len: int | No
         completion_ids=comp, completion_mask=c_mask,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         behaviour_logprobs=behaviour, samples=list(samples),
+        temperatures=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
     )
 
 

@@ -142,18 +142,17 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     """``log_softmax(logits / T)[token]`` computed and differentiated one chunk of positions at a time.
 
     Saves only the logits (in their own dtype), the tokens and a float32 logsumexp per position; the backward pass
-    recomputes each chunk's softmax, so no full-vocabulary float32 tensor of the whole batch ever exists.
+    recomputes each chunk's softmax, so no full-vocabulary float32 tensor of the whole batch ever exists. ``T`` is a
+    float, or a float32 tensor with one temperature per row (the first dimension of ``tokens``).
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor,
                 chunk: int) -> torch.Tensor:
         out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for block in _position_blocks(tuple(tokens.shape), chunk):
-            x = logits[block].float()
-            if temperature != 1.0:
-                x = x / temperature
+            x = _tempered(logits[block].float(), temperature, block)
             block_lse = torch.logsumexp(x, dim=-1)
             lse[block] = block_lse
             out[block] = x.gather(-1, tokens[block].unsqueeze(-1)).squeeze(-1) - block_lse
@@ -166,17 +165,21 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logits, tokens, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for block in _position_blocks(tuple(tokens.shape), ctx.chunk):
-            x = logits[block].float()
-            if ctx.temperature != 1.0:
-                x = x / ctx.temperature
+            x = _tempered(logits[block].float(), ctx.temperature, block)
             g_out = grad_out[block].unsqueeze(-1).float()
             # d/dx log softmax(x)[k] = onehot(k) - softmax(x); chain through x = logits / T
             g = torch.exp(x - lse[block].unsqueeze(-1)).mul_(g_out.neg())
             g.scatter_add_(-1, tokens[block].unsqueeze(-1), g_out)
-            if ctx.temperature != 1.0:
-                g.div_(ctx.temperature)
-            grad[block] = g.to(grad.dtype)
+            grad[block] = _tempered(g, ctx.temperature, block).to(grad.dtype)
         return grad, None, None, None
+
+
+def _tempered(x: torch.Tensor, temperature: float | torch.Tensor, block: tuple[Any, ...]) -> torch.Tensor:
+    """``x / T`` for the positions of ``block`` (``T`` a float, or one temperature per row of the batch)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature[block[0]]  # the block's rows: a slice of rows, or one row
+        return x / t.view(-1, *([1] * (x.dim() - 1))) if t.dim() == 1 else x / t
+    return x / temperature if temperature != 1.0 else x
 
 
 def _position_blocks(shape: tuple[int, ...], chunk: int) -> Iterator[tuple[Any, ...]]:
@@ -198,7 +201,7 @@ def _position_blocks(shape: tuple[int, ...], chunk: int) -> Iterator[tuple[Any, 
             yield (row, slice(start, start + cols))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                    chunk_size: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
     r"""
     Log-probability of each token, a chunked *selective* log-softmax.
@@ -215,8 +218,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
             Logits, shape `(B, T, V)` (any leading shape), any float dtype; may be a non-contiguous view.
         tokens (`torch.Tensor`):
             Token ids, shape `(B, T)` (the leading shape of `logits`), long.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            The sampling temperature $\tau$ the logits are divided by.
+        temperature (`float` or `torch.Tensor`, *optional*, defaults to `1.0`):
+            The sampling temperature $\tau$ the logits are divided by (TRL divides by its one `temperature`): a
+            float for every row, or one per row, shape `(B,)` (each turn at the temperature it was sampled at).
         chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk (peak extra memory about `2 * chunk_size * V * 4` bytes).
 
@@ -225,7 +229,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _SelectiveLogSoftmax.apply(logits, tokens, float(temperature), int(chunk_size))
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() != 1 or tokens.dim() < 1 or temperature.numel() != tokens.size(0):
+            raise ValueError(f"one temperature per row: got shape {tuple(temperature.shape)} for tokens of shape "
+                             f"{tuple(tokens.shape)}")
+        temperature = temperature.detach().to(device=logits.device, dtype=torch.float32)
+        if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+            raise ValueError(f"temperatures must be finite and > 0, got {temperature.tolist()}")
+        if temperature.numel() and bool((temperature == temperature[0]).all()):
+            temperature = float(temperature[0])  # one temperature for the batch: the plain path
+    else:
+        temperature = float(temperature)
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return _SelectiveLogSoftmax.apply(logits, tokens, temperature, int(chunk_size))
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,

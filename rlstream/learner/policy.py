@@ -122,12 +122,15 @@ def nonfinite_parameters(model: Any) -> list[str]:
         return [name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
 
 
-def completion_logprobs(model: Any, batch: Batch, temperature: float = 1.0,
+def completion_logprobs(model: Any, batch: Batch, temperature: float | torch.Tensor | None = None,
                         chunk_size: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
     """Logprobs (B, T) of the completion tokens of ``batch`` under ``model`` (float32), by the chunked selective
-    log-softmax of :func:`grpo.token_logprobs` (``chunk_size`` positions at a time)."""
+    log-softmax of :func:`grpo.token_logprobs` (``chunk_size`` positions at a time), each row at its sampling
+    temperature (``batch.temperatures``; ``temperature`` overrides them)."""
     t = batch.completion_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=t + 1)
     logits = out.logits[:, -t - 1:-1, :]
+    if temperature is None:
+        temperature = batch.temperatures if batch.temperatures is not None else 1.0
     return token_logprobs(logits, batch.completion_ids, temperature, chunk_size)

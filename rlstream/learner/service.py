@@ -7,8 +7,10 @@ also a checkpoint step, written *before* the version is announced, so a publishe
 a crash between the checkpoint and the announcement is repaired on restart (the version is announced then).
 
 Lineage is exact: ``trained_on`` holds the offsets of the groups trained into the version and no other record.
-Records that are consumed but not trained on: groups of another policy, of a run outside ``learner.run_ids``, and
-validation groups are skipped and counted (``learner/groups_skipped``, tag ``reason``); records that do not
+Records that are consumed but not trained on: groups of another policy, of a run outside ``learner.run_ids``,
+validation groups, and stale groups (a turn they train was produced more than ``streams.max_policy_lag`` versions
+before the version the step trains on top of, each turn judged by its own recorded version) are skipped and counted
+(``learner/groups_skipped``, tag ``reason``); records that do not
 decode, and groups that cannot be tokenised or batched (e.g. a token id outside the vocabulary), go to ``dlq``
 with the reason. A step whose loss or gradient is not finite changes nothing (``learner/nonfinite_skipped``), and
 weights that are not finite are never checkpointed nor published (``learner/publish_refused``).
@@ -29,7 +31,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from rlstream.learner import distributed
 
-from rlstream.learner.batch import Sample, collate, samples_from_groups
+from rlstream.learner.batch import Sample, behaviour_version, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy, pick_device
 from rlstream.learner.publish import PublicationFenced, announce, transactional_id, write_version
@@ -54,6 +56,8 @@ REDIS_PATIENCE_IN_STEP_S = 3.0
 SERVICE = "learner"
 #: Why a group was consumed without training (the ``reason`` tag of ``learner/groups_skipped``).
 SKIP_OTHER_POLICY, SKIP_OTHER_RUN, SKIP_VALIDATION = "other_policy", "other_run", "validation"
+#: A group whose oldest trained turn is more than ``streams.max_policy_lag`` versions behind the learner's version.
+SKIP_STALE = "stale"
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Learner:
 
     def request_stop(self) -> None:
         self._stop.set()
+        self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
 
     # -- main ------------------------------------------------------------------------------------------
     async def run(self) -> LearnerState:
@@ -191,6 +196,7 @@ class Learner:
                 taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
+                self.training_version = state.version  # what the next step trains on top of (staleness is against it)
                 await self._train_step(state, taken, policy, trainer, announcer, control, metrics, consumer)
             return state
         finally:
@@ -328,6 +334,13 @@ class Learner:
             return TakenGroup(record.partition, record.offset, group, samples)
         except Exception as exc:  # noqa: BLE001 - decoded, but it cannot be tokenised or batched: no step can use it
             await reader.reject(decoded.source, exc)
+            lag = self.training_version - behaviour_version(group, samples)
+            if lag > self.cfg.streams.max_policy_lag:  # e.g. a backlog left while the learner was down
+                self.skipped[SKIP_STALE] += 1
+                log.info("stale group skipped", group_id=group.group_id, lag=lag,
+                         max_policy_lag=self.cfg.streams.max_policy_lag, version=self.training_version,
+                         partition=record.partition, offset=record.offset)
+                return skipped
         return skipped
 
     def _skip_reason(self, group: TrajectoryGroup) -> str | None:
@@ -360,7 +373,7 @@ class Learner:
         trained = [t for t in groups if t.samples] if stats is not None and stats.trained else []
         for t in trained:
             state.record_trained(t.partition, t.offset)
-        lag = [state.version - g.group.max_policy_version for g in groups if g.group is not None]
+        lag = [state.version - behaviour_version(g.group, g.samples) for g in groups if g.group is not None]
         await self._report(state, stats, lag, metrics, control, len(trained))
         if self.kill_after_step is not None and state.step == self.kill_after_step:
             log.warning("fault injection: SIGKILL after step", step=state.step)

@@ -93,7 +93,8 @@ LEARNER_NONFINITE_SKIPPED = "learner/nonfinite_skipped"
 LEARNER_SECONDS = "learner/seconds"
 LEARNER_TOKENS_PER_S = "learner/tokens_per_s"
 #: Groups consumed but not trained on, totals since the learner started (tag ``reason``: ``other_policy``,
-#: ``other_run`` (``learner.run_ids``), ``validation``); never dead-lettered.
+#: ``other_run`` (``learner.run_ids``), ``validation``, ``stale``: a turn it trains was produced more than
+#: ``streams.max_policy_lag`` versions before the learner's); never dead-lettered.
 LEARNER_GROUPS_SKIPPED = "learner/groups_skipped"
 #: Records of ``groups`` the learner dead-lettered (undecodable, or a group no step can use), total since start.
 LEARNER_DLQ_TOTAL = "learner/dlq_total"

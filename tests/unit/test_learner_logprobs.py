@@ -68,3 +68,38 @@ def test_no_full_float32_log_softmax_is_kept_for_backward() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):  # the plain computation does keep one
         plain(logits, tokens).sum().backward()
     assert any(s.dtype == torch.float32 and s.numel() == b * t * v for s in saved)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 10_000])
+def test_one_temperature_per_row_equals_each_row_at_its_own(chunk: int) -> None:
+    """Rows sampled at different temperatures: each row's values and gradients equal the plain computation at that
+    row's temperature, whatever the chunking (blocks of rows and blocks within a row)."""
+    gen = torch.Generator().manual_seed(chunk)
+    full = torch.randn(3, 6, 50, generator=gen) * 4
+    tokens = torch.randint(0, 50, (3, 5), generator=gen)
+    weights = torch.randn(3, 5, generator=gen)
+    temperatures = torch.tensor([0.7, 1.0, 1.6])
+    ours_in = full.clone().requires_grad_(True)
+    ref_in = full.clone().requires_grad_(True)
+    ours = token_logprobs(ours_in[:, :-1, :], tokens, temperatures, chunk_size=chunk)
+    ref = torch.stack([plain(ref_in[row:row + 1, :-1, :], tokens[row:row + 1], float(t))[0]
+                       for row, t in enumerate(temperatures)])
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-5, atol=1e-6)
+    # negative control: every row at 1.0 differs from the rows sampled at 0.7 and 1.6
+    at_one = token_logprobs(full[:, :-1, :], tokens, 1.0, chunk_size=chunk)
+    assert not torch.allclose(at_one[0], ref[0].detach()) and not torch.allclose(at_one[2], ref[2].detach())
+    torch.testing.assert_close(at_one[1], ref[1].detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_temperature_that_is_not_positive_and_finite_is_refused(bad: float) -> None:
+    logits, tokens = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, tokens, bad)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, tokens, torch.tensor([1.0, bad]))
+    with pytest.raises(ValueError, match="one temperature per row"):
+        token_logprobs(logits, tokens, torch.tensor([1.0, 1.0, 1.0]))

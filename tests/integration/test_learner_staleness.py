@@ -1,0 +1,77 @@
+"""On the real broker: the learner drops, counts and consumes groups whose oldest trained turn is more than
+``streams.max_policy_lag`` versions behind the version it trains on top of (a backlog left while it was down), and
+judges a session that straddles a reload by each turn's own version. Negative control: with the limit out of reach
+the same records all train (staleness decided only when streams emits a group)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rlstream.learner.service import SKIP_STALE, Learner
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryGroup
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport import metric_names as mn
+from rlstream.transport.kafka import make_producer
+from tests.learner_helpers import random_group, read_topic, read_whole_topic, tiny_model
+
+CODEC = AvroCodec()
+PARTITION = 0
+
+
+def at_version(group: TrajectoryGroup, version: int) -> TrajectoryGroup:
+    for trajectory in group.trajectories:
+        trajectory.policy_version = version
+    return group.model_copy(update={"min_policy_version": version, "max_policy_version": version})
+
+
+async def place(cfg: RlstreamConfig, topic: str, groups: list[TrajectoryGroup]) -> list[int]:
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        return [(await producer.send_and_wait(topic, CODEC.encode(g), key=g.example_id.encode(),
+                                              partition=PARTITION)).offset for g in groups]
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.parametrize("max_policy_lag", [0, 1000], ids=["lag-0", "control-no-limit"])
+def test_stale_groups_are_dropped_counted_and_consumed(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                        tmp_path: Path, max_policy_lag: int) -> None:
+    cfg = rl_config.model_copy(update={
+        "streams": rl_config.streams.model_copy(update={"max_policy_lag": max_policy_lag}),
+        "learner": rl_config.learner.model_copy(update={
+            "model": str(tiny_model(tmp_path)), "lora": rl_config.learner.lora.model_copy(update={"enabled": True}),
+            "groups_per_step": 1, "publish_every": 1, "total_steps": 3, "device": "cpu", "lease_ttl_s": 3.0})})
+    fresh_0 = at_version(random_group(cfg.policy, cfg.run_id, 0), 0)  # step 1 trains on top of version 0
+    stale_0 = at_version(random_group(cfg.policy, cfg.run_id, 1), 0)  # step 2 (version 1): one behind
+    fresh_1 = at_version(random_group(cfg.policy, cfg.run_id, 2), 1)
+    straddled = at_version(random_group(cfg.policy, cfg.run_id, 3), 2)  # step 3 (version 2)
+    straddled.trajectories[1].turns[0].policy_version = 1  # its session's first call came before the reload
+    untagged = at_version(random_group(cfg.policy, cfg.run_id, 4), 2)  # the same, turns without their version
+    later = at_version(random_group(cfg.policy, cfg.run_id, 5), 2)
+    offsets = asyncio.run(place(cfg, created_topics.groups, [fresh_0, stale_0, fresh_1, straddled, untagged, later]))
+
+    learner = Learner(cfg, holder="staleness-test")
+    state = asyncio.run(learner.run())
+
+    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=3))
+    trained = sorted(o for v in versions for r in v.trained_on for o in range(r.first, r.last + 1))
+    metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
+    stale_counts = [m.value for m in metrics if m.name == mn.LEARNER_GROUPS_SKIPPED
+                    and m.tags.get("reason") == SKIP_STALE]
+    lag_max = [m.value for m in metrics if m.name == mn.LEARNER_POLICY_LAG_MAX]
+    assert state.step == 3 and state.groups_trained == 3
+    if max_policy_lag == 0:
+        assert trained == [offsets[0], offsets[2], offsets[4]]
+        assert dict(learner.skipped) == {SKIP_STALE: 2}
+        assert state.offsets == {PARTITION: offsets[4] + 1}  # the dropped groups are consumed, never retried
+        assert stale_counts[-1] == 2.0
+        assert lag_max == [0.0, 0.0, 0.0]  # what trained was never behind
+    else:  # the old behaviour: everything trains whatever its lag
+        assert trained == [offsets[0], offsets[1], offsets[2]]
+        assert not learner.skipped and not stale_counts
+        assert lag_max == [0.0, 1.0, 1.0]
