@@ -124,10 +124,14 @@ class RlstreamGroup(TyperGroup):
 def load_or_exit(config: Optional[Path], overrides: Optional[Sequence[Any]]) -> RlstreamConfig:
     """Load the config or print every problem (stderr) and exit with code 2."""
     try:
-        return load_config(config, pairs(overrides))
+        cfg = load_config(config, pairs(overrides))
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(code=2) from None
+    from rlstream.transport.metrics import set_default_prometheus_addr
+
+    set_default_prometheus_addr(cfg.metrics_host)  # every Prometheus endpoint of this process binds there
+    return cfg
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

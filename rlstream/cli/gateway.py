@@ -33,6 +33,17 @@ def gateway_serve(
                                         "(Redis heartbeats of the inference workers)"),
     prometheus_port: Optional[int] = typer.Option(None, help="serve the gateway's metrics (overhead per call, "
                                                   "process) to Prometheus on this port"),
+    upstream_api_key: Optional[str] = typer.Option(None, envvar="RLSTREAM_GATEWAY_UPSTREAM_API_KEY",
+                                                   show_default=False, help="the upstream's API key (vLLM's "
+                                                   "--api-key), sent as Authorization: Bearer; default "
+                                                   "inference.api_key; also RLSTREAM_GATEWAY_UPSTREAM_API_KEY"),
+    metrics_host: Optional[str] = typer.Option(None, help="address the Prometheus endpoint binds (default: --host)"),
+    max_body_bytes: int = typer.Option(16 << 20, help="largest request body (413 past it)"),
+    max_concurrent_requests: int = typer.Option(1024, help="requests served at once (503 past it)"),
+    body_read_timeout_s: float = typer.Option(30.0, help="a request body not received whole within this long is "
+                                              "answered 408 (slow clients)"),
+    max_open_sessions: int = typer.Option(10_000, help="open session trajectories held at once; past it the least "
+                                          "recently active is closed and published"),
     logprobs: bool = typer.Option(True, "--logprobs/--no-logprobs", help="ask the upstream for the sampled tokens' "
                                   "logprobs with their ids (the learner's off-policy correction); --no-logprobs asks "
                                   "for token ids only, saving the upstream's logprobs work, and those turns train "
@@ -53,6 +64,7 @@ def gateway_serve(
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
     from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
+    from rlstream.schemas.masking import secret_value
 
     from pydantic import SecretStr
 
@@ -77,9 +89,12 @@ def gateway_serve(
                        served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
                        spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
                        spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port,
-                       request_logprobs=logprobs)
+                       request_logprobs=logprobs, metrics_host=metrics_host, max_body_bytes=max_body_bytes,
+                       max_concurrent_requests=max_concurrent_requests, body_read_timeout_s=body_read_timeout_s,
+                       max_open_sessions=max_open_sessions, max_choices=cfg.streams.max_allowed_group_size,
+                       upstream_api_key=upstream_api_key or secret_value(cfg.inference.api_key))
     spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
-    console.print(f"gateway on http://{host}:{port} -> {gw.upstream_base} (policy {cfg.policy}, {spooled})",
+    console.print(f"gateway on http://{host}:{port} -> {gw.upstream_shown} (policy {cfg.policy}, {spooled})",
                   highlight=False)
     from rlstream.rollout.gateway.server import run
 
@@ -118,7 +133,8 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
     metrics = None
     if gw.prometheus_port is not None:  # its figures go to Prometheus only (see metric_names.GATEWAY_OVERHEAD_S)
         metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",
-                                   run_id=cfg.run_id, prometheus_port=gw.prometheus_port)
+                                   run_id=cfg.run_id, prometheus_port=gw.prometheus_port,
+                                   prometheus_addr=gw.metrics_host or gw.host)
     control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
     route = None
     if control is not None:

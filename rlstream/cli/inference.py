@@ -45,13 +45,14 @@ async def _sync(cfg) -> None:  # type: ignore[no-untyped-def]
     from rlstream.transport.kafka import create_topics
     from rlstream.inference.sync import InferenceSyncWorker
     from rlstream.inference.vllm_backend import VllmBackend
+    from rlstream.schemas.masking import secret_value
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await create_topics(cfg.kafka, cfg.topics)
-    backend = VllmBackend(cfg.inference.url, cfg.inference.request_timeout_s)
+    backend = VllmBackend(cfg.inference.url, cfg.inference.request_timeout_s, secret_value(cfg.inference.api_key))
     control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
     try:
         await InferenceSyncWorker(cfg, backend, control).run(stop)
@@ -66,12 +67,19 @@ def inference_serve(
     served_model: str = typer.Option("policy", help="the name clients request"),
     port: Optional[int] = typer.Option(None, help="port (default: a free one)"),
     venv: Optional[Path] = typer.Option(None, help="the vLLM virtualenv (created if missing)"),
+    api_key: Optional[str] = typer.Option(None, envvar="RLSTREAM_INFERENCE__API_KEY", show_default=False,
+                                          help="the key clients must send (vLLM's --api-key, handed over in its "
+                                               "environment, never on its command line; /v1 routes including the "
+                                               "LoRA admin ones need it); also RLSTREAM_INFERENCE__API_KEY"),
 ) -> None:
     """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled) and keep it running until interrupted."""
     from rlstream.ops.vllm import start_vllm_server
+    from rlstream.schemas.masking import remember_secret
 
-    server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv)
-    console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file})")
+    remember_secret(api_key)
+    server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv, api_key=api_key)
+    keyed = "; clients send its API key" if api_key else "; no API key: anyone who reaches it can use it"
+    console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file}{keyed})")
     stopped = False
 
     def _stop(*_: object) -> None:

@@ -309,7 +309,9 @@ class FinetuneContext:
         roots = [*self.cfg.inference.weights_roots, str(self.output_dir / "versions")]
         sync_cfg = with_section(self.cfg, "inference", url=self.server_url, worker_id=self.worker_id,
                                 served_model=self.cfg.rollout.model, weights_roots=roots)
-        self._sync_backend = VllmBackend(self.server_url, self.cfg.inference.request_timeout_s)
+        key = self.cfg.inference.api_key
+        self._sync_backend = VllmBackend(self.server_url, self.cfg.inference.request_timeout_s,
+                                         key.get_secret_value() if key is not None else None)
         assert self.control is not None
         worker = InferenceSyncWorker(sync_cfg, self._sync_backend, self.control)
         self._tasks.append(asyncio.create_task(worker.run(self._stop)))

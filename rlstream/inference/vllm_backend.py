@@ -20,11 +20,13 @@ class BackendError(RuntimeError):
 
 
 class VllmBackend:
-    """Async admin client of one vLLM OpenAI server (``url`` without ``/v1``)."""
+    """Async admin client of one vLLM OpenAI server (``url`` without ``/v1``); with ``api_key`` (the server's
+    ``--api-key``) every request carries ``Authorization: Bearer``."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 120.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers)
 
     async def close(self) -> None:
         await self.http.aclose()

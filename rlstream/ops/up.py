@@ -32,7 +32,7 @@ from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import (ConfigError, RlstreamConfig, format_validation_error, load_config,
                                      overrides_to_dict, read_yaml)
-from rlstream.schemas.masking import public_config_text, remember_secret, secret_env
+from rlstream.schemas.masking import public_config_text, remember_secret, secret_env, secret_value
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -136,9 +136,11 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStack, model_dir: Path | None,
-                   vllm_url: str, dataset: Path | None) -> tuple[RlstreamConfig, Path]:
+                   vllm_url: str, dataset: Path | None,
+                   vllm_api_key: str | None = None) -> tuple[RlstreamConfig, Path]:
     """The effective config of the run (toy defaults < user file < environment < overrides), written to
-    ``run_dir`` without its secrets (see :func:`rlstream.schemas.masking.public_config_text`)."""
+    ``run_dir`` without its secrets (see :func:`rlstream.schemas.masking.public_config_text`); ``vllm_api_key``
+    (the key vLLM was started with) becomes ``inference.api_key`` and ``rollout.api_key``."""
     user = read_yaml(opts.config) if opts.config else {}
     toy = opts.config is None
     base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
@@ -153,6 +155,8 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
         "rollout": {"base_url": f"{vllm_url}/v1"},
         "inference": {"url": vllm_url},
     }
+    if vllm_api_key:
+        plumbing["rollout"]["api_key"] = plumbing["inference"]["api_key"] = vllm_api_key
     if model_dir is not None:
         plumbing["learner"]["model"] = str(model_dir)
     if dataset is not None:
@@ -180,7 +184,8 @@ class VersionScore:
 
 
 async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workflow: Workflow, reward_fn: Any,
-                           samples: int, sampling: SamplingSettings) -> tuple[float, int]:
+                           samples: int, sampling: SamplingSettings,
+                           api_key: str | None = None) -> tuple[float, int]:
     """Mean reward of ``samples`` runs of ``workflow`` per held-out example, sampled with ``sampling``
     (whose ``model`` names the version served by vLLM).
 
@@ -191,7 +196,7 @@ async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workfl
     from rlstream.rollout.runner import score
 
     check_workflow(workflow)
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=60.0)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=60.0)
     try:
         async def one(example: dict[str, Any]) -> float:
             output = await workflow(example, client, sampling)
@@ -390,7 +395,8 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
             done.add(route.version)
             try:
                 mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
-                                                 sampling.with_model(route.model))
+                                                 sampling.with_model(route.model),
+                                                 api_key=secret_value(cfg.inference.api_key))
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
                 done.discard(route.version)
@@ -551,10 +557,15 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
         ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")
         served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
-        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm")
+        # vLLM wants a key (its --api-key): the inference settings' own, else a fresh one; every service gets it
+        # through the environment (secret_env), never in a file or on a command line
+        wanted = (user_cfg or RlstreamConfig()).inference.api_key
+        vllm_key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
+        remember_secret(vllm_key)
+        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm", api_key=vllm_key)
         sup.extra_pids["vllm"] = vllm.pid
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
-                                          vllm.url, dataset)
+                                          vllm.url, dataset, vllm_api_key=vllm_key)
         sup.env.update(secret_env(cfg))
         if user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
             from rlstream.ops.toy import best_constant_answer

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -165,6 +165,7 @@ class VllmServer:
     port: int
     workdir: str = ""
     external: bool = False  # not started here (e.g. RLSTREAM_TEST_VLLM_URL): never stopped here
+    api_key: str | None = field(default=None, repr=False)  # what clients send (vLLM's --api-key); None: none needed
 
     @property
     def base_url(self) -> str:
@@ -198,8 +199,12 @@ def start_vllm_server(
     workdir: Path | None = None,
     timeout_s: float = 240.0,
     extra_args: list[str] | None = None,
+    api_key: str | None = None,
 ) -> VllmServer:
-    """Start vLLM's OpenAI server (fp32, LoRA enabled) on ``model_dir`` and wait until /health is 200."""
+    """Start vLLM's OpenAI server (fp32, LoRA enabled) on ``model_dir`` and wait until /health is 200. With
+    ``api_key`` the server wants ``Authorization: Bearer <api_key>`` on its /v1 routes (the LoRA admin ones too);
+    the key goes in its environment (``VLLM_API_KEY``, what ``--api-key`` defaults to), not on its command line
+    where every local user could read it."""
     python = ensure_vllm_venv(venv_dir)
     port = port or free_port()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rlstream-vllm-"))
@@ -217,7 +222,11 @@ def start_vllm_server(
         *(extra_args or []),
     ]
     with open(log_file, "ab") as out:  # its own process group (its engine and workers too); dies with this process
-        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(workdir / "cache"), cwd=str(workdir))
+        env = server_env(workdir / "cache")
+        env.pop("VLLM_API_KEY", None)  # only the key given here
+        if api_key:
+            env["VLLM_API_KEY"] = api_key
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(workdir))
     url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -228,7 +237,7 @@ def start_vllm_server(
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 log.info("vLLM server ready", url=url, pid=proc.pid, model=served_model_name)
                 return VllmServer(url=url, model=served_model_name, model_dir=str(model_dir), pid=proc.pid,
-                                  log_file=str(log_file), port=port, workdir=str(workdir))
+                                  log_file=str(log_file), port=port, workdir=str(workdir), api_key=api_key)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

@@ -359,6 +359,10 @@ class InferenceConfig(Section):
     backend: Literal["vllm"] = Field("vllm", description="the inference server kind")
     url: SecretUrl = Field("http://127.0.0.1:8000", description="the vLLM server's base URL; a password in it is "
                            "masked in every output")
+    api_key: Secret | None = Field(None, description="vLLM's API key (its --api-key): `rlstream inference serve` and "
+                                   "`rlstream up` start vLLM with it, the sync worker and the gateway send it as "
+                                   "Authorization: Bearer (a secret: masked in every output; env form "
+                                   "RLSTREAM_INFERENCE__API_KEY)")
     served_model: str = Field("policy", description="the base model name the server was started with")
     worker_id: str = Field("worker-0", description="this sync worker's id (its Redis heartbeat key)")
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
@@ -393,6 +397,10 @@ class RlstreamConfig(BaseSettings):
 
     run_id: str = Field("run-0", description="the run every trajectory, group and metric is tagged with")
     policy: str = Field("policy", description="the policy (model) name: Redis keys, transactional ids, versions")
+    metrics_host: str = Field("127.0.0.1", description="address every Prometheus endpoint (the *.prometheus_port "
+                              "settings) binds; loopback keeps the figures on this machine, 0.0.0.0 serves a "
+                              "scraper on another host or container (the gateway's binds its own --host unless "
+                              "its --metrics-host says otherwise)")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     topics: TopicsConfig = Field(default_factory=TopicsConfig)

@@ -146,6 +146,8 @@ def secret_env(cfg: "RlstreamConfig") -> dict[str, str]:
         env["RLSTREAM_KAFKA__SCHEMA_REGISTRY_URL"] = str(kafka.schema_registry_url)
     if cfg.rollout.api_key is not None:
         env["RLSTREAM_ROLLOUT__API_KEY"] = cfg.rollout.api_key.get_secret_value()
+    if cfg.inference.api_key is not None:
+        env["RLSTREAM_INFERENCE__API_KEY"] = cfg.inference.api_key.get_secret_value()
     if url_password(cfg.redis.url):
         env["RLSTREAM_REDIS_URL"] = cfg.redis.url  # the shortcut: it outranks every other environment form
     return env

@@ -24,7 +24,21 @@ from rlstream.schemas.models import MetricEvent
 
 log = get_logger(__name__)
 _NOT_PROM = re.compile(r"[^a-zA-Z0-9_]")
-DEFAULT_PROMETHEUS_ADDR = "0.0.0.0"  # a scraper in another container or host must reach it
+#: Where a Prometheus endpoint binds unless told otherwise: loopback (the process's figures are not for the
+#: network at large); ``metrics_host`` in the config (:func:`set_default_prometheus_addr`, called by the CLI) widens it
+#: for a scraper on another host or container.
+DEFAULT_PROMETHEUS_ADDR = "127.0.0.1"
+_default_addr = DEFAULT_PROMETHEUS_ADDR
+
+
+def set_default_prometheus_addr(addr: str) -> None:
+    """The address this process's Prometheus endpoints bind when their caller names none (config ``metrics_host``)."""
+    global _default_addr
+    _default_addr = addr
+
+
+def default_prometheus_addr() -> str:
+    return _default_addr
 
 
 def metric_spec(metric: str) -> MetricSpec:
@@ -130,7 +144,7 @@ _ENDPOINTS: dict[tuple[str, int], PrometheusEndpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 
 
-def start_prometheus(port: int, addr: str = DEFAULT_PROMETHEUS_ADDR) -> PrometheusEndpoint:
+def start_prometheus(port: int, addr: str | None = None) -> PrometheusEndpoint:
     """Serve a registry (with the process, GC and platform collectors) on ``addr:port`` (0 = any free port; the bound
     one is ``.port``).
 
@@ -138,6 +152,7 @@ def start_prometheus(port: int, addr: str = DEFAULT_PROMETHEUS_ADDR) -> Promethe
     """
     from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 
+    addr = addr or default_prometheus_addr()
     with _ENDPOINTS_LOCK:
         if port and (addr, port) in _ENDPOINTS:
             return _ENDPOINTS[(addr, port)]
@@ -173,7 +188,7 @@ class MetricsPublisher:
         source: str,
         run_id: str,
         prometheus_port: int | None = None,
-        prometheus_addr: str = DEFAULT_PROMETHEUS_ADDR,
+        prometheus_addr: str | None = None,
     ) -> None:
         self.producer = producer
         self.codec = codec
