@@ -28,11 +28,11 @@ import faust
 from rlstream.transport import aborted_index, fetch_wait
 from rlstream.transport import metric_names as mn
 from rlstream.transport.deadletter import dead_letter, fit_dead_letter
-from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.kafka import make_consumer, make_producer, ssl_context
 from rlstream.transport.log import get_logger, logging_dict_config
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.codec import AvroCodec, codec_for
-from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.models import DeadLetter, MetricEvent, RewardEvent, TrajectoryEvent, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
@@ -94,20 +94,26 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
         autodiscover=False,
         stream_wait_empty=True,
     )
-    if cfg.kafka.sasl_mechanism:
-        settings["broker_credentials"] = faust.SASLCredentials(
-            username=cfg.kafka.sasl_plain_username,
-            password=cfg.kafka.sasl_plain_password.get_secret_value() if cfg.kafka.sasl_plain_password else None,
-            mechanism=cfg.kafka.sasl_mechanism)
-    elif cfg.kafka.security_protocol == "SSL":
-        from aiokafka.helpers import create_ssl_context
-
-        settings["broker_credentials"] = create_ssl_context(
-            cafile=str(cfg.kafka.ssl_cafile) if cfg.kafka.ssl_cafile else None,
-            certfile=str(cfg.kafka.ssl_certfile) if cfg.kafka.ssl_certfile else None,
-            keyfile=str(cfg.kafka.ssl_keyfile) if cfg.kafka.ssl_keyfile else None,
-            password=cfg.kafka.ssl_password.get_secret_value() if cfg.kafka.ssl_password else None)
+    credentials = faust_credentials(cfg.kafka)
+    if credentials is not None:
+        settings["broker_credentials"] = credentials
     return settings
+
+
+def faust_credentials(kafka: KafkaConfig) -> Any:
+    """Faust's ``broker_credentials`` for ``kafka.security_protocol``, the same TLS context and SASL settings as
+    every aiokafka client of rlstream (transport/kafka.py): ``SSLCredentials`` under SSL, ``SASLCredentials`` with
+    the TLS context under SASL_SSL (without one Faust would speak SASL in clear), ``SASLCredentials`` alone under
+    SASL_PLAINTEXT; None under PLAINTEXT."""
+    context = ssl_context(kafka)
+    if kafka.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        return faust.SASLCredentials(
+            username=kafka.sasl_plain_username,
+            password=kafka.sasl_plain_password.get_secret_value() if kafka.sasl_plain_password else None,
+            mechanism=kafka.sasl_mechanism, ssl_context=context)
+    if context is not None:
+        return faust.SSLCredentials(context)
+    return None
 
 
 class DetachedValues(MutableMapping[str, Any]):

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlstream.schemas.masking import mask_url
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -46,12 +49,16 @@ def status_key(run_id: str) -> str:
     return f"rlstream:{run_id}:status"
 
 
-def worker_key(policy: str, worker_id: str) -> str:
-    return f"rlstream:{policy}:worker:{worker_id}"
+class ControlPlaneRefused(RuntimeError):
+    """Redis answered but refused this client: wrong password or user, no permission, or a TLS certificate this
+    client does not trust. Not retried: no wait fixes it."""
 
 
-def status_key(run_id: str) -> str:
-    return f"rlstream:{run_id}:status"
+def _plaintext_hint(url: str, exc: BaseException) -> dict[str, str]:
+    """A hint for the log when a plain ``redis://`` connection was reset: what a TLS-only server does."""
+    if url.startswith("redis://") and isinstance(exc.__context__, ConnectionResetError):
+        return {"hint": "a server that listens only with TLS resets plain connections: use rediss://"}
+    return {}
 
 
 class LeaseLost(RuntimeError):
@@ -141,13 +148,23 @@ class ControlPlane:
         while True:
             try:
                 return await call()
+            except (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError) as exc:
+                # a subclass of ConnectionError in redis-py, but no retry can fix a wrong password
+                log.error("redis refused the credentials", op=what, url=self.url, error=str(exc))
+                raise ControlPlaneRefused(f"redis at {mask_url(self.url)} refused the credentials ({exc}): check "
+                                          "the password (and user) in redis.url") from exc
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+                    log.error("redis certificate not trusted", op=what, url=self.url, error=str(exc))
+                    raise ControlPlaneRefused(f"redis at {mask_url(self.url)}: TLS certificate not trusted ({exc}): "
+                                              "name the CA that signed it with ?ssl_ca_certs=FILE in redis.url"
+                                              ) from exc
                 if waited >= limit:
                     log.error("redis unreachable, giving up", op=what, url=self.url, waited_s=round(waited, 1))
                     raise
                 pause = delay * random.uniform(0.5, 1.5)  # jitter: restarted services do not retry in step
                 log.warning("redis unreachable, retrying", op=what, url=self.url, error=str(exc),
-                            retry_in_s=round(pause, 2), waited_s=round(waited, 1))
+                            retry_in_s=round(pause, 2), waited_s=round(waited, 1), **_plaintext_hint(self.url, exc))
                 await asyncio.sleep(pause)
                 waited += pause
                 delay = min(delay * 2, 5.0)

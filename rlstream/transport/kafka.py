@@ -5,6 +5,7 @@ of :class:`schemas.config.KafkaConfig` reach every producer, consumer and admin 
 """
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -19,6 +20,22 @@ from rlstream.schemas.topics import POLICY_VERSIONS, TopicNames
 log = get_logger(__name__)
 
 
+def ssl_context(kafka: KafkaConfig) -> ssl.SSLContext | None:
+    """The TLS context of every connection under ``SSL`` and ``SASL_SSL`` (None under the plaintext protocols):
+    certificates verified against ``ssl_cafile`` (else the system's trust store), the broker's host name checked,
+    and ``ssl_certfile``/``ssl_keyfile`` presented for mutual TLS when set."""
+    if kafka.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    from aiokafka.helpers import create_ssl_context
+
+    return create_ssl_context(
+        cafile=str(kafka.ssl_cafile) if kafka.ssl_cafile else None,
+        certfile=str(kafka.ssl_certfile) if kafka.ssl_certfile else None,
+        keyfile=str(kafka.ssl_keyfile) if kafka.ssl_keyfile else None,
+        password=kafka.ssl_password.get_secret_value() if kafka.ssl_password else None,
+    )
+
+
 def client_options(kafka: KafkaConfig) -> dict[str, Any]:
     """Options common to every aiokafka client: bootstrap, client id, security."""
     if not kafka.bootstrap_servers:
@@ -29,15 +46,9 @@ def client_options(kafka: KafkaConfig) -> dict[str, Any]:
         "security_protocol": kafka.security_protocol,
         "request_timeout_ms": kafka.request_timeout_ms,
     }
-    if kafka.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        opts["ssl_context"] = create_ssl_context(
-            cafile=str(kafka.ssl_cafile) if kafka.ssl_cafile else None,
-            certfile=str(kafka.ssl_certfile) if kafka.ssl_certfile else None,
-            keyfile=str(kafka.ssl_keyfile) if kafka.ssl_keyfile else None,
-            password=kafka.ssl_password.get_secret_value() if kafka.ssl_password else None,
-        )
+    context = ssl_context(kafka)
+    if context is not None:
+        opts["ssl_context"] = context
     if kafka.sasl_mechanism:
         opts["sasl_mechanism"] = kafka.sasl_mechanism
         opts["sasl_plain_username"] = kafka.sasl_plain_username
