@@ -11,7 +11,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.kafka import make_consumer
 from rlstream.ops.vllm import VllmServer
 from rlstream.rollout.capture import Recording, instrument
 from rlstream.rollout.routing import Route, VersionRouter
@@ -24,6 +24,7 @@ from rlstream.schemas.topics import TopicNames
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, make_full_version, make_lora_version,
                                     max_abs_diff, policy_version, reference_logprobs, tiny_model_dir, vllm_fixture,
                                     wait_until)
+from tests.version_helpers import announce_versions
 
 vllm = vllm_fixture()
 MESSAGES = [{"role": "user", "content": "Say b again and again."}]
@@ -70,9 +71,9 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
 
     async def scenario() -> None:
         control = ControlPlane(cfg.redis.url)
+        lease = await control.acquire_lease(cfg.policy, "e2e-learner", ttl_s=600)  # versions count only from it
+        assert lease is not None
         backend = VllmBackend(cfg.inference.url)
-        producer = make_producer(cfg.kafka)
-        await producer.start()
         stop = asyncio.Event()
         worker = InferenceSyncWorker(cfg, backend, control)
         task = asyncio.create_task(worker.run(stop))
@@ -81,7 +82,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
 
             # v1: LoRA, loaded under a new adapter name, logprobs equal transformers + peft
             v1 = policy_version(cfg.policy, 1, WeightsKind.lora, lora_dir, base_dir)
-            await producer.send_and_wait(created_topics.policy_versions, codec.encode(v1), key=cfg.policy.encode())
+            await announce_versions(cfg, [v1], lease=lease)
             info = await wait_until(lambda: loaded(control, cfg.policy, "w-e2e", 1), 90, "version 1 in redis")
             assert info["name"] == adapter_name(cfg.policy, 1)
             assert info["name"] in await backend.models()
@@ -96,7 +97,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
 
             # v2: full weights, pause -> reload -> reset prefix cache -> resume
             v2 = policy_version(cfg.policy, 2, WeightsKind.full, full_dir, base_dir)
-            await producer.send_and_wait(created_topics.policy_versions, codec.encode(v2), key=cfg.policy.encode())
+            await announce_versions(cfg, [v2], lease=lease)
             info = await wait_until(lambda: loaded(control, cfg.policy, "w-e2e", 2), 120, "version 2 in redis")
             assert info["name"] == SERVED_MODEL
             assert await VersionRouter(control, cfg.policy, SERVED_MODEL).current() == Route(SERVED_MODEL, 2, "w-e2e")
@@ -105,7 +106,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
             assert adapter_name(cfg.policy, 1) not in await backend.models()  # stale adapters unloaded
 
             # v3: the files do not match the manifest -> refused, reported, v2 still served
-            await producer.send_and_wait(created_topics.policy_versions, codec.encode(bad), key=cfg.policy.encode())
+            await announce_versions(cfg, [bad], lease=lease)  # announced by the learner, but the files were changed
             info = await wait_until(
                 lambda: _has_error(control, cfg.policy, "w-e2e"), 60, "the refusal in redis")
             assert int(info["version"]) == 2 and "version 3 refused" in info["last_error"]
@@ -118,7 +119,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
 
             # v4: a valid manifest the server cannot load (rank above --max-lora-rank): retried, reported
             v4 = policy_version(cfg.policy, 4, WeightsKind.lora, too_big_dir, base_dir)
-            await producer.send_and_wait(created_topics.policy_versions, codec.encode(v4), key=cfg.policy.encode())
+            await announce_versions(cfg, [v4], lease=lease)
             info = await wait_until(lambda: _error_for(control, cfg.policy, "w-e2e", 4), 60, "the failed load")
             assert int(info["version"]) == 2 and "version 4 failed" in info["last_error"]
             assert worker.failures == 2 and worker.state.version == 2
@@ -129,7 +130,6 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
             # give the shared server its original weights back for the other tests
             await backend.load_full(base_dir)
             await backend.close()
-            await producer.stop()
             await control.close()
 
     asyncio.run(scenario())

@@ -105,6 +105,7 @@ def make_lora_version(base_dir: Path, out_dir: Path, seed: int = 1, rank: int = 
             if "lora_" in name:
                 param.copy_(torch.randn_like(param) * 0.3)
     peft_model.save_pretrained(str(out_dir))
+    (out_dir / "README.md").unlink(missing_ok=True)  # a version holds weights, JSON and tokenizer files only
     return out_dir
 
 
