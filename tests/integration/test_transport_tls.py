@@ -15,7 +15,8 @@ from aiokafka.errors import KafkaConnectionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rlstream.ops.infra import LocalStack
-from rlstream.schemas.config import KafkaConfig, RlstreamConfig
+from rlstream.schemas.config import KafkaConfig, RlstreamConfig, load_config
+from rlstream.schemas.masking import mask_url
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.control import ControlPlane, ControlPlaneRefused
@@ -173,8 +174,11 @@ def test_streams_worker_speaking_sasl_in_clear_gets_nothing_through_the_tls_list
 
 
 def test_control_plane_over_tls_with_a_password(tls_redis: TlsRedis, unique: str) -> None:
+    cfg = load_config(None, [("redis.url", tls_redis.url()), ("redis.retry_max_s", "5")])
+    assert REDIS_PASSWORD not in mask_url(cfg.redis.url)  # what logs and `config show` print
+
     async def scenario() -> tuple[bool, int, bool]:
-        plane = ControlPlane(tls_redis.url(), retry_max_s=5.0)
+        plane = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
         try:
             moved = await plane.publish_latest(f"p-{unique}", 3, "file:///w/3", "ab" * 32)
             lease = await plane.acquire_lease(f"p-{unique}", "learner-a", ttl_s=30)
