@@ -214,7 +214,8 @@ async def test_tenants_are_isolated_and_feedback_tokens_grant_one_trajectory(
 
 @pytest.mark.parametrize("reward", ["NaN", "Infinity", "-Infinity", "1e200", '"1.0"', "true", "2.0", "-1000"])
 async def test_rewards_are_validated_at_the_door(
-        reward: str, gateway_client: tuple[httpx.AsyncClient, Gateway, Starlette, Path]) -> None:
+        reward: str, rl_config: Any, created_topics: Any,
+        gateway_client: tuple[httpx.AsyncClient, Gateway, Starlette, Path]) -> None:
     c, gateway, _, _ = gateway_client
     r = await c.post("/v1/chat/completions", json=CHAT, headers=bearer(ACME_KEY))
     token = {"x-rlstream-feedback-token": r.headers["x-rlstream-feedback-token"]}
@@ -228,6 +229,8 @@ async def test_rewards_are_validated_at_the_door(
             assert problem["field"].split(".")[0] in ("reward", "components"), problem
     assert (await c.post("/v1/feedback", json={"reward": 1}, headers=token)).status_code == 202  # an int is fine
     assert gateway.capture.stats.queued == before + 1  # only the valid reward went on
+    rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=1)
+    assert [(e.trajectory_id, e.reward) for e in rewards] == [(r.headers["x-rlstream-trajectory-id"], 1.0)]
 
 
 async def test_keys_file_reloads_without_a_restart_and_limits_answer_429(
