@@ -188,6 +188,15 @@ async def test_tenants_are_isolated_and_feedback_tokens_grant_one_trajectory(
     assert ok_key.status_code == 202 and ok_key.json()["trajectory_id"] == by_response.headers[
         "x-rlstream-trajectory-id"]
 
+    # a session token grants the session's latest trajectory, of its own tenant only
+    signer = FeedbackSigner(SECRET, ttl_s=600)
+    session_token = {"x-rlstream-feedback-token": signer.issue("acme", "session", "acme:shared-name")}
+    by_session = await c.post("/v1/feedback", json={"reward": 0.75}, headers=session_token)
+    assert by_session.status_code == 202 and by_session.json()["trajectory_id"] == s.headers[
+        "x-rlstream-trajectory-id"]
+    assert refused(await c.post("/v1/feedback", json={"reward": 0.75}, headers={
+        "x-rlstream-feedback-token": signer.issue("globex", "session", "globex:only-acme")}), 404)
+
     # tasks: the key's default, one it may name, one it may not
     assert (await c.post("/v1/chat/completions", json=CHAT, headers={**acme, "x-rlstream-task": "acme-eval"})
             ).status_code == 200
@@ -201,9 +210,9 @@ async def test_tenants_are_isolated_and_feedback_tokens_grant_one_trajectory(
     assert upstream.state.calls[-1] == "other-model"
     await gateway.stop()  # publishes the open sessions
 
-    rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=3)
+    rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=4)
     assert sorted((r.trajectory_id, r.reward, r.feedback_id) for r in rewards) == sorted([
-        (acme_tid, 1.0, "thumb-1"), (globex_tid, 0.25, None),
+        (acme_tid, 1.0, "thumb-1"), (globex_tid, 0.25, None), (s.headers["x-rlstream-trajectory-id"], 0.75, None),
         (by_response.headers["x-rlstream-trajectory-id"], -0.5, None)])
     events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=6)
     tasks = {e.trajectory_id: e.metadata.get("task") for e in events}

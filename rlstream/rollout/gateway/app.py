@@ -214,9 +214,10 @@ class Gateway:
 
     def _finish(self, traj: Trajectory, body: dict[str, Any], message: dict[str, Any], prompt_ids: list[int] | None,
                 completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
-                served: str) -> None:
-        try:
-            call = recorded_call(body, message, prompt_ids, completion_ids, logprobs, finish_reason, served)
+                served: str, version: int | None = None) -> None:
+        try:  # the turn carries the version this call was routed to (a session may straddle a reload)
+            call = recorded_call(body, message, prompt_ids, completion_ids, logprobs, finish_reason, served,
+                                 policy_version=version)
         except Exception as exc:
             log.error("call not captured", error=str(exc))
             return
@@ -254,7 +255,7 @@ class Gateway:
         for index, (traj, choice) in enumerate(zip(trajs, choices)):
             prompt_ids, completion_ids, logprobs = token_data(payload, choice_index=index)
             self._finish(traj, body, choice.get("message") or {"role": "assistant"}, prompt_ids, completion_ids,
-                         logprobs, choice.get("finish_reason"), served)
+                         logprobs, choice.get("finish_reason"), served, version)
         return headers
 
     async def _overhead(self, route: str, streamed: bool, started: float, upstream_s: float) -> None:
@@ -374,7 +375,7 @@ class Gateway:
             traj, headers = self._begin(session_id, body, prompt_ids, version, task)
             if choices:
                 self._finish(traj, body, choices[0].get("message") or {"role": "assistant"}, prompt_ids,
-                             completion_ids, logprobs, choices[0].get("finish_reason"), model)
+                             completion_ids, logprobs, choices[0].get("finish_reason"), model, version)
         out = filter_response(payload, asked)
         if "model" in out and out.get("model") == model:
             out["model"] = body.get("model", model)
@@ -420,8 +421,8 @@ class Gateway:
         chat_body = {"model": body.get("model", model), "messages": messages}
         traj, headers = self._begin(session_id, chat_body, None, version, task)
         status = payload.get("status")
-        self._finish(traj, chat_body, response_message(payload), None, None, None,
-                     "stop" if status in (None, "completed") else str(status), model)
+        self._finish(traj, {**chat_body, "temperature": body.get("temperature")}, response_message(payload), None,
+                     None, None, "stop" if status in (None, "completed") else str(status), model, version)
         if payload.get("model") == model:
             payload["model"] = body.get("model", model)
         answer = JSONResponse(payload, headers=self._sign(headers, caller, request_session(request), payload.get("id")))
@@ -508,7 +509,7 @@ class Gateway:
                 for traj, acc in zip(trajs, accumulators):
                     if acc.chunks:
                         self._finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(),
-                                     acc.logprobs(), acc.finish_reason, model)
+                                     acc.logprobs(), acc.finish_reason, model, version)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
@@ -561,8 +562,9 @@ class Gateway:
             tenant = grant.tenant
             if grant.kind == "trajectory":
                 granted = grant.target_id
-            elif not (fb.trajectory_id or fb.response_id or fb.session_id):
-                fb = fb.model_copy(update={"session_id": grant.target_id.split(":", 1)[-1]})
+            else:  # a session token (its id already scoped): the session's latest trajectory
+                latest = self.sessions.lookup(session_id=grant.target_id)
+                granted = latest.trajectory_id if latest is not None else ""
         elif caller is None:
             raise unauthorized("feedback needs the response's feedback token (x-rlstream-feedback-token) or an API "
                                "key with the feedback scope", "missing_api_key")
