@@ -35,6 +35,8 @@ WORKFLOW = "<workflow>"
 _recording: contextvars.ContextVar["Recording | None"] = contextvars.ContextVar("rlstream_recording", default=None)
 _functions: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("rlstream_functions", default=())
 _route: contextvars.ContextVar["Callable[[str], str] | None"] = contextvars.ContextVar("rlstream_route", default=None)
+_route_version: contextvars.ContextVar["Callable[[str], int | None] | None"] = contextvars.ContextVar(
+    "rlstream_route_version", default=None)
 
 
 # --- marking target functions ------------------------------------------------------------------
@@ -88,17 +90,35 @@ def active_functions() -> tuple[str, ...]:
 
 
 @contextmanager
-def routing(route: Callable[[str], str]) -> Iterator[None]:
-    """Within this block, an instrumented client sends requests for model ``m`` to ``route(m)``.
+def routing(route: Callable[[str], str], version: Callable[[str], int | None] | None = None) -> Iterator[None]:
+    """Within this block, an instrumented client sends requests for model ``m`` to ``route(m)``, and records each
+    such call's turn with ``version(m)``, the policy version that answers it (None: not known).
 
     The rollout runner uses it to send the policy's requests to the newest loaded version (a LoRA
     adapter name) while the workflow keeps asking for the plain policy name.
     """
     token = _route.set(route)
+    version_token = _route_version.set(version)
     try:
         yield
     finally:
+        _route_version.reset(version_token)
         _route.reset(token)
+
+
+def routed_version(model: str) -> int | None:
+    """The policy version a call for ``model`` made now is served by (from :func:`routing`; None when unknown)."""
+    version = _route_version.get()
+    return version(model) if version is not None else None
+
+
+def request_temperature(request: dict[str, Any]) -> float:
+    """The sampling temperature a chat request asked for: its ``temperature`` when it is a number, else 1.0 (the
+    OpenAI default; an absent or non-numeric value, such as the client's "not given" marker)."""
+    value = request.get("temperature")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return 1.0
 
 
 # --- one recorded trajectory ---------------------------------------------------------------------
@@ -322,13 +342,15 @@ def _record(kwargs: dict[str, Any], call_kwargs: dict[str, Any], response: Any) 
         return
     prompt_ids, completion_ids, logprobs = token_data(response)
     _add_call(recording, recording.trainable_here(), kwargs, call_kwargs, _get(choice, "message"), prompt_ids,
-              completion_ids, logprobs, _get(choice, "finish_reason"))
+              completion_ids, logprobs, _get(choice, "finish_reason"), routed_version(str(kwargs.get("model", ""))))
 
 
 def _add_call(recording: Recording, where: tuple[bool, str | None], kwargs: dict[str, Any],
               call_kwargs: dict[str, Any], message: Any, prompt_ids: list[int] | None,
-              completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None) -> None:
-    """One finished call (streamed or not) into ``recording``."""
+              completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
+              policy_version: int | None = None) -> None:
+    """One finished call (streamed or not) into ``recording``, its turn tagged with the policy version that
+    answered it and the temperature it was sampled at."""
     trainable, function = where
     if logprobs is not None and constrained(kwargs):
         # The server masks the logits with the grammar before computing logprobs, so these are not the
@@ -340,7 +362,7 @@ def _add_call(recording: Recording, where: tuple[bool, str | None], kwargs: dict
         logprobs = None
     turn = Turn(model=str(kwargs.get("model")), function=function, prompt_token_ids=prompt_ids,
                 completion_token_ids=completion_ids, completion_logprobs=logprobs, trainable=trainable,
-                finish_reason=finish_reason)
+                finish_reason=finish_reason, policy_version=policy_version, temperature=request_temperature(kwargs))
     recording.add(RecordedCall(
         request_messages=[to_message(m) for m in kwargs.get("messages", [])],
         response_message=to_message(message),
@@ -365,6 +387,7 @@ class _StreamRecorder:
         self._kwargs, self._call_kwargs = kwargs, call_kwargs
         self._recording = current_recording()
         self._where = self._recording.trainable_here() if self._recording is not None else (False, None)
+        self._version = routed_version(str(kwargs.get("model", "")))  # the routing active when the call was made
         self._acc = StreamAccumulator(None)
         self._done = False
 
@@ -383,7 +406,8 @@ class _StreamRecorder:
             log.warning("stream without choices; not recorded", model=self._kwargs.get("model"))
             return
         _add_call(self._recording, self._where, self._kwargs, self._call_kwargs, self._acc.message(),
-                  self._acc.prompt_ids, self._acc.completion_ids(), self._acc.logprobs(), self._acc.finish_reason)
+                  self._acc.prompt_ids, self._acc.completion_ids(), self._acc.logprobs(), self._acc.finish_reason,
+                  self._version)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -177,7 +177,8 @@ class RolloutRunner:
         recording = Recording(target_functions=list(self.cfg.finetuning.target_functions),
                               target_model=self.target_model)
         policy_model = self.rcfg.model
-        with routing(lambda model: route.model if model == policy_model else model):
+        with routing(lambda model: route.model if model == policy_model else model,
+                     version=lambda model: route.version if model == policy_model else None):
             with recording:
                 output = await self.workflow(example, self.client, self.sampling)
         reward, components = None, {}

@@ -195,3 +195,41 @@ def test_a_stream_left_unfinished_is_not_recorded() -> None:
                                                      stream=True))
         next(stream)  # the caller stops reading after one chunk
     assert rec.turns() == []
+
+
+def test_routed_turns_carry_their_version_and_temperature() -> None:
+    """Each turn is tagged with the version its call was routed to (a reload between two calls of one trajectory
+    shows turn by turn) and the temperature it asked for (1.0 when it asked none); without routing, no version."""
+    client = AsyncClient([completion("one", token_ids=[5], logprobs=[-0.1], prompt_ids=[1]),
+                          completion("two", token_ids=[6], logprobs=[-0.2], prompt_ids=[1, 5, 2]),
+                          completion("judge"), completion("free")])
+    wrapped = instrument(client)
+    served = {"version": 3}
+
+    async def agent() -> None:
+        with routing(lambda m: f"policy-v{served['version']}" if m == "policy" else m,
+                     version=lambda m: served["version"] if m == "policy" else None):
+            await wrapped.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}],
+                                                  temperature=0.7)
+            served["version"] = 4  # the runner's router moved on: a reload in the middle of the trajectory
+            await wrapped.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q2"}])
+            await wrapped.chat.completions.create(model="judge", messages=[{"role": "user", "content": "j"}],
+                                                  temperature=0)
+        await wrapped.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q3"}])
+
+    with Recording() as rec:
+        asyncio.run(agent())
+    assert [c["model"] for c in client.completions.sent] == ["policy-v3", "policy-v4", "judge", "policy"]
+    assert [(t.policy_version, t.temperature) for t in rec.turns()] == [(3, 0.7), (4, 1.0), (None, 0.0),
+                                                                        (None, 1.0)]
+
+
+def test_a_streamed_turn_keeps_the_version_routed_when_the_call_was_made() -> None:
+    sync = StreamingCompletions(chunks("abc", [7, 8, 9], [-0.1, -0.2, -0.3], [1, 2]))
+    client = instrument(type("C", (), {"chat": type("Chat", (), {"completions": sync})()})())
+    with Recording() as rec:
+        with routing(lambda m: m, version=lambda m: 9):
+            stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                                    stream=True, temperature=1.3)
+        "".join(c.choices[0].delta.content or "" for c in stream)  # read after the routing block ended
+    assert [(t.policy_version, t.temperature) for t in rec.turns()] == [(9, 1.3)]

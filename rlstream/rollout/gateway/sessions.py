@@ -216,9 +216,10 @@ class SessionStore:
 
 def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: list[int] | None,
                   completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
-                  served_model: str) -> RecordedCall:
-    """A gateway call as capture's RecordedCall (grammar-constrained logprobs dropped, as capture does)."""
-    from rlstream.rollout.capture import constrained, to_message
+                  served_model: str, *, policy_version: int | None = None) -> RecordedCall:
+    """A gateway call as capture's RecordedCall (grammar-constrained logprobs dropped, as capture does); its turn
+    carries ``policy_version`` (the version the call was routed to) and the request's sampling temperature."""
+    from rlstream.rollout.capture import constrained, request_temperature, to_message
     from rlstream.schemas.models import Turn
 
     if logprobs is not None and constrained({**request, "extra_body": {
@@ -227,6 +228,7 @@ def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: 
     if completion_ids is not None and logprobs is not None and len(completion_ids) != len(logprobs):
         logprobs = None
     turn = Turn(model=str(request.get("model")), prompt_token_ids=prompt_ids, completion_token_ids=completion_ids,
-                completion_logprobs=logprobs, trainable=True, finish_reason=finish_reason)
+                completion_logprobs=logprobs, trainable=True, finish_reason=finish_reason,
+                policy_version=policy_version, temperature=request_temperature(request))
     return RecordedCall(request_messages=[to_message(m) for m in request.get("messages", [])],
                         response_message=to_message(message), turn=turn, served_model=served_model)
