@@ -168,7 +168,8 @@ class StreamsConfig(Section):
                                    "back from it)")
     reward_range: tuple[float, float] = Field((-10.0, 10.0), description="[low, high] a reward and each of its "
                                               "components must lie in (finite numbers, low <= high); the gateway "
-                                              "answers feedback outside it with 422")
+                                              "answers feedback outside it with 422, the stream dead-letters rewards "
+                                              "outside it as reward_out_of_range")
     payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="waiting members' records kept in memory "
                                      "by a worker (least recently used out first); the state holds only their offsets "
                                      "and a record not cached is read back from its topic when its group leaves")
