@@ -111,7 +111,9 @@ class WandbReporter:
 
 
 class MlflowReporter:
-    """An MLflow run in the tracking URI of the environment (``MLFLOW_TRACKING_URI``; run name = the run id)."""
+    """An MLflow run in the tracking URI of the environment (``MLFLOW_TRACKING_URI``; run name = the run id). MLflow 3
+    opens a local file store (``file:`` URI) only with ``MLFLOW_ALLOW_FILE_STORE=true``; ``mlflow-skinny`` (the
+    ``tracking`` extra) serves a tracking server or a file store, a database store needs the full ``mlflow``."""
 
     name = "mlflow"
 
@@ -131,7 +133,7 @@ class MlflowReporter:
 
 class Reporters:
     """The trackers of ``learner.report_to``; a tracker that fails while logging is logged and dropped (a tracker
-    never stops training)."""
+    never stops training). A tracker whose run cannot be started (:meth:`open`) raises :class:`ReportingError`."""
 
     def __init__(self, reporters: Sequence[Reporter]) -> None:
         self.reporters = list(reporters)
@@ -142,12 +144,17 @@ class Reporters:
         check_report_to(report_to)
         out: list[Reporter] = []
         for name in dict.fromkeys(report_to):
-            if name == "tensorboard":
-                out.append(TensorBoardReporter(log_dir))
-            elif name == "wandb":
-                out.append(WandbReporter(run_name, config or {}))
-            elif name == "mlflow":
-                out.append(MlflowReporter(run_name, config or {}))
+            try:
+                if name == "tensorboard":
+                    out.append(TensorBoardReporter(log_dir))
+                elif name == "wandb":
+                    out.append(WandbReporter(run_name, config or {}))
+                elif name == "mlflow":
+                    out.append(MlflowReporter(run_name, config or {}))
+            except Exception as exc:  # noqa: BLE001 - e.g. no W&B API key, an MLflow store refused: say which
+                cls(out).close()
+                raise ReportingError(f"learner.report_to {name!r}: the run could not be started: "
+                                     f"{type(exc).__name__}: {exc}") from exc
         return cls(out)
 
     def log(self, figures: dict[str, float], step: int) -> None:
