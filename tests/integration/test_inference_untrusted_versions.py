@@ -173,3 +173,48 @@ async def test_a_configured_weights_root_is_allowed(rl_config: RlstreamConfig, c
         await task
         await control.close()
     assert worker.refused == [] and len(backend.loaded) == 1
+
+
+async def test_pickle_files_hard_links_and_oversized_versions_are_dead_lettered(
+        rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path) -> None:
+    """Versions announced by the learner whose files break the weights rules: refused with the reason, never
+    staged or loaded; the next clean version is loaded (the negative control of each rule)."""
+    import os
+
+    cfg = rl_config.model_copy(deep=True)
+    cfg.inference.staging_dir = tmp_path / "staging"
+    cfg.inference.max_version_bytes = 4096
+    versions_root = Path(cfg.learner.output_dir) / "versions"
+    pickled = make_version_dir(versions_root / "v000001", 1)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    linked = make_version_dir(versions_root / "v000002", 2)
+    secret = tmp_path / "elsewhere.safetensors"
+    secret.write_bytes(b"a file outside every root")
+    os.link(secret, linked / "extra.safetensors")
+    oversized = make_version_dir(versions_root / "v000003", 20)  # 21 x 256 bytes > 4096
+    clean = make_version_dir(versions_root / "v000004", 4)
+    bad = {"pickle": record(cfg, 1, str(pickled), pickled, token=0),
+           "hard_link": record(cfg, 2, str(linked), linked, token=0),
+           "too_large": record(cfg, 3, str(oversized), oversized, token=0)}
+    leases = await announce_versions(cfg, list(bad.values()))
+    control = ControlPlane(cfg.redis.url)
+    backend = RecordingBackend()
+    worker = InferenceSyncWorker(cfg, backend=backend, control=control)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        letters = await read_topic(cfg, created_topics.dlq, DeadLetter, expect=len(bad), timeout_s=30)
+        assert worker.state.version == 0 and backend.loaded == []
+        await announce_versions(cfg, [record(cfg, 4, str(clean), clean, token=0)], lease=leases[cfg.policy])
+        await wait_for(lambda: asyncio.sleep(0, worker.state.version == 4), 30, "version 4 loaded", task)
+    finally:
+        stop.set()
+        await task
+        await control.close()
+    got = sorted((CODEC.decode(d.value, PolicyVersion).version, d.error_type) for d in letters)
+    assert got == [(1, "FileTypeNotAllowed"), (2, "HardLinkRefused"), (3, "VersionTooLarge")]
+    assert [name for name, _, _ in backend.loaded] == [f"{cfg.policy}-v4"]
+    assert not any(p.name.endswith(("-v1", "-v2", "-v3")) for p in cfg.inference.staging_dir.iterdir())
+    metrics = await read_topic(cfg, created_topics.metrics, MetricEvent, expect=1000, timeout_s=5)
+    reasons = sorted(m.tags["reason"] for m in metrics if m.name == mn.INFERENCE_VERSION_REFUSED)
+    assert reasons == ["file_type_not_allowed", "hard_link", "version_too_large"]
