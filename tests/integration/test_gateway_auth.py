@@ -173,6 +173,8 @@ async def test_tenants_are_isolated_and_feedback_tokens_grant_one_trajectory(
     assert refused(await c.post("/v1/feedback", json={"reward": 0.5}, headers={"x-rlstream-feedback-token": expired}),
                    401)["code"] == "feedback_token_expired"
     assert refused(await c.post("/v1/feedback", json={"reward": 0.5}), 401)["code"] == "missing_api_key"
+    rejected = gateway.limit_stats.rejected  # counted by reason (metric gateway/requests_rejected)
+    assert rejected["invalid_feedback_token"] == 1 and rejected["feedback_token_expired"] == 1
 
     # the right party: the token alone (a browser, no key; also as the bearer credential), or the tenant's key
     ok_token = await c.post("/v1/feedback", json={"reward": 1.0, "feedback_id": "thumb-1"},
@@ -257,6 +259,7 @@ async def test_keys_file_reloads_without_a_restart_and_limits_answer_429(
     limited = bearer(LIMITED_KEY)
     assert [(await c.get("/v1/models", headers=limited)).status_code for _ in range(3)] == [200, 200, 429]
     assert refused(await c.get("/v1/models", headers=limited), 429)["code"] == "rate_limit_exceeded"
+    assert gateway.limit_stats.rejected["rate_limit_exceeded"] == 2
 
 
 def test_without_keys_only_loopback_serves_unless_insecure() -> None:

@@ -650,9 +650,10 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, AuthRefusal)
+        gateway.limit_stats.count(exc.code)
         return Response(exc.body(), status_code=exc.status, media_type="application/json")
 
     return Starlette(routes=routes, lifespan=gateway.lifespan,
                      middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats),
-                                 Middleware(AuthMiddleware, keys=gateway.keys)],
+                                 Middleware(AuthMiddleware, keys=gateway.keys, count=gateway.limit_stats.count)],
                      exception_handlers={RequestRejected: rejected, AuthRefusal: refused})

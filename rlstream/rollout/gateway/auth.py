@@ -22,7 +22,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Literal, MutableMapping
 
@@ -364,7 +364,8 @@ class AuthMiddleware:
 
     app: ASGIApp
     keys: KeyStore
-    refusals: dict[int, int] = field(default_factory=dict)
+    #: called with the code of every refusal (e.g. ``LimitStats.count``: metric ``gateway/requests_rejected``)
+    count: Callable[[str], None] | None = None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
@@ -405,7 +406,8 @@ class AuthMiddleware:
         return principal
 
     async def _refuse(self, refusal: AuthRefusal, send: Callable[[Any], Awaitable[None]]) -> None:
-        self.refusals[refusal.status] = self.refusals.get(refusal.status, 0) + 1
+        if self.count is not None:
+            self.count(refusal.code)
         await send_refusal(refusal, send)
 
 
