@@ -216,6 +216,9 @@ def start_vllm_server(
         "--host", LOOPBACK, "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
         "--max-loras", str(max_loras), "--seed", "0",
+        # behaviour logprobs of the distribution actually sampled (after temperature, top-k/top-p), which the
+        # learner reproduces by dividing its logits by each turn's recorded temperature
+        "--logprobs-mode", "processed_logprobs",
         # forced tool calls and JSON outputs in compact JSON: a small model may otherwise spend its whole token
         # budget on the whitespace the JSON grammar allows, and the call's arguments never close
         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
