@@ -181,6 +181,11 @@ ALERT_CASES: list[dict[str, Any]] = [
      "alert": "RlstreamStreamsDeadLetters", "quiet_at": "10m", "fires_at": "25m", "labels": [{"reason": "bad_key"}]},
     {"series": {'rlstream_learner_dead_letters_total{policy="p",run_id="r",source="learner"}': "0+1x30"},
      "alert": "RlstreamLearnerDeadLetters", "quiet_at": "10m", "fires_at": "25m", "labels": [{"policy": "p"}]},
+    {"series": {'rlstream_learner_groups_skipped_total{policy="p",reason="stale",run_id="r",source="learner"}':
+                "0+1x30",
+                'rlstream_learner_groups_skipped_total{policy="q",reason="other_run",run_id="r",source="learner"}':
+                "0+1x30"},
+     "alert": "RlstreamLearnerDroppingStaleGroups", "quiet_at": "10m", "fires_at": "25m", "labels": [{"policy": "p"}]},
     {"series": {'rlstream_streams_consumer_lag{run_id="r",source="s",worker="w"}': "900+50x40"},
      "alert": "RlstreamConsumerLagGrowing", "quiet_at": "10m", "fires_at": "35m", "labels": [{}]},
     {"series": {'up{job="rlstream-learner",instance="learner:9102"}': "1 1 0x20"},
