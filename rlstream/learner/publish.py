@@ -19,7 +19,7 @@ import copy
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -159,6 +159,7 @@ async def announce(
     policy_name: str, run_id: str, directory: Path, manifest: dict[str, Any], version: int, step: int,
     kind: WeightsKind, base_model: str, group_count: int, metrics: dict[str, float], lease_ttl_s: float,
     ranges: dict[int, list[int]] | None = None, offsets: Mapping[int, Iterable[int]] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> PolicyVersion:
     """Announce a written version: verify its sha256 manifest, renew (check) the lease, PolicyVersion on
     ``policy-versions`` (in a transaction when ``producer`` is transactional), then move the Redis pointer by CAS
@@ -167,6 +168,7 @@ async def announce(
 
     Lineage (``trained_on``): ``offsets`` (per partition, the exact offsets of the groups trained) become the
     ranges that hold exactly them; ``ranges`` (``{partition: [first, last]}``) are announced as given.
+    ``before_commit`` (fault injection for tests): see :func:`~rlstream.transport.trusted_versions.announce_record`.
     """
     verify_manifest(directory)
     await control.renew_lease(policy_name, lease, lease_ttl_s)
@@ -182,7 +184,7 @@ async def announce(
 
     try:  # registered and confirmed under the lease: readers accept only such records (transport/trusted_versions)
         await announce_record(producer, control, lease, topic=topic, policy=policy_name, version=version,
-                              value=codec.encode(event))
+                              value=codec.encode(event), before_commit=before_commit)
     except ProducerFenced as exc:
         raise PublicationFenced(f"the announcing producer was fenced by a newer learner ({exc}); "
                                 "version not announced") from exc

@@ -73,12 +73,15 @@ class TakenGroup:
 class Learner:
     """One learner process for one policy."""
 
-    def __init__(self, cfg: RlstreamConfig, *, holder: str | None = None, kill_after_step: int | None = None) -> None:
+    def __init__(self, cfg: RlstreamConfig, *, holder: str | None = None, kill_after_step: int | None = None,
+                 pause_in_announcement: int | None = None) -> None:
         self.cfg = cfg
         self.lcfg = cfg.learner
         self.topics = TopicNames.from_config(cfg.topics)
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
         self.kill_after_step = kill_after_step  # fault injection for tests: SIGKILL self after this step
+        # fault injection for tests: SIGSTOP self once this version's record is sent, before its transaction commits
+        self.pause_in_announcement = pause_in_announcement
         check_report_to(self.lcfg.report_to)  # a missing tracker package fails now, not after the first step
         self.codec = codec_for(cfg)
         # a registry that is down or refuses a schema stops the learner now, not after its first step
@@ -439,12 +442,18 @@ class Learner:
                 run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=state.version,
                 step=state.step, kind=WeightsKind.lora if policy.lora else WeightsKind.full,
                 base_model=policy.base_model, offsets=state.publishing_offsets, group_count=state.publishing_groups,
-                metrics=figures, lease_ttl_s=self.lcfg.lease_ttl_s)
+                metrics=figures, lease_ttl_s=self.lcfg.lease_ttl_s,
+                before_commit=self._pause_self if state.version == self.pause_in_announcement else None)
         except (PublicationFenced, LeaseLost) as exc:
             self._lost(exc)
             return
         state.publishing_offsets, state.publishing_groups = {}, 0
         self._known_version = max(self._known_version, state.version)
+
+    @staticmethod
+    def _pause_self() -> None:
+        log.warning("fault injection: SIGSTOP in the middle of an announcement (record sent, not committed)")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def _lost(self, exc: BaseException) -> None:
         log.error("learner lease lost or announcement fenced: another learner holds the policy; stopping without "
