@@ -20,8 +20,6 @@ from rlstream.schemas.topics import TopicNames
 from tests.learner_helpers import read_whole_topic
 from tests.unit.test_gateway_sessions import USER, fake_upstream
 
-pytestmark = pytest.mark.integration
-
 
 async def run_gateway(config: GatewayConfig, publisher: TrajectoryPublisher, sessions: int) -> Gateway:
     """Open ``sessions`` sessions (one call each), then stop the gateway as a graceful shutdown does."""
