@@ -41,7 +41,7 @@ import httpx  # noqa: E402
 from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid  # noqa: E402
 from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
-from rlstream.rollout.gateway.app import Gateway  # noqa: E402
+from rlstream.rollout.gateway.app import Gateway, create_app  # noqa: E402
 from rlstream.rollout.gateway.auth import AccessConfig, KeyStore  # noqa: E402
 from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner  # noqa: E402
 from rlstream.rollout.gateway.config import GatewayConfig  # noqa: E402
@@ -240,6 +240,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 if args.keys:
                     keys_file = root / "keys.json"
                     keys_file.write_text(json.dumps(KEYS_FILE))
+                    keys_file.chmod(0o600)
                     keyed_url = await servers.enter_async_context(serving(Gateway(
                         settings, publisher, access=AccessConfig(api_keys_file=keys_file))))
                 results = await measure(server.url, gateway_url, args, keyed_url)
@@ -274,8 +275,57 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"{'':<40}{name:<22}{concurrency:>8}{1000 * (pct(k, 0.5) - pct(g, 0.5)):>8.2f}"
                   f"{1000 * (pct(k, 0.99) - pct(g, 0.99)):>8.2f}")
         print(f"alone, per call: {auth_costs_us()}")
+        print(await keys_ab_in_process(args.requests))
     print(f"capture: {stats}")
     print(f"(mean direct latency at 1 client: {1000 * statistics.mean(results[('latency', 1)]['direct']):.1f} ms)")
+
+
+class _Discard:
+    """A publisher that takes every event at once (the in-process A/B measures the gateway's work, not Kafka's)."""
+
+    trajectories_topic, rewards_topic = "trajectories", "rewards"
+
+    async def submit(self, topic: str, key: str, event: Any) -> "asyncio.Future[Any]":
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+async def keys_ab_in_process(requests: int) -> str:
+    """The same non-streamed call to an open gateway and to a keyed one, alternating call by call, each app driven
+    in process (httpx.ASGITransport) in front of bench/canned_upstream.py's app: the p50 of each and their
+    difference, with the sockets, the broker and the load generator's scheduling out of the picture."""
+    from canned_upstream import app as canned_app
+
+    def gateway(access: AccessConfig | None) -> Gateway:
+        upstream = httpx.AsyncClient(transport=httpx.ASGITransport(canned_app), base_url="http://upstream")
+        return Gateway(GatewayConfig(served_model=MODEL, policy=MODEL), _Discard(), client=upstream, access=access)
+
+    keys_file = Path(tempfile.mkdtemp(prefix="rlstream-bench-keys-")) / "keys.json"
+    keys_file.write_text(json.dumps(KEYS_FILE))
+    keys_file.chmod(0o600)
+    ways = {"open": (gateway(None), None), "keys": (gateway(AccessConfig(api_keys_file=keys_file)), KEY_HEADERS)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    clients = {}
+    for name, (gw, _) in ways.items():
+        await gw.start()
+        clients[name] = httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gw)), base_url="http://gw")
+    try:
+        for index in range(requests + 50):
+            for name, (_, headers) in (ways.items() if index % 2 else reversed(ways.items())):
+                started = time.perf_counter()
+                r = await clients[name].post("/v1/chat/completions", json=BODY, headers=headers)
+                elapsed = time.perf_counter() - started
+                r.raise_for_status()
+                if index >= 50:  # after a warm-up
+                    times[name].append(elapsed)
+    finally:
+        for name, (gw, _) in ways.items():
+            await clients[name].aclose()
+            await gw.stop()
+    p_open, p_keys = pct(times["open"], 0.5) * 1000, pct(times["keys"], 0.5) * 1000
+    return (f"in process, {requests} alternating calls each: p50 open {p_open:.3f} ms, keys {p_keys:.3f} ms, "
+            f"keys - open {p_keys - p_open:+.3f} ms")
 
 
 def auth_costs_us(calls: int = 20_000) -> str:
@@ -312,7 +362,14 @@ def main() -> None:
                         help="the gateway asks the upstream for token ids only (rlstream gateway serve --no-logprobs)")
     parser.add_argument("--keys", action="store_true",
                         help="also a gateway that authenticates its clients with an API key, in the same rounds")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--keys-in-process-only", action="store_true",
+                        help="only the in-process A/B of an open and a keyed gateway (no broker, no processes)")
+    args = parser.parse_args()
+    if args.keys_in_process_only:
+        print(asyncio.run(keys_ab_in_process(args.requests)))
+        print(f"alone, per call: {auth_costs_us()}")
+        return
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

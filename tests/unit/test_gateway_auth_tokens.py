@@ -1,14 +1,25 @@
 """Gateway keys and feedback tokens on their own: signatures, expiry, tampering, the keys file, per-key limits."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import SecretStr
 
-from rlstream.rollout.gateway.auth import AuthRefusal, KeyStore, Principal, task_for
+from rlstream.rollout.gateway.app import Gateway, create_app
+from rlstream.rollout.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal, task_for
+from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.feedback import Feedback
 from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, is_feedback_token
+from tests.unit.test_gateway_fuzz import canned_upstream
+from tests.unit.test_gateway_sessions import FakePublisher
 
 
 def test_a_token_grants_its_tenant_and_trajectory_until_it_expires() -> None:
@@ -77,3 +88,58 @@ def test_feedback_rewards_are_strict_finite_numbers_in_range(reward: object) -> 
     ok = Feedback.model_validate({"trajectory_id": "t", "reward": 1, "components": {"c": -1},
                                   "feedback_id": "f"}, context=context)
     assert ok.reward == 1.0 and ok.feedback_id == "f"
+
+
+# --- fuzzing the keyed app: credentials, tokens and feedback bodies never get a 500 ---------------------------
+_KEY = "fuzz-key-0123456789abcdef"
+_SIGNER_SECRET = "f" * 32
+_credentials = st.one_of(
+    st.none(), st.text(max_size=60), st.just(f"Bearer {_KEY}"), st.just("Bearer "), st.just("bearer rlsft1."),
+    st.builds(lambda t: f"Bearer rlsft1.{t}", st.text(alphabet="abcAB09-_.", max_size=60)),
+    st.builds(lambda tenant, tid, ttl: "Bearer " + FeedbackSigner(_SIGNER_SECRET, ttl).issue(tenant, "trajectory", tid),
+              st.sampled_from(["default", "acme", "", "a:b"]), st.text(max_size=40), st.sampled_from([-5.0, 60.0])))
+_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(), st.booleans(), st.text(max_size=5),
+                     st.none(), st.lists(st.integers(), max_size=2))
+_feedback = st.fixed_dictionaries({}, optional={
+    "trajectory_id": st.text(max_size=40), "response_id": st.text(max_size=40), "session_id": st.text(max_size=40),
+    "reward": _numbers, "components": st.dictionaries(st.text(max_size=8), _numbers, max_size=3),
+    "feedback_id": st.one_of(st.text(max_size=20), st.integers()), "feedback_token": st.text(max_size=80),
+    "other": st.text(max_size=5)})
+_paths = st.sampled_from(["/v1/feedback", "/v1/feedback", "/v1/chat/completions", "/s/x/v1/chat/completions",
+                          "/v1/sessions/x/end", "/v1/sessions", "/v1/models", "/rlstream/stats", "/nope"])
+
+
+@settings(max_examples=int(os.environ.get("RLSTREAM_FUZZ_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(_paths, _credentials, _feedback, st.booleans()), min_size=1, max_size=6))
+def test_keyed_gateway_never_answers_500(requests: list[tuple[str, str | None, dict[str, Any], bool]]) -> None:
+    async def run() -> None:
+        gateway = Gateway(GatewayConfig(policy="m", served_model="m"), FakePublisher(),
+                          client=httpx.AsyncClient(transport=httpx.MockTransport(canned_upstream)),
+                          access=AccessConfig(api_keys=[SecretStr(_KEY)], feedback_secret=SecretStr(_SIGNER_SECRET)))
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)),
+                                         base_url="http://gw") as c:
+                tid = (await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]},
+                                    headers={"authorization": f"Bearer {_KEY}"})).headers["x-rlstream-trajectory-id"]
+                for path, credential, body, name_it in requests:
+                    headers = {"authorization": credential.encode()} if credential is not None else {}
+                    if path == "/v1/chat/completions":
+                        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                    elif name_it:
+                        body = {**body, "trajectory_id": tid}
+                    if path in ("/v1/models", "/rlstream/stats"):
+                        r = await c.get(path, headers=headers)
+                    else:  # NaN and Infinity go out as the literals a hostile client would send
+                        r = await c.post(path, content=json.dumps(body).encode(),
+                                         headers={**headers, "content-type": "application/json"})
+                    assert r.status_code < 500 or r.status_code == 503, (path, credential, body, r.text)
+                    if r.status_code >= 400 and path != "/nope":  # an unknown path: the router's own 404
+                        assert set(r.json()["error"]) >= {"message", "type", "code"}
+                assert (await c.get("/health")).status_code == 200
+        finally:
+            await gateway.stop()
+
+    asyncio.run(run())
