@@ -105,10 +105,10 @@ class Learner:
         self.parallel: distributed.DataParallel | None = None
         self._lease_lock = asyncio.Lock()
         self._known_version = 0  # the newest version this learner published or resumed from
+        self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
 
     def request_stop(self) -> None:
         self._stop.set()
-        self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
 
     # -- main ------------------------------------------------------------------------------------------
     async def run(self) -> LearnerState:
@@ -196,10 +196,10 @@ class Learner:
             log.info("learner started", policy=self.cfg.policy, step=state.step, version=state.version,
                      offsets=state.offsets, holder=self.holder)
             while state.step < self.lcfg.total_steps and not self._stop.is_set() and not self.lease_lost:
+                self.training_version = state.version  # what the next step trains on top of (staleness is against it)
                 taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
-                self.training_version = state.version  # what the next step trains on top of (staleness is against it)
                 await self._train_step(state, taken, policy, trainer, announcer, control, metrics, consumer)
             return state
         finally:
@@ -334,9 +334,6 @@ class Learner:
                                           self.cfg.finetuning.target_model, vocab_size=self._vocab_size)
             if samples:
                 collate(samples, pad_id=0)  # batchable on its own (padding values do not matter here)
-            return TakenGroup(record.partition, record.offset, group, samples)
-        except Exception as exc:  # noqa: BLE001 - decoded, but it cannot be tokenised or batched: no step can use it
-            await reader.reject(decoded.source, exc)
             lag = self.training_version - behaviour_version(group, samples)
             if lag > self.cfg.streams.max_policy_lag:  # e.g. a backlog left while the learner was down
                 self.skipped[SKIP_STALE] += 1
@@ -344,6 +341,9 @@ class Learner:
                          max_policy_lag=self.cfg.streams.max_policy_lag, version=self.training_version,
                          partition=record.partition, offset=record.offset)
                 return skipped
+            return TakenGroup(record.partition, record.offset, group, samples)
+        except Exception as exc:  # noqa: BLE001 - decoded, but it cannot be tokenised or batched: no step can use it
+            await reader.reject(decoded.source, exc)
         return skipped
 
     def _skip_reason(self, group: TrajectoryGroup) -> str | None:
