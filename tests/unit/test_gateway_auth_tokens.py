@@ -143,3 +143,12 @@ def test_keyed_gateway_never_answers_500(requests: list[tuple[str, str | None, d
             await gateway.stop()
 
     asyncio.run(run())
+
+
+def test_the_range_is_what_refuses_a_large_finite_reward() -> None:
+    # negative control: without a range 1e200 and 2.0 pass the type checks; the task's range refuses them
+    assert Feedback.model_validate({"trajectory_id": "t", "reward": 1e200}).reward == 1e200
+    assert Feedback.model_validate({"trajectory_id": "t", "reward": 2.0},
+                                   context={"reward_range": (-10.0, 10.0)}).reward == 2.0
+    with pytest.raises(ValueError, match="outside the task's reward range"):
+        Feedback.model_validate({"trajectory_id": "t", "reward": 2.0}, context={"reward_range": (-1.0, 1.0)})

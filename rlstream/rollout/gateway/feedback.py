@@ -6,7 +6,6 @@ NaN or a 1e200 taken in would poison a trajectory's group baseline or throw the 
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Annotated, Any
 
@@ -71,13 +70,6 @@ def validation_problems(errors: list[Any]) -> list[dict[str, str]]:
     echoed: a huge or hostile value stays out of the answer)."""
     return [{"field": ".".join(str(p) for p in e["loc"]) or "(body)",
              "problem": str(e["msg"]).removeprefix("Value error, ")} for e in errors]
-
-
-def finite_range(low: float, high: float) -> tuple[float, float]:
-    """``(low, high)`` checked to be finite and ordered."""
-    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
-        raise ValueError(f"a reward range is two finite numbers, low <= high (got [{low}, {high}])")
-    return low, high
 
 
 class FeedbackIndex:
