@@ -4,6 +4,7 @@ timeout shows the same clients holding their connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -79,3 +80,34 @@ async def test_slow_clients_are_cut_off_within_the_read_timeout(timeout_s: float
     assert all(t.answer.startswith(b"HTTP/1.1 408") for t in bodies), bodies[0].answer[:200]
     assert all(t.answer == b"" for t in headers)  # closed before any request existed
     assert gateway.limit_stats.rejected["body_timeout"] == clients
+
+
+async def test_oversized_headers_are_refused_at_the_connection() -> None:
+    """An 8 MB session-id header: the connection is answered 400 and closed after about max_header_bytes, long
+    before the header timeout (uvicorn's httptools protocol alone buffers the whole line until it ends)."""
+    config = GatewayConfig(port=0, header_read_timeout_s=30)
+    gateway = Gateway(config, FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
+    async with serving(gateway) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        started = time.monotonic()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Session-Id: ")
+        sent, answer, reset = 0, b"", False
+        try:
+            while sent < 8 << 20:
+                writer.write(b"s" * 65536)
+                await writer.drain()
+                sent += 65536
+            answer = await asyncio.wait_for(reader.read(), 10)
+        except ConnectionError:  # closed while we were still writing: the 400 may be lost to the reset
+            reset = True
+            with contextlib.suppress(ConnectionError):
+                answer = await asyncio.wait_for(reader.read(), 5)
+        elapsed = time.monotonic() - started
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400") or (reset and not answer), answer[:200]
+        assert elapsed < 10, f"cut off after {elapsed:.1f} s: by the timeout, not the size"
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [USER]})
+            assert r.status_code == 200
+    assert gateway.sessions.open == {}

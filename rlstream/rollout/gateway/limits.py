@@ -241,15 +241,16 @@ def guarded_protocol(config: GatewayConfig) -> type:
     sees the request (uvicorn itself waits for headers for ever and does not cap them under httptools)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    missing = [name for name in ("on_message_begin", "on_url", "on_header", "on_headers_complete", "connection_lost",
-                                 "connection_made") if not hasattr(HttpToolsProtocol, name)]
+    missing = [name for name in ("on_message_begin", "on_headers_complete", "data_received", "connection_lost",
+                                 "connection_made", "send_400_response") if not hasattr(HttpToolsProtocol, name)]
     if missing:  # checked at start-up: a uvicorn without these hooks gets no guard, loudly
         raise RuntimeError(f"uvicorn's HttpToolsProtocol lacks {missing}; cannot guard slow or large headers")
     timeout_s, max_bytes = config.header_read_timeout_s, config.max_header_bytes
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
-        _head_bytes = 0
+        _in_head = True   # between the start of a request (or of the connection) and the end of its headers
+        _head_bytes = 0   # bytes received while in the head
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -257,7 +258,6 @@ def guarded_protocol(config: GatewayConfig) -> type:
 
         def _arm(self) -> None:
             self._disarm()
-            self._head_bytes = 0
             self._head_timer = asyncio.get_running_loop().call_later(timeout_s, self._head_overdue)
 
         def _disarm(self) -> None:
@@ -271,26 +271,24 @@ def guarded_protocol(config: GatewayConfig) -> type:
                         client=str(self.client))
             self.transport.close()
 
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            # httptools buffers an unfinished header line whole: the cap is on the bytes, checked per read
+            if self._in_head and self._head_bytes > max_bytes and not self.transport.is_closing():
+                log.warning("request headers too large; connection closed", max_bytes=max_bytes,
+                            client=str(self.client))
+                self.send_400_response(f"Request line and headers larger than {max_bytes} bytes.")
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
             if self._head_timer is None:
                 self._arm()
-            self._head_bytes = 0
-
-        def on_url(self, url: bytes) -> None:
-            self._grow(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._grow(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def _grow(self, n: int) -> None:
-            self._head_bytes += n
-            if self._head_bytes > max_bytes:  # uvicorn answers a parser callback's error with 400 and closes
-                raise ValueError(f"request line and headers larger than {max_bytes} bytes")
 
         def on_headers_complete(self) -> None:
+            self._in_head = False
             self._disarm()
             super().on_headers_complete()
 
