@@ -76,7 +76,7 @@ if tonumber(ARGV[1]) <= current then return 0 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'sha256', ARGV[3], 'published_at', ARGV[4])
 return 1
 """
-# An announcement is registered (pending) inside the learner's Kafka transaction and confirmed (committed) after the
+# An announcement is registered (pending) before the learner's Kafka transaction and confirmed (committed) after its
 # commit, each only while the lease is held: a record counts once its announcement is committed.
 _REGISTER_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
@@ -196,7 +196,7 @@ class ControlPlane:
 
     # -- announcements -----------------------------------------------------------------
     async def register_announcement(self, policy: str, record_sha256: str, version: int, lease: Lease) -> None:
-        """Record a PolicyVersion record as pending (sent in the learner's open Kafka transaction); raises
+        """Record a PolicyVersion record as pending (about to be sent in the learner's Kafka transaction); raises
         :class:`LeaseLost` unless ``lease`` is held."""
         result = await self._retry("register_announcement", lambda: self.redis.eval(
             _REGISTER_LUA, 2, announcements_key(policy), lease_key(policy), record_sha256, str(version), lease.value))

@@ -1,9 +1,9 @@
 """Which PolicyVersion records count: one check shared by every reader of ``policy-versions``.
 
 Anyone who can write to the topic can announce anything, so a record counts only when the fenced learner announced
-it. The learner's announcement (:func:`announce_record`) is: send the record in a transaction of its transactional
-producer, register the sha256 of the record's bytes in Redis as pending under its lease (fenced: refused unless
-that lease is held), commit the transaction, then confirm the registration (fenced again). A reader
+it. The learner's announcement (:func:`announce_record`) is: register the sha256 of the record's bytes in Redis as
+pending under its lease (fenced: refused unless that lease is held), send the record in a transaction of its
+transactional producer and commit it, then confirm the registration (fenced again). A reader
 (:class:`TrustedVersions`) reads ``policy-versions`` with ``read_committed`` and accepts a record only when
 
 * its fencing token is one Redis issued for the policy (``1 <= token <=`` the fencing counter) and not older than
@@ -13,7 +13,7 @@ that lease is held), commit the transaction, then confirm the registration (fenc
 * Redis holds a committed announcement of exactly these bytes, under a lease with the record's fencing token.
 
 So a record from a plain producer, from any other transactional producer, or with any byte changed is not
-announced; a record whose learner lost its lease or died between its Kafka commit and the confirmation never
+announced; a byte-for-byte copy of an accepted record is refused as ``replayed`` by a reader that saw the original; a record whose learner lost its lease or died between its Kafka commit and the confirmation never
 counts (``never_committed``); an aborted record is never read at all. A refused record is reported to the caller
 (services dead-letter it with the reason; operator tools flag it) and changes nothing.
 """
@@ -58,6 +58,12 @@ class NeverCommitted(UntrustedVersionRecord):
     reason = "never_committed"
 
 
+class ReplayedRecord(UntrustedVersionRecord):
+    """The exact bytes of a record already accepted, written again (a genuine re-announcement has new bytes)."""
+
+    reason = "replayed"
+
+
 class AnnouncementPending(UntrustedVersionRecord):
     """Committed in Kafka, not yet confirmed by its learner (which still holds the lease): it counts once confirmed.
     Raised only to readers that do not wait (operator tools)."""
@@ -72,11 +78,11 @@ def record_digest(value: bytes) -> str:
 
 async def announce_record(producer: Any, control: ControlPlane, lease: Lease, *, topic: str, policy: str,
                           version: int, value: bytes, before_commit: Callable[[], None] | None = None) -> None:
-    """Announce one encoded PolicyVersion: in a transaction of ``producer`` (which must be transactional), registered
-    in Redis under ``lease`` before the commit and confirmed after it.
+    """Announce one encoded PolicyVersion: registered in Redis under ``lease``, sent in a transaction of ``producer``
+    (which must be transactional), confirmed once committed.
 
-    Raises :class:`~rlstream.transport.control.LeaseLost` when the lease is not held (before the commit: the
-    transaction is aborted and nothing is read; after it: the record is never confirmed, so it never counts) and
+    Raises :class:`~rlstream.transport.control.LeaseLost` when the lease is not held (before the send: nothing is
+    written; after the commit: the record is never confirmed, so it never counts) and
     aiokafka's ``ProducerFenced`` when Kafka fenced the producer (aborted). ``before_commit`` (fault injection for
     tests) runs once the record is in the log and registered, before the transaction commits.
     """
@@ -84,9 +90,10 @@ async def announce_record(producer: Any, control: ControlPlane, lease: Lease, *,
     if manager is None or getattr(manager, "transactional_id", None) is None:
         raise ValueError("policy versions are announced only by a transactional producer")
     digest = record_digest(value)
+    # registered before the transaction opens: no control-plane wait can outlast the broker's transaction timeout
+    await control.register_announcement(policy, digest, version, lease)
     async with producer.transaction():
         await producer.send_and_wait(topic, value, key=policy.encode())
-        await control.register_announcement(policy, digest, version, lease)
         if before_commit is not None:
             before_commit()
     await control.confirm_announcement(policy, digest, version, lease)
@@ -111,6 +118,7 @@ class TrustedVersions:
     wait_pending: bool = True
     pending_poll_s: float = 0.05
     _policies: dict[str, _PolicyTrust] = field(default_factory=dict)
+    _accepted: set[str] = field(default_factory=set)  # digests of the records accepted
 
     def newest(self, policy: str) -> int | None:
         """The newest trusted version of ``policy`` this reader accepted, None before the first."""
@@ -124,6 +132,9 @@ class TrustedVersions:
         """
         policy, token = event.policy, event.fencing_token
         trust = self._policies.get(policy) or _PolicyTrust()
+        digest = record_digest(value or b"")
+        if digest in self._accepted:
+            raise ReplayedRecord(f"version {event.version} of {policy!r}: a copy of a record already accepted")
         issued = await self.control.fencing_tokens_issued(policy)
         if not 1 <= token <= issued:
             raise ForeignFencingToken(f"version {event.version} of {policy!r} carries fencing token {token}; the "
@@ -135,7 +146,7 @@ class TrustedVersions:
         if event.version > newest + self.max_version_jump:
             raise VersionJump(f"version {event.version} of {policy!r} is more than inference.max_version_jump="
                               f"{self.max_version_jump} above the newest trusted version {newest}")
-        announcement = await self._announcement(event, record_digest(value or b""))
+        announcement = await self._announcement(event, digest)
         if announcement.fencing_token != token or announcement.version != event.version:
             raise ForeignFencingToken(f"version {event.version} of {policy!r} (fencing token {token}) does not match "
                                       f"its announcement (version {announcement.version} under lease "
@@ -143,6 +154,7 @@ class TrustedVersions:
         trust.newest_version = max(trust.newest_version, event.version)
         trust.newest_token = max(trust.newest_token, token)
         self._policies[policy] = trust
+        self._accepted.add(digest)
 
     async def _announcement(self, event: PolicyVersion, digest: str) -> Announcement:
         while True:

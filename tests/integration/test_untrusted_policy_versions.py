@@ -1,8 +1,8 @@
 """Hostile records on ``policy-versions`` change nothing: every reader checks each record against the control plane
 (transport/trusted_versions.py) and only the fenced learner's announcements count.
 
-Hostile records (a version jump, a fencing token never issued, a plain producer's copy of a plausible version,
-garbage bytes, an aborted transaction) are written while the real learner trains on what the real streams worker
+Hostile records (a version jump, a fencing token never issued, a plain producer's plausible version, a byte copy
+of the learner's own record, garbage bytes, an aborted transaction) are written while the real learner trains on what the real streams worker
 emits: the streams worker and the sync worker dead-letter each of them with its reason, every valid group reaches
 ``groups``, the learner trains and announces its versions, the sync worker loads them, and ``status``, ``tail``,
 ``lineage`` and the router show only the learner's versions. Negative control: with the check bypassed, one such
@@ -25,7 +25,7 @@ from rlstream.schemas.models import DeadLetter, FileDigest, PolicyVersion, Weigh
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane, LeaseLost
 from rlstream.transport.kafka import make_consumer, make_producer
-from rlstream.transport.trusted_versions import (AnnouncementPending, NeverCommitted, NotAnnounced,
+from rlstream.transport.trusted_versions import (AnnouncementPending, NeverCommitted, NotAnnounced, ReplayedRecord,
                                                  TrustedVersions, record_digest)
 from tests.streams_helpers import Worker, interleaved_stream, publish, read_all, read_groups
 
@@ -191,6 +191,13 @@ async def _hostile_scenario(cfg: RlstreamConfig, names: TopicNames, worker: Work
         while sync.state.version < 2:
             assert not sync_task.done() and time.monotonic() < deadline, f"sync worker at {sync.state.version}"
             await asyncio.sleep(0.2)
+        # a byte-for-byte copy of the learner's version 1, by a plain producer
+        genuine = [r for r in await raw_records(cfg, names.policy_versions, "read_committed")
+                   if r.key == cfg.policy.encode()]
+        replayed = next(r.value for r in genuine if CODEC.decode(r.value, PolicyVersion).version == 1)
+        await place(cfg, names.policy_versions, [(b"replay", replayed)])
+        hostile[b"replay"] = (replayed, "ReplayedRecord")
+        streams_letters = await dead_letters_of(cfg, names.dlq, "streams:w1", expect=len(hostile))
         inference_letters = await dead_letters_of(cfg, names.dlq, f"inference:{cfg.inference.worker_id}",
                                                   expect=len(hostile))
         route = await VersionRouter(control, cfg.policy, cfg.inference.served_model).current()
@@ -223,7 +230,7 @@ async def _hostile_scenario(cfg: RlstreamConfig, names: TopicNames, worker: Work
     status = await collect_status(cfg)
     assert [v["version"] for v in status["recent_versions"]] == [2, 1]
     assert sorted(u["reason"] for u in status["untrusted_versions"]) == sorted(
-        ["version_jump", "foreign_fencing_token", "foreign_fencing_token", "not_announced"])
+        ["version_jump", "foreign_fencing_token", "foreign_fencing_token", "not_announced", "replayed"])
     out = io.StringIO()
     await run_tail(cfg, "versions", TailOptions(from_beginning=True), fmt="json", out=out)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -309,6 +316,8 @@ async def test_a_record_counts_once_its_announcement_is_committed_and_confirmed(
         await control.confirm_announcement(policy, record_digest(one), 1, lease)
         await trust.check(CODEC.decode(one, PolicyVersion), one)
         assert trust.newest(policy) == 1
+        with pytest.raises(ReplayedRecord):  # the same bytes again, e.g. copied by a plain producer
+            await trust.check(CODEC.decode(one, PolicyVersion), one)
         changed = CODEC.encode(CODEC.decode(one, PolicyVersion).model_copy(update={"uri": "/elsewhere"}))
         with pytest.raises(NotAnnounced):
             await trust.check(CODEC.decode(changed, PolicyVersion), changed)
