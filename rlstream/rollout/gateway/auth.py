@@ -4,7 +4,7 @@ A key (``Authorization: Bearer <key>``) belongs to one tenant and carries scopes
 responses, models, sessions; ``feedback``: ``/v1/feedback``; ``admin``: ``/rlstream/stats``), the models it may call
 (default: the policy's own), the tasks it may name (default: its tenant; ``X-Rlstream-Task`` picks among them),
 and optional limits (requests per minute, concurrent requests). Keys come from ``--api-key`` / the
-``RLSTREAM_GATEWAY_API_KEYS`` environment variable (the default tenant, every scope, any task) and from a keys file (YAML or JSON),
+``RLSTREAM_GATEWAY_API_KEYS`` environment variable (the default tenant, every scope, any task, any model) and from a keys file (YAML or JSON),
 re-read when it changes, without a restart.
 
 Keys are looked up by their SHA-256 digest (no comparison of the key itself: its timing says nothing about the key),
@@ -215,7 +215,8 @@ class KeyStore:
         self.keys_file = keys_file
         self.reload_check_s = reload_check_s
         every_scope: list[Scope] = ["inference", "feedback", "admin"]
-        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope, tasks=[ANY_TASK])
+        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope, tasks=[ANY_TASK],
+                                   models=[ANY_MODEL])
                         for i, k in enumerate(inline_keys)]
         self._by_digest: dict[bytes, Principal] = {}
         self._file_stamp: tuple[int, int] | None = None
