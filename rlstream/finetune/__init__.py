@@ -1,17 +1,16 @@
-"""``rlstream finetune``: the NAT harness's epoch loop over rlstream's Kafka pipeline.
+"""``rlstream finetune``: one epoch engine over rlstream's Kafka pipeline, under ``rlstream finetune`` (rlstream's
+config) and the NeMo Agent Toolkit plugin (:mod:`rlstream.nat`).
 
-Extension points (NAT's names and roles): :class:`TrajectoryBuilder`, :class:`TrainerAdapter`,
-:class:`Trainer`, registered by ``_type`` with :func:`register_trajectory_builder`,
-:func:`register_trainer_adapter` and :func:`register_trainer`.
+Public API (what :mod:`rlstream.nat` builds on): :class:`EpochEngine` with :class:`EngineSettings`, the
+:class:`EpochGenerator` protocol and the :class:`CandidateGroup` / :class:`Generation` it hands over,
+:class:`TrainingOutcome`, and the run's services (:class:`FinetuneContext`, :func:`prepare`).
 """
-from rlstream.finetune.interfaces import (EpisodeItem, EpisodeItemRole, Trainer, TrainerAdapter, TrainerAdapterConfig,
-                                     TrainerConfig, TrainingJobRef, TrainingJobStatus, TrainingStatusEnum, Trajectory,
-                                     TrajectoryBuilder, TrajectoryBuilderConfig, TrajectoryCollection)
-from rlstream.finetune.registry import register_trainer, register_trainer_adapter, register_trajectory_builder
+from rlstream.finetune.engine import (CandidateGroup, EngineSettings, EpochEngine, EpochGenerator, Generation,
+                                      OutcomeStatus, Rejection, TrainingOutcome, checked_groups, trajectory_problem)
+from rlstream.finetune.runtime import FinetuneContext, FinetuneError, Infrastructure, fresh_run_id, prepare
 
 __all__ = [
-    "EpisodeItem", "EpisodeItemRole", "Trainer", "TrainerAdapter", "TrainerAdapterConfig", "TrainerConfig",
-    "TrainingJobRef", "TrainingJobStatus", "TrainingStatusEnum", "Trajectory", "TrajectoryBuilder",
-    "TrajectoryBuilderConfig", "TrajectoryCollection", "register_trainer", "register_trainer_adapter",
-    "register_trajectory_builder",
+    "CandidateGroup", "EngineSettings", "EpochEngine", "EpochGenerator", "FinetuneContext", "FinetuneError",
+    "Generation", "Infrastructure", "OutcomeStatus", "Rejection", "TrainingOutcome", "fresh_run_id", "prepare",
+    "checked_groups", "trajectory_problem",
 ]

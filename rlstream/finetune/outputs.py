@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
-
-from rlstream.finetune.interfaces import now_iso, reward_stats
 
 TRAINING_METRICS = "training_metrics.jsonl"
 REWARD_HISTORY = "reward_history.json"
@@ -32,6 +31,24 @@ EPOCH_KEYS = ("epoch", "timestamp", "run_id", "avg_reward", "min_reward", "max_r
 REWARD_KEYS = ("epoch", "timestamp", "avg_reward", "min_reward", "max_reward", "num_trajectories")
 VALIDATION_KEYS = ("epoch", "timestamp", "avg_reward", "min_reward", "max_reward", "num_examples")
 CURRICULUM_KEYS = ("current_percentile", "last_expansion_epoch", "total_groups", "included_groups", "config")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def reward_stats(rewards: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, min, max); zeros when there is no reward."""
+    if not rewards:
+        return 0.0, 0.0, 0.0
+    return sum(rewards) / len(rewards), min(rewards), max(rewards)
+
+
+def validation_record(epoch: int, rewards: Sequence[float]) -> dict[str, Any]:
+    """A validation_history.json entry."""
+    avg, lo, hi = reward_stats(rewards)
+    return {"epoch": epoch, "timestamp": now_iso(), "avg_reward": avg, "min_reward": lo, "max_reward": hi,
+            "num_examples": len(rewards)}
 
 
 def epoch_record(epoch: int, run_id: str, groups: Sequence[Sequence[float]], kept: Sequence[Sequence[float]],

@@ -1,5 +1,5 @@
-"""One ``rlstream finetune`` run: compose the config, prepare what it stands on, build the three components,
-run the epochs, stop everything it started."""
+"""One ``rlstream finetune`` run: compose the config, prepare what it stands on, run the epoch engine with the
+rollout generator, stop everything it started."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlstream.finetune.interfaces import TrainingStatusEnum
+from rlstream.finetune.engine import EngineSettings, EpochEngine, OutcomeStatus
 from rlstream.finetune.outputs import (CURRICULUM_STATE, REWARD_HISTORY, REWARD_PLOT, TRAINING_METRICS,
-                                  VALIDATION_HISTORY)
-from rlstream.finetune.registry import build_component, resolve
+                                       VALIDATION_HISTORY)
+from rlstream.finetune.rollout_generator import RolloutGenerator
 from rlstream.finetune.runtime import FinetuneContext, Infrastructure, fresh_run_id, prepare
 from rlstream.transport.log import get_logger
 from rlstream.ops.up import deep_merge
@@ -57,14 +57,8 @@ def option_pairs(opts: FinetuneOptions) -> list[tuple[str, str]]:
 
 def compose_config(opts: FinetuneOptions) -> RlstreamConfig:
     """The run's config: file < environment < ``-o`` overrides < explicit options; a fresh run id unless set.
-    Raises :class:`ConfigError` for a config that cannot run (including unknown component types)."""
-    cfg = fresh_run_id(load_config(opts.config_file, [*opts.overrides, *option_pairs(opts)]))
-    for kind in ("trajectory_builder", "trainer_adapter", "trainer"):
-        try:
-            resolve(kind, cfg.finetuning)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    return cfg
+    Raises :class:`ConfigError` for a config that cannot run."""
+    return fresh_run_id(load_config(opts.config_file, [*opts.overrides, *option_pairs(opts)]))
 
 
 def validation_config(cfg: RlstreamConfig) -> RlstreamConfig | None:
@@ -79,35 +73,38 @@ def validation_config(cfg: RlstreamConfig) -> RlstreamConfig | None:
         raise ConfigError(f"{path}: invalid validation config: {exc}") from None
 
 
-async def run_components(cfg: RlstreamConfig, infra: Infrastructure, val_cfg: RlstreamConfig | None) -> dict[str, Any]:
-    """Open the run's context, build builder/adapter/trainer by ``_type`` and run ``num_epochs`` epochs."""
+async def run_engine(cfg: RlstreamConfig, infra: Infrastructure, val_cfg: RlstreamConfig | None) -> dict[str, Any]:
+    """Open the run's context, run ``num_epochs`` epochs of the engine with the rollout generator."""
     ft = cfg.finetuning
     ctx = FinetuneContext(cfg, infra.server_url, val_cfg)
     ctx.supervisor = infra.supervisor
+    engine = EpochEngine(ctx, ft.curriculum_learning, EngineSettings(curriculum_seed=cfg.learner.seed))
+    generator = RolloutGenerator(ctx, val_cfg)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(ctx.close)
         await ctx.open()
-        builder = await build_component("trajectory_builder", ft, ctx, stack)
-        adapter = await build_component("trainer_adapter", ft, ctx, stack)
-        trainer = await build_component("trainer", ft, ctx, stack)
-        stack.push_async_callback(trainer.cleanup)
-        await trainer.bind_components(builder, adapter)
-        await trainer.initialize(ft)
-        if not await adapter.is_healthy():
-            log.warning("the training backend reports unhealthy before the first epoch")
-        statuses = await trainer.run(ft.num_epochs)
-        metrics = await trainer.get_metrics(cfg.run_id)
-    failed = [s for s in statuses if s.status != TrainingStatusEnum.COMPLETED]
+        stack.push_async_callback(engine.close)
+        await engine.open()
+        stack.push_async_callback(generator.close)
+        await generator.open()
+        try:
+            outcomes = await engine.run(generator, ft.num_epochs, ft.validation_interval)
+        finally:
+            engine.plot()
+        summary = engine.summary()
+    failed = [o for o in outcomes if o.status != OutcomeStatus.COMPLETED]
+    validations = summary["validations"]
+    assert isinstance(validations, list)
     return {"run_id": cfg.run_id, "policy": cfg.policy, "output_dir": str(ctx.output_dir),
             "files": {name: str(ctx.output_dir / name) for name in (TRAINING_METRICS, REWARD_HISTORY,
                                                                      VALIDATION_HISTORY, CURRICULUM_STATE,
                                                                      REWARD_PLOT)},
-            "epochs": len(metrics["epochs"]), "jobs": metrics["jobs"], "failed_jobs": len(failed),
-            "final_validation": metrics["validations"][-1] if metrics["validations"] else None}
+            "epochs": len(engine.outputs.epochs), "jobs": summary["jobs"], "failed_jobs": len(failed),
+            "final_validation": validations[-1] if validations else None}
 
 
 async def _main(cfg: RlstreamConfig, infra: Infrastructure, val_cfg: RlstreamConfig | None) -> dict[str, Any]:
-    task = asyncio.create_task(run_components(cfg, infra, val_cfg))
+    task = asyncio.create_task(run_engine(cfg, infra, val_cfg))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)

@@ -2,7 +2,7 @@
 (a child process whose online filters are relaxed, so that the epoch curriculum decides), an in-process
 inference sync worker, the learner lease, and a reader of the ``groups`` topic.
 
-Nothing here trains or generates; the components of :mod:`rlstream.finetune.components` use these handles.
+Nothing here trains or generates; the epoch engine (:mod:`rlstream.finetune.engine`) uses these handles.
 """
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ class GroupCollector:
 # --- the in-process part --------------------------------------------------------------------------------
 @dataclass
 class FinetuneContext:
-    """The run's handles, given to component factories as NAT's ``builder`` argument."""
+    """The run's handles: control plane, producers, metrics, lease, sync worker and groups reader."""
 
     cfg: RlstreamConfig
     server_url: str

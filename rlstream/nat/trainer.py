@@ -1,159 +1,113 @@
-"""``rlstream_trainer``: NAT's epoch loop over rlstream's builder and adapter.
+"""``rlstream_trainer``: NAT's Trainer as a shim over rlstream's epoch engine (:class:`rlstream.finetune.EpochEngine`).
 
-Per epoch: validation when ``epoch % validation_interval == 0`` (epoch 0 is the baseline), the builder's
-generations, NAT's curriculum (:func:`rlstream.streams.curriculum.select_groups`, the exact rule), one training
-job, and NAT's output files in ``finetuning.output_dir`` (:class:`rlstream.finetune.outputs.FinetuneOutputs`:
-``training_metrics.jsonl``, ``reward_history.json``, ``validation_history.json``, ``curriculum_state.json``,
-``reward_plot.png``). The final model is validated too (NAT never does).
+The engine runs NAT's epoch loop: validation when ``epoch % validation_interval == 0`` (epoch 0 is the
+baseline) and after the last epoch (NAT never validates the final model), the builder's generations, NAT's
+curriculum rule (:func:`rlstream.streams.curriculum.select_groups`), one version per epoch, and NAT's output files
+in ``finetuning.output_dir`` (``training_metrics.jsonl``, ``reward_history.json``, ``validation_history.json``,
+``curriculum_state.json``, ``reward_plot.png``). The trainer pairs with ``rlstream_trainer_adapter``, which owns
+the engine; any NAT TrajectoryBuilder generates.
 """
 from __future__ import annotations
 
-import math
-import time
-from pathlib import Path
 from typing import Any
 
-from nat.data_models.finetuning import FinetuneConfig, TrainingJobRef, TrainingJobStatus, TrajectoryCollection
+from nat.data_models.finetuning import FinetuneConfig, TrainingJobRef, TrainingJobStatus
 from nat.finetuning.interfaces.finetuning_runner import Trainer
+from nat.finetuning.interfaces.trajectory_builder import TrajectoryBuilder
 
-from rlstream.finetune.epoch_curriculum import EpochCurriculum
-from rlstream.finetune.interfaces import validation_record
-from rlstream.finetune.outputs import FinetuneOutputs, epoch_record
-from rlstream.nat.adapter import RlstreamTrainerAdapter
+from rlstream.finetune import CandidateGroup, EpochEngine
+from rlstream.nat.adapter import RlstreamTrainerAdapter, job_status
 from rlstream.nat.builder import RlstreamTrajectoryBuilder
 from rlstream.nat.config import RlstreamTrainerConfig
-from rlstream.schemas.config import CurriculumConfig
+from rlstream.nat.nat_config import NatConfigError
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
 
 
-def finite_rewards(collection: TrajectoryCollection) -> list[list[float]]:
-    """Each group's finite rewards (an evaluator failure scores NaN: it counts in no statistic)."""
-    return [[t.reward for t in group if math.isfinite(t.reward)] for group in collection.trajectories]
+class NatGenerator:
+    """The engine's generator over a NAT TrajectoryBuilder: one builder run per epoch, converted by the adapter."""
+
+    def __init__(self, trainer: "RlstreamTrainer", adapter: RlstreamTrainerAdapter) -> None:
+        self.trainer = trainer
+        self.adapter = adapter
+
+    @property
+    def builder(self) -> TrajectoryBuilder:
+        return self.trainer.trajectory_builder
+
+    @property
+    def validates(self) -> bool:
+        rc = self.trainer.run_config.run_configuration
+        return bool(rc is not None and rc.validation_dataset)
+
+    async def generate(self, epoch: int) -> list[CandidateGroup]:
+        builder_run = f"{self.trainer.run_id}_epoch_{epoch}"
+        await self.builder.start_run(builder_run, {"epoch": epoch})
+        collection = await self.builder.finalize(builder_run, {"epoch": epoch})
+        return self.adapter.candidate_groups(collection)
+
+    async def validate(self, epoch: int) -> list[float]:
+        rc = self.trainer.run_config.run_configuration
+        if isinstance(self.builder, RlstreamTrajectoryBuilder):
+            return await self.builder.validation_rewards(rc.validation_dataset, rc.validation_config_file)
+        metrics = await self.trainer.run_validation_evaluation(epoch, self.trainer.run_id)
+        return [float(metrics["avg_reward"])] * int(metrics.get("num_examples", 0))
 
 
 class RlstreamTrainer(Trainer):
-    """NAT Trainer: epochs, curriculum, validation, outputs; jobs go to the bound TrainerAdapter."""
+    """NAT Trainer: the epochs run in the engine of the bound ``rlstream_trainer_adapter``."""
 
     def __init__(self, trainer_config: RlstreamTrainerConfig, **kwargs: Any) -> None:
         super().__init__(trainer_config, **kwargs)
         self.config = trainer_config
-        self.curriculum: EpochCurriculum | None = None
-        self.outputs: FinetuneOutputs | None = None
-        self.statuses: list[TrainingJobStatus] = []
+        self.adapter: RlstreamTrainerAdapter | None = None
+        self.generator: NatGenerator | None = None
         self.run_id = ""
 
+    @property
+    def engine(self) -> EpochEngine:
+        assert self.adapter is not None and self.adapter.engine is not None, "initialize() first"
+        return self.adapter.engine
+
     async def initialize(self, run_config: FinetuneConfig) -> None:
-        await super().initialize(run_config)
-        self.curriculum = EpochCurriculum(CurriculumConfig.model_validate(run_config.curriculum_learning.model_dump()),
-                                          seed=self.config.seed)
-        self.outputs = FinetuneOutputs(Path(run_config.output_dir).resolve())
-        adapter, builder = self.trainer_adapter, self.trajectory_builder
-        if isinstance(adapter, RlstreamTrainerAdapter) and adapter.cfg is not None:
-            self.run_id = adapter.cfg.run_id
-            if isinstance(builder, RlstreamTrajectoryBuilder):
-                builder.route = adapter.route
-        self.run_id = self.run_id or f"nat-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.outputs.set_curriculum(self.get_curriculum_state())
+        adapter = self.trainer_adapter
+        if not isinstance(adapter, RlstreamTrainerAdapter):
+            raise NatConfigError(f"rlstream_trainer runs rlstream's epoch engine: pair it with trainer_adapter "
+                                 f"_type rlstream_trainer_adapter, not {type(adapter).__name__}")
+        adapter.curriculum_seed = self.config.seed
+        await super().initialize(run_config)  # initializes the builder and the adapter (the engine)
+        self.adapter = adapter
+        assert adapter.cfg is not None
+        self.run_id = adapter.cfg.run_id
+        if isinstance(self.trajectory_builder, RlstreamTrajectoryBuilder):
+            self.trajectory_builder.route = adapter.route
+        self.generator = NatGenerator(self, adapter)
 
     @property
-    def validation_dataset(self) -> Any:
+    def validation_interval(self) -> int:
         rc = self.run_config.run_configuration
-        return rc.validation_dataset if rc is not None else None
+        return rc.validation_interval if rc is not None else 5
 
     async def run(self, num_epochs: int) -> list[TrainingJobStatus]:
-        assert self.outputs is not None and self.trainer_adapter is not None
-        interval = self.run_config.run_configuration.validation_interval if self.run_config.run_configuration else 5
-        for epoch in range(num_epochs):
-            if self.validation_dataset and epoch % interval == 0:
-                await self._validate(epoch)
-            ref = await self.run_epoch(epoch, self.run_id)
-            if ref is None:
-                continue
-            status = await self.trainer_adapter.wait_until_complete(ref, self.config.poll_interval_s)
-            self.statuses.append(status)
-            self.trainer_adapter.log_progress(ref, {"epoch": epoch, "status": status.status.value,
-                                                    "message": status.message})
-        if self.validation_dataset:
-            await self._validate(num_epochs)  # the final model
-        self.outputs.plot(f"rlstream (NAT) — {self.run_id}")
-        return self.statuses
-
-    async def _validate(self, epoch: int) -> None:
-        assert self.outputs is not None and self.trajectory_builder is not None
-        rc = self.run_config.run_configuration
-        try:
-            if isinstance(self.trajectory_builder, RlstreamTrajectoryBuilder):
-                rewards = await self.trajectory_builder.validation_rewards(rc.validation_dataset,
-                                                                           rc.validation_config_file)
-            else:
-                metrics = await self.run_validation_evaluation(epoch, self.run_id)
-                rewards = [metrics["avg_reward"]] * int(metrics.get("num_examples", 0))
-        except Exception as exc:
-            log.error("validation pass failed", epoch=epoch, error=f"{type(exc).__name__}: {exc}")
-            rewards = []
-        record = validation_record(epoch, rewards)
-        self.outputs.add_validation(record)
-        log.info("validation", epoch=epoch, avg_reward=round(record["avg_reward"], 4), examples=len(rewards))
+        assert self.generator is not None, "initialize() first"
+        outcomes = await self.engine.run(self.generator, num_epochs, self.validation_interval)
+        return [job_status(self.run_id, o) for o in outcomes]
 
     async def run_epoch(self, epoch: int, run_id: str) -> TrainingJobRef | None:
-        assert self.trajectory_builder is not None and self.trainer_adapter is not None and self.outputs is not None
-        builder_run = f"{run_id}_epoch_{epoch}"
-        started = time.monotonic()
-        await self.trajectory_builder.start_run(builder_run, {"epoch": epoch})
-        collection = await self.trajectory_builder.finalize(builder_run, {"epoch": epoch})
-        kept = self.apply_curriculum_learning(collection, epoch)
-        assert self.curriculum is not None
-        record = epoch_record(epoch, run_id, finite_rewards(collection), finite_rewards(kept),
-                              self.curriculum.percentile, self.curriculum.summary())
-        self.outputs.add_epoch(record)
-        self.outputs.set_curriculum(self.get_curriculum_state())
-        self.log_progress(epoch, {**record, "seconds": round(time.monotonic() - started, 1)})
-        if not kept.trajectories:
-            log.warning("nothing to train this epoch", epoch=epoch, groups=len(collection.trajectories))
-            return None
-        return await self.trainer_adapter.submit(kept)
-
-    @staticmethod
-    def group_id(collection: TrajectoryCollection, index: int) -> str:
-        members = collection.trajectories[index]
-        example = (members[0].metadata or {}).get("id") if members else None
-        return str(example if example is not None else index)
-
-    def apply_curriculum_learning(self, trajectory_collection: TrajectoryCollection,
-                                  epoch: int) -> TrajectoryCollection:
-        """NAT's curriculum on this epoch's groups (keyed by example id)."""
-        assert self.curriculum is not None
-        rewards = finite_rewards(trajectory_collection)
-        ids = [self.group_id(trajectory_collection, i) for i in range(len(rewards))]
-        chosen = self.curriculum.select(ids, rewards, epoch)
-        # a group without one finite reward goes to the adapter as it is: it dead-letters it with the reason
-        chosen += [i for i, r in enumerate(rewards) if not r]
-        return TrajectoryCollection(trajectories=[trajectory_collection.trajectories[i] for i in chosen],
-                                    run_id=trajectory_collection.run_id)
-
-    def get_curriculum_state(self) -> dict[str, Any]:
-        assert self.curriculum is not None
-        return self.curriculum.document()
+        assert self.generator is not None and self.adapter is not None, "initialize() first"
+        outcome = await self.engine.run_epoch(self.generator, epoch)
+        return self.adapter.record(run_id, outcome) if outcome is not None else None
 
     async def get_metrics(self, run_id: str) -> dict[str, Any]:
-        assert self.outputs is not None
-        return {"run_id": run_id, "epochs": self.outputs.epochs, "validations": self.outputs.validations,
-                "jobs": [{"status": s.status.value, "message": s.message, **(s.metadata or {})}
-                         for s in self.statuses]}
+        return self.engine.summary()
 
     def log_progress(self, epoch: int, metrics: dict[str, Any], output_dir: str | None = None) -> None:
-        log.info("epoch done", epoch=epoch, avg_reward=round(metrics["avg_reward"], 4), groups=metrics["num_groups"],
-                 kept=metrics["filtered_groups"], percentile=metrics["curriculum_percentile"],
-                 seconds=metrics.get("seconds"))
+        log.info("epoch done", epoch=epoch, **metrics)
 
     async def cleanup(self) -> None:
         """Write the plot, then stop what the adapter started (NAT calls this once, after the run)."""
-        if self.outputs is not None and self.outputs.epochs:
-            try:
-                self.outputs.plot(f"rlstream (NAT) — {self.run_id}")
-            except Exception as exc:
-                log.warning("reward plot not written", error=str(exc))
+        if self.adapter is not None and self.adapter.engine is not None:
+            self.adapter.engine.plot()
         if isinstance(self.trainer_adapter, RlstreamTrainerAdapter):
             await self.trainer_adapter.close()

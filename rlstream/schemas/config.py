@@ -53,6 +53,11 @@ class RewardFunctionConfig(Section):
     function: str | None = Field(None, description="module:function computing the reward")
 
 
+#: NAT's component keys, which rlstream's own ``finetuning`` section does not take (NAT configs have them)
+COMPONENT_KEYS = frozenset({"trajectory_builder", "trainer_adapter", "trainer", "trajectory_builders",
+                            "trainer_adapters", "trainers", "plugins"})
+
+
 class FinetuningConfig(Section):
     enabled: bool = Field(True, description="NAT's switch for the finetuning section")
     num_generations: int = Field(2, ge=1, description="generations per example in each epoch (the GRPO group size)")
@@ -65,18 +70,6 @@ class FinetuningConfig(Section):
     output_dir: Path = Field(Path(".tmp/finetuning/output"), description="where NAT's output files of a run are "
                              "written (metrics, reward and validation history, curriculum state, plot)")
     curriculum_learning: CurriculumConfig = Field(default_factory=CurriculumConfig, description="NAT's curriculum")
-    trajectory_builder: str = Field("rlstream_kafka", description="a name in trajectory_builders, or a _type")
-    trainer_adapter: str = Field("rlstream_kafka", description="a name in trainer_adapters, or a _type")
-    trainer: str = Field("rlstream_grpo", description="a name in trainers, or a _type")
-    #: NAT-style component sections: name -> {"_type": registered type, ...its options}
-    trajectory_builders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trajectory "
-                                                            "builder components: name -> {_type, options}")
-    trainer_adapters: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trainer adapter "
-                                                         "components: name -> {_type, options}")
-    trainers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="named trainer components: "
-                                                 "name -> {_type, options}")
-    plugins: list[str] = Field(default_factory=list, description="modules imported before components are built "
-                               "(they register custom components by _type)")
     validation_dataset: Path | None = Field(None, description="held-out examples (JSON/JSONL); never trained on")
     validation_interval: int = Field(5, ge=1, description="epochs between validation passes (and after the last)")
     validation_config_file: Path | None = Field(None, description="YAML merged over this config for validation "
@@ -84,6 +77,18 @@ class FinetuningConfig(Section):
     group_timeout_s: float = Field(20.0, gt=0, description="finetune's streams worker emits a group with failed "
                                    "generations after this long (with the members it has)")
     load_timeout_s: float = Field(300.0, gt=0, description="wait this long for vLLM to load a new version")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_component_sections(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = sorted(COMPONENT_KEYS & set(data))
+            if given:
+                raise ValueError(f"{', '.join(given)}: rlstream's own config has no pluggable components; custom "
+                                 "trajectory builders, trainer adapters and trainers are NeMo Agent Toolkit "
+                                 "components: run a NAT config (its trajectory_builders / trainer_adapters / trainers "
+                                 "sections) with nat finetune or rlstream finetune (docs/nat.md)")
+        return data
 
 
 # --- infrastructure ----------------------------------------------------------------

@@ -38,6 +38,7 @@ def test_the_layer_contracts_are_kept() -> None:
         ("learner/batch.py", "import rlstream.rollout.runner", "layers"),     # one service importing another
         ("ops/tail.py", "import faust", "Faust only in streams"),             # Faust outside streams/
         ("rollout/capture.py", "import torch", "light SDK"),       # torch in the capture SDK
+        ("nat/trainer.py", "import rlstream.finetune.runtime", "nat builds on"),  # nat past finetune's public API
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, statement: str, contract: str) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from rlstream.cli.app import app
 from rlstream.finetune.run import FinetuneOptions, compose_config, validation_config
+from rlstream.schemas.config import ConfigError
 
 
 def write_config(tmp_path: Path, **finetuning: object) -> Path:
@@ -53,12 +55,27 @@ def test_validation_config_file_is_merged_over_the_run_config(tmp_path: Path) ->
     assert validation_config(compose_config(FinetuneOptions(write_config(tmp_path)))) is None
 
 
+def test_component_sections_in_an_rlstream_config_name_the_nat_path(tmp_path: Path) -> None:
+    """The NAT component keys (``_type`` sections, plugins) belong to NAT configs; rlstream's own config refuses
+    them with the path to take."""
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"finetuning": {"num_epochs": 1, "trainer_adapter": "mine", "plugins": ["pkg"],
+                                                   "trainer_adapters": {"mine": {"_type": "my_adapter"}}}}))
+    with pytest.raises(ConfigError) as refused:
+        compose_config(FinetuneOptions(path))
+    said = " ".join(str(refused.value).split())
+    assert "plugins, trainer_adapter, trainer_adapters: rlstream's own config has no pluggable components" in said
+    assert "nat finetune or rlstream finetune" in said
+    assert compose_config(FinetuneOptions(write_config(tmp_path))).finetuning.num_epochs == 1  # without them: fine
+
+
 def test_cli_refuses_a_config_that_cannot_run_before_starting_anything(tmp_path: Path) -> None:
     runner = CliRunner()
     config = write_config(tmp_path)
-    unknown = runner.invoke(app, ["finetune", "--config_file", str(config), "-o", "finetuning.trainer", "nope"])
-    assert unknown.exit_code == 2
-    assert "unknown trainer _type 'nope'" in unknown.output
+    component = runner.invoke(app, ["finetune", "--config_file", str(config), "-o", "finetuning.trainer", "nope"])
+    assert component.exit_code == 2
+    said = " ".join(component.output.split())
+    assert "trainer: rlstream's own config has no pluggable components" in said and "docs/nat.md" in said
     invalid = runner.invoke(app, ["finetune", "--config_file", str(config), "-o", "finetuning.num_epochs", "0"])
     assert invalid.exit_code == 2 and "finetuning.num_epochs" in invalid.output and "from -o" in invalid.output
     missing = runner.invoke(app, ["finetune", "--dataset", "x.jsonl"])

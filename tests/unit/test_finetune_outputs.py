@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rlstream.finetune.interfaces import validation_record
 from rlstream.finetune.outputs import (CURRICULUM_KEYS, CURRICULUM_STATE, EPOCH_KEYS, PERCENTILE_LABEL, REWARD_HISTORY,
-                                  REWARD_KEYS, REWARD_PLOT, TRAINING_METRICS, VALIDATION_HISTORY, VALIDATION_KEYS,
-                                  FinetuneOutputs, curriculum_document, epoch_record, plot_series)
+                                       REWARD_KEYS, REWARD_PLOT, TRAINING_METRICS, VALIDATION_HISTORY, VALIDATION_KEYS,
+                                       FinetuneOutputs, curriculum_document, epoch_record, plot_series,
+                                       validation_record)
 
 
 def test_epoch_record_has_exactly_the_documented_keys_and_figures() -> None:

@@ -1,14 +1,15 @@
-"""NAT intermediate steps -> rlstream conversation and turns; the adapter's per-trajectory rejection."""
+"""NAT intermediate steps -> rlstream conversation and turns; NAT trajectories into the epoch engine's groups and
+its per-trajectory rejection."""
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from nat.data_models.finetuning import EpisodeItem, EpisodeItemRole, Trajectory, TrajectoryCollection
 
-from rlstream.nat.adapter import Job, RlstreamTrainerAdapter
+from rlstream.finetune import Rejection, checked_groups, trajectory_problem
+from rlstream.nat.adapter import RlstreamTrainerAdapter, to_event
 from rlstream.nat.builder import CONVERSATION_KEY
 from rlstream.nat.config import RlstreamTrainerAdapterConfig
 from rlstream.nat.steps import conversation_from_steps
@@ -159,17 +160,40 @@ def test_one_bad_trajectory_is_rejected_and_its_group_still_trains() -> None:
         [good("ex1", 0.2), starts_with_assistant, good("ex1", 0.9)],
         [good("ex2", float("nan")), good("ex2", 0.5)],  # one NaN: the other alone is below min_group_size 2
     ])
-    job = Job(status=None)  # type: ignore[arg-type]
-    groups = asyncio.run(adapter._events(job, collection))
+    candidates = adapter.candidate_groups(collection)
+    assert [c.group_id for c in candidates] == ["r:epoch0:ex1", "r:epoch0:ex2"]
+    rejected: list[Rejection] = []
+    groups, dropped = checked_groups(candidates, adapter.cfg.streams.min_group_size, rejected)
     assert len(groups) == 1
     events = groups[0]
     assert [e.group_size for e in events] == [2, 2] and [e.generation_index for e in events] == [0, 1]
     assert [e.reward for e in events] == [0.2, 0.9] and {e.group_id for e in events} == {"r:epoch0:ex1"}
     assert events[0].messages[1].tool_calls[0].name == "pick_letter"
-    reasons = [(r.group_id, r.reason) for r in job.rejected]
+    reasons = [(r.group_id, r.reason) for r in rejected]
     assert ("r:epoch0:ex1", "episode starts with assistant, not user or system") in reasons
     assert ("r:epoch0:ex2", "non-finite reward nan") in reasons
     assert any(g == "r:epoch0:ex2" and "fewer than streams.min_group_size" in r for g, r in reasons)
+    # a dead letter carries the NAT trajectory itself
+    assert all(json.loads(member.raw)["metadata"]["id"] in ("ex1", "ex2") for _, member, _ in dropped)
+
+
+def test_an_episode_without_rlstream_conversation_keeps_its_tool_calls() -> None:
+    """A trajectory from another NAT builder: its episode's messages, tool calls and tool_call_id from the items'
+    metadata, one on-policy turn per assistant item."""
+    call = {"id": "c1", "name": "f", "arguments": "{}"}
+    episode = [EpisodeItem(role=EpisodeItemRole.USER, content="hi"),
+               EpisodeItem(role=EpisodeItemRole.ASSISTANT, content="", logprobs=[-0.1, -0.2],
+                           metadata={"tool_calls": [call]}),
+               EpisodeItem(role=EpisodeItemRole.TOOL, content="42", metadata={"tool_call_id": "c1"}),
+               EpisodeItem(role=EpisodeItemRole.ASSISTANT, content="done", logprobs=[])]
+    foreign = Trajectory(episode=episode, reward=0.5, metadata={"policy_version": 3, "run_id": "nat-run"})
+    event = to_event(foreign, run_id="r", policy="p", group_id="g", example_id="x", size=2, index=1)
+    assert [m.role for m in event.messages] == ["user", "assistant", "tool", "assistant"]
+    assert event.messages[1].tool_calls[0].name == "f" and event.messages[2].tool_call_id == "c1"
+    assert [turn.message_index for turn in event.turns] == [1, 3] and event.reward == 0.5
+    assert event.turns[0].completion_token_ids is None  # no token data: the learner renders it, on-policy
+    assert event.policy_version == 3 and event.metadata["nat_run_id"] == "nat-run" and event.generation_index == 1
+    assert trajectory_problem(event) is None
 
 
 async def test_one_chat_model_builder_serves_the_gateway_and_the_capturing_llms() -> None:
