@@ -190,6 +190,34 @@ class PolicyVersion(WireModel):
     created_at: datetime = Field(default_factory=utc_now)
 
 
+class DecisionKind(str, Enum):
+    """What a :class:`PromotionDecision` did to the serving pointer (``reject`` and ``canary`` leave it where it
+    is; ``canary`` starts a canary share)."""
+
+    promote = "promote"
+    reject = "reject"
+    canary = "canary"
+    finish_canary = "finish_canary"
+    rollback = "rollback"
+    force_promote = "force_promote"
+
+
+class PromotionDecision(WireModel):
+    """One decision about the version production traffic gets (topic ``promotions``, keyed by policy)."""
+
+    avro_name: ClassVar[str] = "rlstream.v1.PromotionDecision"
+    policy: str
+    version: int
+    decision: DecisionKind
+    reason: str = ""
+    serving_before: int | None = None
+    candidate_metrics: dict[str, float] = Field(default_factory=dict)
+    serving_metrics: dict[str, float] = Field(default_factory=dict)
+    decided_by: str = ""
+    decided_at: datetime = Field(default_factory=utc_now)
+    fencing_token: int = 0
+
+
 class MetricEvent(WireModel):
     avro_name: ClassVar[str] = "rlstream.v1.MetricEvent"
     source: str
@@ -217,5 +245,5 @@ class DeadLetter(WireModel):
 #: Top-level events, by Avro full name (the nested records are reached through them).
 EVENT_MODELS: dict[str, type[WireModel]] = {
     m.avro_name: m
-    for m in (TrajectoryEvent, RewardEvent, TrajectoryGroup, PolicyVersion, MetricEvent, DeadLetter)
+    for m in (TrajectoryEvent, RewardEvent, TrajectoryGroup, PolicyVersion, MetricEvent, DeadLetter, PromotionDecision)
 }

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlstream.schemas.config import TopicsConfig
-from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, RewardEvent, TrajectoryEvent,
-                                     TrajectoryGroup)
+from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, PromotionDecision, RewardEvent,
+                                     TrajectoryEvent, TrajectoryGroup)
 
 TRAJECTORIES = "trajectories"
 REWARDS = "rewards"
@@ -13,7 +13,10 @@ GROUPS = "groups"
 POLICY_VERSIONS = "policy-versions"
 METRICS = "metrics"
 DLQ = "dlq"
-ALL_TOPICS = (TRAJECTORIES, REWARDS, GROUPS, POLICY_VERSIONS, METRICS, DLQ)
+PROMOTIONS = "promotions"
+ALL_TOPICS = (TRAJECTORIES, REWARDS, GROUPS, POLICY_VERSIONS, METRICS, DLQ, PROMOTIONS)
+#: Topics kept as long as ``policy-versions`` (``topics.policy_versions_retention_ms``): the history lineage reads.
+LONG_RETENTION_TOPICS = (POLICY_VERSIONS, PROMOTIONS)
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,16 @@ class TopicNames:
     def dlq(self) -> str:
         return self.prefix + DLQ
 
+    @property
+    def promotions(self) -> str:
+        return self.prefix + PROMOTIONS
+
     def schema_topics(self) -> dict[str, str]:
         """The topic each event schema (full name) is written to: one schema per topic (a registry subject each)."""
         return {TrajectoryEvent.avro_name: self.trajectories, RewardEvent.avro_name: self.rewards,
                 TrajectoryGroup.avro_name: self.groups, PolicyVersion.avro_name: self.policy_versions,
-                MetricEvent.avro_name: self.metrics, DeadLetter.avro_name: self.dlq}
+                MetricEvent.avro_name: self.metrics, DeadLetter.avro_name: self.dlq,
+                PromotionDecision.avro_name: self.promotions}
 
     def all(self) -> list[str]:
         return [self.prefix + t for t in ALL_TOPICS]

@@ -15,7 +15,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from rlstream.transport import aborted_index, fetch_wait
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import KafkaConfig, TopicsConfig
-from rlstream.schemas.topics import POLICY_VERSIONS, TopicNames
+from rlstream.schemas.topics import LONG_RETENTION_TOPICS, TopicNames
 
 log = get_logger(__name__)
 
@@ -98,7 +98,8 @@ def topic_specs(topics: TopicsConfig) -> list[NewTopic]:
     names = TopicNames.from_config(topics)
     specs = []
     for full in names.all():
-        retention = topics.policy_versions_retention_ms if full.endswith(POLICY_VERSIONS) else topics.retention_ms
+        long_kept = any(full == names.prefix + short for short in LONG_RETENTION_TOPICS)
+        retention = topics.policy_versions_retention_ms if long_kept else topics.retention_ms
         specs.append(
             NewTopic(
                 name=full,

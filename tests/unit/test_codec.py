@@ -23,6 +23,8 @@ from rlstream.schemas.models import (
     EVENT_MODELS,
     CurriculumInfo,
     DeadLetter,
+    DecisionKind,
+    PromotionDecision,
     FileDigest,
     GroupCompletion,
     Message,
@@ -85,7 +87,10 @@ def sample_events() -> list[WireModel]:
     metric = MetricEvent(source="learner", run_id="r", name="loss", value=-1.5, step=None, tags={"k": "v"})
     letter = DeadLetter(source_topic="t", source_partition=1, source_offset=9, key=None, value=b"\x00\xffraw",
                         error_type="CorruptPayloadError", error_message="bad", service="streams")
-    return [traj, sparse, make_reward(traj, 0.75), group, version, metric, letter]
+    decision = PromotionDecision(policy="toy", version=4, decision=DecisionKind.rollback, reason="operator",
+                                 serving_before=6, candidate_metrics={"eval/reward": 0.5}, decided_by="cli",
+                                 fencing_token=3)
+    return [traj, sparse, make_reward(traj, 0.75), group, version, metric, letter, decision]
 
 
 @pytest.fixture(params=["single-object", "confluent"])

@@ -1,0 +1,444 @@
+"""The serving pointer and the fleet's load acknowledgements (DESIGN.md, Redis; docs/promotion.md).
+
+``rlstream:{policy}:latest`` is the newest *candidate* (moved by the learner). ``rlstream:{policy}:serving`` is the
+version production traffic gets (model name ``policy``); it is moved only by a decider holding a serving fencing
+token (the promotion gate, or an operator through ``rlstream promote`` / ``rlstream rollback``):
+
+* forward (``promote``, ``finish_canary``): a compare-and-set to a version above the current one and above the
+  ``floor`` a rollback left (a rolled-back version, or one older, never comes back by itself);
+* backward only through :meth:`ServingControl.rollback` (the target must be older than the current version);
+* ``force_promote`` moves it to any version (an operator's decision).
+
+Every move carries a fencing token issued by ``rlstream:{policy}:serving:fencing``; the pointer keeps the token of
+its last move and refuses a move with an older one (a paused decider that wakes up after a newer decision changes
+nothing), and a move that names ``expected_version`` is refused when the pointer is elsewhere.
+
+Each inference sync worker acknowledges what its vLLM server actually has loaded (read back from ``/v1/models``)
+with its heartbeat (``rlstream:{policy}:worker:{id}``, TTL ``inference.heartbeat_ttl_s``): the versions and the
+name each is requested by, the versions that failed to load, and the server's URL. The fleet rule
+(:func:`fleet_readiness`): a version is ready to serve when at least one replica is alive and every alive replica
+(heartbeat not expired) has it loaded; a replica that is down is excluded once its heartbeat expires.
+:func:`move_serving_when_loaded` asks the fleet to load a version (``pending_version``), waits for that rule, moves
+the pointer and records the decision on ``promotions``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.models import DecisionKind, PromotionDecision
+from rlstream.transport.control import ControlPlane, worker_key
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+#: The model name separator of a pinned version: ``policy@12`` is version 12 of ``policy``.
+VERSION_SEPARATOR = "@"
+
+
+def serving_key(policy: str) -> str:
+    """Hash of the serving pointer (see :class:`ServingPointer` for its fields)."""
+    return f"rlstream:{policy}:serving"
+
+
+def serving_fencing_key(policy: str) -> str:
+    """Counter of the serving fencing tokens issued for ``policy``."""
+    return f"rlstream:{policy}:serving:fencing"
+
+
+def parse_model_name(model: str, policy: str) -> tuple[bool, int | None]:
+    """(whether ``model`` names ``policy``, the version it pins or None for the serving version).
+
+    ``policy`` -> (True, None); ``policy@12`` -> (True, 12); anything else, ``policy@x`` included -> (False, None).
+    """
+    if model == policy:
+        return True, None
+    head, sep, tail = model.rpartition(VERSION_SEPARATOR)
+    if sep and head == policy and tail.isdigit() and len(tail) <= 18:
+        return True, int(tail)
+    return False, None
+
+
+def versioned_model_name(policy: str, version: int) -> str:
+    """The model name clients use for one version: ``policy@version``."""
+    return f"{policy}{VERSION_SEPARATOR}{version}"
+
+
+class MoveKind(str, Enum):
+    forward = "forward"
+    rollback = "rollback"
+    force = "force"
+
+
+#: Which pointer move each decision makes (``reject`` and ``canary`` do not move it).
+MOVE_OF_DECISION: dict[DecisionKind, MoveKind] = {
+    DecisionKind.promote: MoveKind.forward, DecisionKind.finish_canary: MoveKind.forward,
+    DecisionKind.rollback: MoveKind.rollback, DecisionKind.force_promote: MoveKind.force,
+}
+
+
+class ServingMoveRefused(RuntimeError):
+    """The serving pointer did not move; ``reason`` is a short machine-readable tag."""
+
+    reason = "refused"
+
+
+class ServingFenced(ServingMoveRefused):
+    """The token is older than the one of the pointer's last move, or was never issued."""
+
+    reason = "fenced"
+
+
+class ServingConflict(ServingMoveRefused):
+    """The pointer is not at ``expected_version`` (another decision moved it)."""
+
+    reason = "conflict"
+
+
+class NotForward(ServingMoveRefused):
+    """A forward move to a version not above the current one (or the floor a rollback left), or a rollback to a
+    version not below it."""
+
+    reason = "not_forward"
+
+
+class FleetNotReady(ServingMoveRefused):
+    """Not every alive replica acknowledged loading the version (or no replica is alive)."""
+
+    reason = "not_loaded"
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    return int(raw) if raw not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class ServingPointer:
+    """``rlstream:{policy}:serving``. ``floor``: forward moves must go above it (the version a rollback left).
+    ``pending_version``: a version the fleet is asked to load (a move waiting for acknowledgements)."""
+
+    version: int
+    uri: str = ""
+    sha256: str = ""
+    moved_at: float = 0.0
+    reason: str = ""
+    decided_by: str = ""
+    fencing_token: int = 0
+    floor: int = -1
+    pending_version: int | None = None
+    canary_version: int | None = None
+    canary_share: float = 0.0
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> "ServingPointer | None":
+        if "version" not in raw:
+            return None
+        return cls(version=int(raw["version"]), uri=raw.get("uri", ""), sha256=raw.get("sha256", ""),
+                   moved_at=float(raw.get("moved_at") or 0.0), reason=raw.get("reason", ""),
+                   decided_by=raw.get("decided_by", ""), fencing_token=int(raw.get("fencing_token") or 0),
+                   floor=int(raw.get("floor") or -1), pending_version=_int_or_none(raw.get("pending_version")),
+                   canary_version=_int_or_none(raw.get("canary_version")),
+                   canary_share=float(raw.get("canary_share") or 0.0))
+
+    def wanted_versions(self) -> set[int]:
+        """The versions every replica should hold loaded: serving, pending and canary."""
+        return {v for v in (self.version, self.pending_version, self.canary_version) if v is not None and v > 0}
+
+
+@dataclass(frozen=True)
+class ReplicaAck:
+    """One sync worker's acknowledgement (its heartbeat hash): what its server has loaded, read back from
+    ``/v1/models``. ``loaded`` maps each version to the model name the server answers it by (0 = base weights);
+    ``failed`` maps a version that did not load to the error."""
+
+    worker_id: str
+    version: int
+    name: str
+    url: str = ""
+    loaded: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    heartbeat_at: float = 0.0
+
+    @classmethod
+    def from_hash(cls, worker_id: str, raw: dict[str, str]) -> "ReplicaAck":
+        def versions(text: str | None) -> dict[int, str]:
+            try:
+                data = json.loads(text or "{}")
+                return {int(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+            except (ValueError, TypeError):
+                return {}
+
+        version = int(raw.get("version") or 0)
+        loaded = versions(raw.get("loaded"))
+        if "loaded" not in raw and "version" in raw:  # a worker that does not read back: what it claims
+            loaded = {version: raw.get("name", "")}
+        return cls(worker_id=worker_id, version=version, name=raw.get("name", ""), url=raw.get("url", ""),
+                   loaded=loaded, failed=versions(raw.get("failed")),
+                   heartbeat_at=float(raw.get("heartbeat_at") or 0.0))
+
+
+@dataclass(frozen=True)
+class FleetReadiness:
+    """Whether ``version`` may serve: ``ready`` with the replicas that have it, or the reason it may not."""
+
+    version: int
+    ready: bool
+    reason: str
+    loaded_on: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def fleet_readiness(replicas: list[ReplicaAck], version: int) -> FleetReadiness:
+    """The fleet rule: ready when at least one replica is alive and every alive replica acknowledged ``version``.
+
+    ``replicas`` are the alive ones (a replica whose heartbeat expired is no longer listed: it is excluded).
+    """
+    if not replicas:
+        return FleetReadiness(version, False, "no inference replica is alive (no worker heartbeat)")
+    loaded = tuple(sorted(r.worker_id for r in replicas if version in r.loaded))
+    missing = tuple(sorted(r.worker_id for r in replicas if version not in r.loaded))
+    failed = {r.worker_id: r.failed[version] for r in replicas if version in r.failed and version not in r.loaded}
+    if not missing:
+        return FleetReadiness(version, True, f"loaded on every alive replica ({', '.join(loaded)})", loaded)
+    parts = [f"{wid} failed to load it: {error}" for wid, error in sorted(failed.items())]
+    waiting = [wid for wid in missing if wid not in failed]
+    if waiting:
+        parts.append(f"not yet loaded on {', '.join(waiting)}")
+    return FleetReadiness(version, False, f"version {version}: " + "; ".join(parts), loaded, missing, failed)
+
+
+# KEYS: serving, fencing counter. ARGV: mode, version, token, expected ('' = any), uri, sha256, now, reason, decided_by
+# Returns 1 moved, -1 fenced, -2 conflict, -3 not forward/backward.
+_MOVE_LUA = """
+local token = tonumber(ARGV[3])
+local issued = tonumber(redis.call('GET', KEYS[2]) or '0')
+local held = tonumber(redis.call('HGET', KEYS[1], 'fencing_token') or '0')
+if token < 1 or token > issued or token < held then return -1 end
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if ARGV[4] ~= '' and tonumber(ARGV[4]) ~= current then return -2 end
+local version = tonumber(ARGV[2])
+local floor = tonumber(redis.call('HGET', KEYS[1], 'floor') or '-1')
+local mode = ARGV[1]
+if mode == 'forward' then
+  if version <= current or version <= floor then return -3 end
+elseif mode == 'rollback' then
+  if current < 0 or version >= current then return -3 end
+  if current > floor then redis.call('HSET', KEYS[1], 'floor', current) end
+elseif mode == 'force' then
+  if version == current then return -3 end
+  if version < current and current > floor then redis.call('HSET', KEYS[1], 'floor', current) end
+end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'uri', ARGV[5], 'sha256', ARGV[6], 'moved_at', ARGV[7],
+           'reason', ARGV[8], 'decided_by', ARGV[9], 'fencing_token', ARGV[3])
+if redis.call('HGET', KEYS[1], 'pending_version') == ARGV[2] then redis.call('HDEL', KEYS[1], 'pending_version') end
+return 1
+"""
+# KEYS: serving, fencing counter. ARGV: token, then field/value pairs ('' value = delete the field). 1 or -1 fenced.
+_FIELDS_LUA = """
+local token = tonumber(ARGV[1])
+local issued = tonumber(redis.call('GET', KEYS[2]) or '0')
+local held = tonumber(redis.call('HGET', KEYS[1], 'fencing_token') or '0')
+if token < 1 or token > issued or token < held then return -1 end
+for i = 2, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return 1
+"""
+
+
+class ServingControl:
+    """The serving pointer of every policy and the replicas' acknowledgements, over a :class:`ControlPlane`
+    (whose retries while Redis is unreachable apply)."""
+
+    def __init__(self, control: ControlPlane) -> None:
+        self.control = control
+
+    @property
+    def redis(self) -> Any:
+        return self.control.redis
+
+    # -- the pointer -------------------------------------------------------------------
+    async def serving(self, policy: str) -> ServingPointer | None:
+        """The serving pointer, None before the first promotion."""
+        raw = await self.control._retry("serving", lambda: self.redis.hgetall(serving_key(policy)))
+        return ServingPointer.from_hash(raw or {})
+
+    async def wanted_versions(self, policy: str) -> set[int]:
+        """The versions every replica should hold loaded: serving, pending (also before the first promotion) and
+        canary."""
+        raw = await self.control._retry("serving", lambda: self.redis.hgetall(serving_key(policy))) or {}
+        wanted = set()
+        for name in ("version", "pending_version", "canary_version"):
+            value = _int_or_none(raw.get(name))
+            if value is not None and value > 0:
+                wanted.add(value)
+        return wanted
+
+    async def issue_token(self, policy: str) -> int:
+        """A new serving fencing token (greater than every one issued before): take one per decision."""
+        return int(await self.control._retry("serving_token", lambda: self.redis.incr(serving_fencing_key(policy))))
+
+    async def move(self, policy: str, version: int, *, kind: MoveKind, token: int, reason: str, decided_by: str,
+                   expected_version: int | None = None, uri: str = "", sha256: str = "") -> ServingPointer:
+        """Move the pointer to ``version`` (a fenced compare-and-set; see the module docstring) and return it.
+
+        Raises :class:`ServingFenced`, :class:`ServingConflict` (``expected_version`` given, -1 = no pointer yet,
+        and the pointer elsewhere) or :class:`NotForward`. Does not look at the fleet: see
+        :func:`move_serving_when_loaded`.
+        """
+        expected = "" if expected_version is None else str(expected_version)
+        result = int(await self.control._retry("move_serving", lambda: self.redis.eval(
+            _MOVE_LUA, 2, serving_key(policy), serving_fencing_key(policy), kind.value, str(version), str(token),
+            expected, uri, sha256, str(time.time()), reason, decided_by)))
+        if result == -1:
+            raise ServingFenced(f"serving pointer of {policy!r} not moved to {version}: fencing token {token} is "
+                                "older than the last move's, or was never issued")
+        if result == -2:
+            current = await self.serving(policy)
+            raise ServingConflict(f"serving pointer of {policy!r} is at {current.version if current else None}, "
+                                  f"not at the expected {expected_version}")
+        if result == -3:
+            current = await self.serving(policy)
+            where = f"at {current.version} (floor {current.floor})" if current else "unset"
+            raise NotForward(f"serving pointer of {policy!r} ({where}) cannot make a {kind.value} move to {version}")
+        pointer = await self.serving(policy)
+        assert pointer is not None
+        log.info("serving pointer moved", policy=policy, version=version, kind=kind.value, token=token,
+                 reason=reason, decided_by=decided_by)
+        return pointer
+
+    async def promote(self, policy: str, version: int, *, token: int, reason: str, decided_by: str,
+                      expected_version: int | None = None, uri: str = "", sha256: str = "") -> ServingPointer:
+        """Move forward (see :meth:`move`)."""
+        return await self.move(policy, version, kind=MoveKind.forward, token=token, reason=reason,
+                               decided_by=decided_by, expected_version=expected_version, uri=uri, sha256=sha256)
+
+    async def rollback(self, policy: str, version: int, *, token: int, reason: str, decided_by: str,
+                       expected_version: int | None = None, uri: str = "", sha256: str = "") -> ServingPointer:
+        """The only backward move: to an older ``version``; the version left becomes the floor (see :meth:`move`)."""
+        return await self.move(policy, version, kind=MoveKind.rollback, token=token, reason=reason,
+                               decided_by=decided_by, expected_version=expected_version, uri=uri, sha256=sha256)
+
+    async def _set_fields(self, policy: str, token: int, fields: dict[str, str]) -> None:
+        args = [str(token)] + [item for pair in fields.items() for item in pair]
+        result = int(await self.control._retry("serving_fields", lambda: self.redis.eval(
+            _FIELDS_LUA, 2, serving_key(policy), serving_fencing_key(policy), *args)))
+        if result == -1:
+            raise ServingFenced(f"serving pointer of {policy!r} not changed: fencing token {token} is older than "
+                                "the last move's, or was never issued")
+
+    async def request_load(self, policy: str, version: int | None, token: int) -> None:
+        """Ask every replica to load ``version`` (``pending_version``; None clears it). Fenced like a move."""
+        await self._set_fields(policy, token, {"pending_version": "" if version is None else str(version)})
+
+    async def set_canary(self, policy: str, version: int | None, share: float, token: int) -> None:
+        """Start (or end, with ``version`` None) a canary: ``share`` of new sessions go to ``version``."""
+        if version is not None and not 0.0 <= share <= 1.0:
+            raise ValueError(f"canary share {share} is not within [0, 1]")
+        await self._set_fields(policy, token, {"canary_version": "" if version is None else str(version),
+                                               "canary_share": "" if version is None else repr(share)})
+
+    # -- the fleet ---------------------------------------------------------------------
+    async def record_replica(self, policy: str, ack: ReplicaAck, ttl_s: float) -> None:
+        """A sync worker's heartbeat with its acknowledgement (the hash expires ``ttl_s`` after the last one)."""
+        key = worker_key(policy, ack.worker_id)
+        mapping: dict[str, Any] = {"version": ack.version, "name": ack.name, "heartbeat_at": time.time(),
+                                   "url": ack.url, "loaded": json.dumps({str(k): v for k, v in ack.loaded.items()}),
+                                   "failed": json.dumps({str(k): v for k, v in ack.failed.items()})}
+
+        async def call() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+
+        await self.control._retry("record_replica", call)
+
+    async def replicas(self, policy: str) -> list[ReplicaAck]:
+        """The alive replicas (heartbeat not expired) with what each acknowledged."""
+        workers = await self.control.workers(policy)
+        return [ReplicaAck.from_hash(wid, raw) for wid, raw in sorted(workers.items()) if raw]
+
+    async def readiness(self, policy: str, version: int) -> FleetReadiness:
+        return fleet_readiness(await self.replicas(policy), version)
+
+
+@dataclass(frozen=True)
+class MoveOutcome:
+    """What :func:`move_serving_when_loaded` did: ``moved`` with the new pointer, or ``reason`` why not."""
+
+    moved: bool
+    reason: str
+    pointer: ServingPointer | None
+    readiness: FleetReadiness | None = None
+    decision: PromotionDecision | None = None
+
+
+async def publish_decision(producer: Any, codec: AvroCodec, topic: str, decision: PromotionDecision) -> None:
+    """Write one decision to the ``promotions`` topic (keyed by policy) and wait for the broker's acknowledgement."""
+    await producer.send_and_wait(topic, codec.encode(decision), key=decision.policy.encode())
+
+
+async def move_serving_when_loaded(
+    serving: ServingControl, policy: str, version: int, *, decision: DecisionKind, reason: str, decided_by: str,
+    token: int | None = None, expected_version: int | None = None, uri: str = "", sha256: str = "",
+    timeout_s: float = 120.0, poll_s: float = 0.5, producer: Any = None, codec: AvroCodec | None = None,
+    topic: str | None = None, candidate_metrics: dict[str, float] | None = None,
+    serving_metrics: dict[str, float] | None = None,
+) -> MoveOutcome:
+    """Move serving to ``version`` once every alive replica has it loaded (:func:`fleet_readiness`).
+
+    Asks the fleet to load it (``pending_version``), waits up to ``timeout_s``, then makes the move ``decision``
+    calls for (``promote``/``finish_canary`` forward, ``rollback`` back, ``force_promote`` either way) with
+    ``token`` (a new one when None). With ``producer``, ``codec`` and ``topic`` the decision is recorded on
+    ``promotions`` once the pointer moved. Never raises for a refusal: returns ``moved=False`` and the reason
+    (the fleet not ready, fenced, a conflict, not forward); a pending request it made is withdrawn then.
+    """
+    kind = MOVE_OF_DECISION.get(decision)
+    if kind is None:
+        raise ValueError(f"a {decision.value} decision does not move the serving pointer")
+    token = token if token is not None else await serving.issue_token(policy)
+    before = await serving.serving(policy)
+    try:
+        await serving.request_load(policy, version, token)
+    except ServingMoveRefused as exc:
+        return MoveOutcome(False, str(exc), before)
+    deadline = time.monotonic() + timeout_s
+    readiness = await serving.readiness(policy, version)
+    while not readiness.ready and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+        readiness = await serving.readiness(policy, version)
+    if not readiness.ready:
+        await _withdraw(serving, policy, version, token)
+        log.warning("serving pointer not moved: the fleet has not loaded the version", policy=policy,
+                    version=version, reason=readiness.reason)
+        return MoveOutcome(False, readiness.reason, before, readiness)
+    try:
+        pointer = await serving.move(policy, version, kind=kind, token=token, reason=reason, decided_by=decided_by,
+                                     expected_version=expected_version, uri=uri, sha256=sha256)
+    except ServingMoveRefused as exc:
+        await _withdraw(serving, policy, version, token)
+        return MoveOutcome(False, str(exc), before, readiness)
+    record = PromotionDecision(policy=policy, version=version, decision=decision, reason=reason,
+                               serving_before=before.version if before else None,
+                               candidate_metrics=candidate_metrics or {}, serving_metrics=serving_metrics or {},
+                               decided_by=decided_by, fencing_token=token)
+    if producer is not None and codec is not None and topic is not None:
+        await publish_decision(producer, codec, topic, record)
+    return MoveOutcome(True, readiness.reason, pointer, readiness, record)
+
+
+async def _withdraw(serving: ServingControl, policy: str, version: int, token: int) -> None:
+    """Clear ``pending_version`` when it still names ``version`` (a newer decision's request stays)."""
+    raw = await serving.control._retry("serving", lambda: serving.redis.hgetall(serving_key(policy))) or {}
+    if _int_or_none(raw.get("pending_version")) == version:
+        try:
+            await serving.request_load(policy, None, token)
+        except ServingMoveRefused:
+            pass

@@ -1,0 +1,117 @@
+"""The serving pointer on a real Redis: forward compare-and-set, fencing, rollback only by the explicit call, the
+fleet rule over the replicas' acknowledgements, and a decision recorded on the real broker's ``promotions`` topic."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DecisionKind, PromotionDecision
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.serving import (MoveKind, NotForward, ReplicaAck, ServingConflict, ServingControl,
+                                        ServingFenced, move_serving_when_loaded, parse_model_name)
+
+pytestmark = pytest.mark.integration
+CODEC = AvroCodec()
+
+
+def test_model_names_address_versions() -> None:
+    assert parse_model_name("toy", "toy") == (True, None)
+    assert parse_model_name("toy@12", "toy") == (True, 12)
+    assert parse_model_name("toy@x", "toy") == (False, None)
+    assert parse_model_name("other@3", "toy") == (False, None)
+    assert parse_model_name("toy@", "toy") == (False, None)
+
+
+def test_forward_compare_and_set_fencing_and_explicit_rollback(rl_config: RlstreamConfig) -> None:
+    policy = rl_config.policy
+
+    async def scenario() -> None:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        try:
+            assert await serving.serving(policy) is None
+            with pytest.raises(ServingFenced):  # a token Redis never issued
+                await serving.promote(policy, 1, token=99, reason="x", decided_by="test")
+            old_token = await serving.issue_token(policy)
+            token = await serving.issue_token(policy)
+            pointer = await serving.promote(policy, 2, token=token, reason="better", decided_by="gate",
+                                            expected_version=-1)
+            assert (pointer.version, pointer.fencing_token, pointer.reason) == (2, token, "better")
+            with pytest.raises(ServingFenced):  # a decider holding an older token (paused while this one moved)
+                await serving.promote(policy, 5, token=old_token, reason="late", decided_by="zombie")
+            newer = await serving.issue_token(policy)
+            with pytest.raises(NotForward):  # a forward move never goes back, or stays
+                await serving.promote(policy, 1, token=newer, reason="back", decided_by="gate")
+            with pytest.raises(NotForward):
+                await serving.promote(policy, 2, token=newer, reason="same", decided_by="gate")
+            with pytest.raises(ServingConflict):  # compare-and-set: the decider expected another serving version
+                await serving.promote(policy, 4, token=newer, reason="x", decided_by="gate", expected_version=3)
+            await serving.promote(policy, 4, token=newer, reason="better", decided_by="gate", expected_version=2)
+            rollback_token = await serving.issue_token(policy)
+            pointer = await serving.rollback(policy, 2, token=rollback_token, reason="operator", decided_by="ops")
+            assert (pointer.version, pointer.floor) == (2, 4)
+            gate_token = await serving.issue_token(policy)
+            with pytest.raises(NotForward):  # the rolled-back version never comes back by itself
+                await serving.promote(policy, 4, token=gate_token, reason="again", decided_by="gate")
+            with pytest.raises(NotForward):  # a rollback only goes back
+                await serving.rollback(policy, 3, token=gate_token, reason="x", decided_by="ops")
+            pointer = await serving.promote(policy, 5, token=gate_token, reason="newer", decided_by="gate")
+            assert pointer.version == 5
+            forced = await serving.move(policy, 4, kind=MoveKind.force, token=await serving.issue_token(policy),
+                                        reason="operator", decided_by="ops")
+            assert (forced.version, forced.floor) == (4, 5)
+        finally:
+            await control.close()
+
+    asyncio.run(scenario())
+
+
+def test_fleet_rule_and_recorded_decision(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    policy = rl_config.policy
+
+    async def scenario() -> list[PromotionDecision]:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        producer = make_producer(rl_config.kafka)
+        await producer.start()
+        try:
+            no_fleet = await move_serving_when_loaded(serving, policy, 1, decision=DecisionKind.promote,
+                                                      reason="x", decided_by="gate", timeout_s=0.2)
+            assert not no_fleet.moved and "no inference replica is alive" in no_fleet.reason
+            await serving.record_replica(policy, ReplicaAck("a", 1, "p-v1", loaded={0: "base", 1: "p-v1"}), 30)
+            await serving.record_replica(policy, ReplicaAck("b", 0, "base", loaded={0: "base"},
+                                                            failed={1: "sha256 mismatch"}), 30)
+            refused = await move_serving_when_loaded(serving, policy, 1, decision=DecisionKind.promote,
+                                                     reason="x", decided_by="gate", timeout_s=0.3)
+            assert not refused.moved and "b failed to load it: sha256 mismatch" in refused.reason
+            assert await serving.serving(policy) is None
+            assert await serving.wanted_versions(policy) == set()  # the request was withdrawn
+            await serving.record_replica(policy, ReplicaAck("b", 1, "p-v1", loaded={1: "p-v1"}), 30)
+            await serving.record_replica(policy, ReplicaAck("down", 0, "base", loaded={0: "base"}), 1)
+            await asyncio.sleep(2.2)  # its heartbeat expires: a replica that is down is excluded
+            moved = await move_serving_when_loaded(serving, policy, 1, decision=DecisionKind.promote,
+                                                   reason="passed", decided_by="gate", timeout_s=5,
+                                                   producer=producer, codec=CODEC, topic=created_topics.promotions)
+            assert moved.moved and moved.pointer is not None and moved.pointer.version == 1
+            assert moved.readiness is not None and moved.readiness.loaded_on == ("a", "b")
+        finally:
+            await producer.stop()
+            await control.close()
+        consumer = make_consumer(rl_config.kafka, created_topics.promotions, group_id=None,
+                                 auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            batches = await consumer.getmany(timeout_ms=5000)
+            return [CODEC.decode(r.value, PromotionDecision) for records in batches.values() for r in records]
+        finally:
+            await consumer.stop()
+
+    decisions = asyncio.run(scenario())
+    assert [(d.version, d.decision, d.serving_before, d.reason) for d in decisions] == [
+        (1, DecisionKind.promote, None, "passed")]
+    assert decisions[0].fencing_token >= 1
