@@ -63,6 +63,9 @@ INFERENCE_LOAD_FAILED = "inference/load_failed"
 #: 1 per PolicyVersion record refused as untrusted and dead-lettered (tags ``worker``, ``reason``: ``uri_outside_roots``,
 #: ``file_not_in_manifest``, ``version_jump``, ``stale_fencing_token``); the worker keeps its loaded version.
 INFERENCE_VERSION_REFUSED = "inference/version_refused"
+#: Versions the fleet is asked to serve (serving, pending, canary: docs/promotion.md) that this worker's server failed
+#: to load (tag ``worker``); above 0 the fleet switch waits for it and the serving pointer does not move.
+INFERENCE_FLEET_LOAD_FAILED = "inference/fleet_load_failed"
 
 # --- learner (source ``learner``; step = learner step, ``STEP_TAG`` = ``STEP_LEARNER``) ---------------------------
 #: Groups trained on in the step.
@@ -166,7 +169,8 @@ PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM
 TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE, LEARNER_LOSS,
          REPLAY_PUBLISHED)
 ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S)
-INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED)
+INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED,
+             INFERENCE_FLEET_LOAD_FAILED)
 #: Per learner step: the step's own figures and those of its optimizer step.
 LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEARNER_LOSS, LEARNER_KL,
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
@@ -285,6 +289,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
              "worker could not load (reason: the exception type)"),
     _counter(INFERENCE_VERSION_REFUSED, "rlstream_inference_version_refused_total", _WORKER_REASON, "Policy "
              "versions refused as untrusted and dead-lettered"),
+    _gauge(INFERENCE_FLEET_LOAD_FAILED, "rlstream_inference_fleet_load_failed", _WORKER, "Versions the fleet is "
+           "asked to serve (serving, pending, canary) that the worker's server failed to load"),
     # learner: one event of each per learner step
     _counter(LEARNER_GROUPS, "rlstream_learner_groups_trained_total", _LEARNER, "Groups the learner trained on"),
     _gauge(LEARNER_POLICY_LAG_MEAN, "rlstream_learner_policy_lag_mean", _LEARNER, "Mean policy lag (versions) of "
