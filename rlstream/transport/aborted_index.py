@@ -22,7 +22,9 @@ any record of that fetch is handed on:
 * not known yet: the fetch hands on nothing for that partition (its position does not move), the fetcher reads
   the batches of [first offset, fetch offset) from the same broker with a read_uncommitted fetch (control batches
   included) until it finds the producer's marker, and the next fetch finds the entry settled. A look-up that fails
-  is tried again on the next fetch: no record passes an unsettled entry.
+  (e.g. the transaction's first offset was deleted from the log) is logged as a warning and tried again on the next
+  fetch, ``LOOKUP_RETRY_S`` later: no record passes an unsettled entry. (noida-db stops listing an aborted
+  transaction once its records are deleted; Kafka lists one only while it is open at the fetch offset.)
 
 Transactions that begin at or after the fetch offset need nothing: their markers come with the fetched data.
 What is learnt is kept for the process (per listed transaction, and the ABORT markers read), so a look-up happens
@@ -63,7 +65,7 @@ READ_COMMITTED = 1
 #: bytes asked for per look-up read (a broker returns at least one whole batch whatever the limit)
 LOOKUP_MAX_BYTES = 1 << 20
 #: after a failed look-up, the fetcher waits this long before the fetch that tries again
-LOOKUP_RETRY_S = 0.2
+LOOKUP_RETRY_S = 1.0
 #: the parameters of ``PartitionRecords.__init__`` the guard relies on, in order
 _PARTITION_RECORDS_PARAMS = ["self", "tp", "records", "aborted_transactions", "fetch_offset", "key_deserializer",
                              "value_deserializer", "check_crcs", "isolation_level"]

@@ -14,8 +14,8 @@ consumer waits is fetched at most ``min_round_trip_s`` later. Set by ``kafka.emp
 :func:`rlstream.transport.kafka.make_consumer` and the streams worker (for Faust's consumer) install it.
 
 aiokafka is patched in two modules, both in ``rlstream/transport/`` and both checked when installed: this one
-(``Fetcher._proc_fetch_request``) and ``aborted_index`` (``PartitionRecords``). An aiokafka release without the
-method fails at start-up with a message naming it.
+(``Fetcher._proc_fetch_request``) and ``aborted_index`` (``PartitionRecords``, and ``_proc_fetch_request`` too: each
+wraps whatever the other left). An aiokafka release without the method fails at start-up with a message naming it.
 """
 from __future__ import annotations
 

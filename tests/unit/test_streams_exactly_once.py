@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 from typing import Any
 
+from aiokafka import TopicPartition
 from faust.types import TP
 
 from rlstream.transport import aborted_index
@@ -65,17 +66,22 @@ def test_without_transactions_recovery_keeps_fausts_ends() -> None:
     assert ends == {TP("c", 0): -1} and app.tables.recovery.calls == ["active"]
 
 
-def test_an_aborted_transaction_whose_abort_marker_was_read_no_longer_hides_records() -> None:
+def test_listed_aborted_transactions_are_kept_left_out_or_looked_up() -> None:
     tp = TP("t-aborted-index", 0)
     aborted = [(1028, 2)]  # (producer id, first offset): what noida-db still lists after the ABORT marker at 5
-    assert aborted_index.relevant_aborted(tp, aborted, 2) == aborted  # marker not read yet: it hides records
+
+    def unsettled(producer_id: int, first: int, fetch: int, partition: int = 0) -> aborted_index.Unsettled:
+        return aborted_index.Unsettled(TopicPartition(tp.topic, partition), producer_id, first, fetch)
+
+    assert aborted_index.settle_listed(tp, aborted, 2) == (aborted, [])  # begins in the fetch: its marker comes too
+    assert aborted_index.settle_listed(tp, aborted, 3) == ([], [unsettled(1028, 2, 3)])  # end unknown: look it up
     aborted_index._remember_abort(tp.topic, tp.partition, 1028, 5)
-    assert aborted_index.relevant_aborted(tp, aborted, 5) == aborted  # the fetch starts at the marker itself
-    assert aborted_index.relevant_aborted(tp, aborted, 6) == []  # past it: Kafka would not list it
-    assert aborted_index.relevant_aborted(tp, [(1028, 7)], 8) == [(1028, 7)]  # a later aborted transaction
-    assert aborted_index.relevant_aborted(tp, [(1029, 2)], 6) == [(1029, 2)]  # another producer
-    assert aborted_index.relevant_aborted(TP("t-aborted-index", 1), aborted, 6) == aborted  # another partition
-    assert aborted_index.relevant_aborted(tp, None, 6) == []
+    assert aborted_index.settle_listed(tp, aborted, 5) == ([], [unsettled(1028, 2, 5)])  # the marker is not before
+    assert aborted_index.settle_listed(tp, aborted, 6) == ([], [])  # past the marker: Kafka would not list it
+    assert aborted_index.settle_listed(tp, [(1028, 7)], 8) == ([], [unsettled(1028, 7, 8)])  # a later transaction
+    assert aborted_index.settle_listed(tp, [(1029, 2)], 6) == ([], [unsettled(1029, 2, 6)])  # another producer
+    assert aborted_index.settle_listed(TP(tp.topic, 1), aborted, 6) == ([], [unsettled(1028, 2, 6, partition=1)])
+    assert aborted_index.settle_listed(tp, None, 6) == ([], [])
 
 
 def test_install_wraps_aiokafka_once() -> None:
