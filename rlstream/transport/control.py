@@ -215,7 +215,11 @@ class ControlPlane:
     async def announcement(self, policy: str, record_sha256: str) -> Announcement | None:
         """The registered announcement of a record (by the sha256 of its bytes), None when never registered."""
         raw = await self._retry("announcement", lambda: self.redis.hget(announcements_key(policy), record_sha256))
-        return Announcement.parse(raw) if raw else None
+        try:
+            return Announcement.parse(raw) if raw else None
+        except ValueError:  # not written by register_announcement: no announcement
+            log.warning("malformed announcement entry ignored", policy=policy, record_sha256=record_sha256)
+            return None
 
     async def fencing_tokens_issued(self, policy: str) -> int:
         """The newest fencing token ever issued for ``policy`` (0 when none): no genuine record carries a larger one."""

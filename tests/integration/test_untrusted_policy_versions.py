@@ -23,7 +23,7 @@ from rlstream.schemas.codec import AvroCodec, CodecError
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, FileDigest, PolicyVersion, WeightsKind
 from rlstream.schemas.topics import TopicNames
-from rlstream.transport.control import ControlPlane, LeaseLost
+from rlstream.transport.control import ControlPlane, LeaseLost, announcements_key
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.trusted_versions import (AnnouncementPending, NeverCommitted, NotAnnounced, ReplayedRecord,
                                                  TrustedVersions, record_digest)
@@ -319,6 +319,9 @@ async def test_a_record_counts_once_its_announcement_is_committed_and_confirmed(
         with pytest.raises(ReplayedRecord):  # the same bytes again, e.g. copied by a plain producer
             await trust.check(CODEC.decode(one, PolicyVersion), one)
         changed = CODEC.encode(CODEC.decode(one, PolicyVersion).model_copy(update={"uri": "/elsewhere"}))
+        with pytest.raises(NotAnnounced):
+            await trust.check(CODEC.decode(changed, PolicyVersion), changed)
+        await control.redis.hset(announcements_key(policy), record_digest(changed), "committed|1")  # malformed
         with pytest.raises(NotAnnounced):
             await trust.check(CODEC.decode(changed, PolicyVersion), changed)
 
