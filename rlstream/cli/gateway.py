@@ -29,8 +29,9 @@ def gateway_serve(
                                              "$XDG_STATE_HOME/rlstream/gateway-spool/PORT, or ~/.local/state/... without it)"),
     spool_max_bytes: int = typer.Option(1 << 30, help="disk the spool may use; past it events are dropped (counted)"),
     spool_after_s: float = typer.Option(2.0, help="spool once Kafka has not taken or acknowledged an event this long"),
-    route_versions: bool = typer.Option(True, help="route the policy's model name to the newest loaded version "
-                                        "(Redis heartbeats of the inference workers)"),
+    route_versions: bool = typer.Option(True, help="route the policy's model name to the serving version and "
+                                        "POLICY@N to version N, on the replicas that acknowledged loading it "
+                                        "(Redis: the serving pointer and the inference workers' heartbeats)"),
     prometheus_port: Optional[int] = typer.Option(None, help="serve the gateway's metrics (overhead per call, "
                                                   "process) to Prometheus on this port"),
     upstream_api_key: Optional[str] = typer.Option(None, envvar="RLSTREAM_GATEWAY_UPSTREAM_API_KEY",
@@ -121,7 +122,7 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
     from rlstream.rollout.gateway.app import Gateway
     from rlstream.rollout.gateway.server import serve_forever
     from rlstream.rollout.publisher import TrajectoryPublisher
-    from rlstream.rollout.routing import VersionRouter
+    from rlstream.rollout.routing import FleetRouter
     from rlstream.schemas.codec import codec_for
     from rlstream.schemas.topics import TopicNames
     from rlstream.transport.control import ControlPlane
@@ -136,19 +137,15 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
                                    run_id=cfg.run_id, prometheus_port=gw.prometheus_port,
                                    prometheus_addr=gw.metrics_host or gw.host)
     control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
-    route = None
-    if control is not None:
-        router = VersionRouter(control, cfg.policy, gw.served_model)
-
-        async def route() -> tuple[str, int]:  # type: ignore[misc]
-            current = await router.current()
-            return current.model, current.version
+    # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
+    # a replica that acknowledged loading it (docs/promotion.md)
+    fleet = FleetRouter(control, cfg.policy, gw.served_model) if control is not None else None
     try:
         await publisher.start()
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures
         console.print(f"Kafka not reachable yet ({exc}); serving, capture will retry", highlight=False)
     try:
-        await serve_forever(Gateway(gw, publisher, route=route, metrics=metrics, access=access))
+        await serve_forever(Gateway(gw, publisher, metrics=metrics, access=access, fleet=fleet))
     finally:
         await _close_publisher(publisher, gw.drain_timeout_s, spooled=gw.spool_dir is not None)
         if control is not None:

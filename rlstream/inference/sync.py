@@ -19,10 +19,17 @@ the newest version of its policy, loads it, then loads each newer version as it 
 * a failed load is retried ``load_retries`` times with backoff, then reported; the worker stays on
   the version it had (the server is never left half-loaded).
 
-The loaded version and the name to request it by are heartbeated to Redis
-(``rlstream:{policy}:worker:{id}``); the rollout runner routes requests by it. Failures are
-reported in the log, as a ``inference/load_failed`` metric, as a dead letter on ``dlq`` (with the
-raw PolicyVersion record) and as ``last_error`` fields of the worker's Redis hash.
+The worker also keeps the versions the fleet is asked to serve loaded (docs/promotion.md): the serving version, a
+``pending_version`` a promotion or rollback waits for (an older version is loaded again from its trusted record) and
+the canary; these are never unloaded to make room for new candidates.
+
+With its heartbeat (``rlstream:{policy}:worker:{id}``) the worker acknowledges what its server actually has loaded,
+read back from ``/v1/models`` (versions, the name each is requested by, the versions that failed to load, the
+server's URL): the fleet switch and the routers go by it (rlstream/transport/serving.py). A server that does not
+answer gets no heartbeat: after ``inference.heartbeat_ttl_s`` the replica counts as down. Failures are
+reported in the log, as a ``inference/load_failed`` metric (``inference/fleet_load_failed`` while a version the
+fleet is asked to serve failed), as a dead letter on ``dlq`` (with the raw PolicyVersion record) and as
+``last_error`` fields of the worker's Redis hash.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from aiokafka import AIOKafkaProducer
 
@@ -42,6 +50,7 @@ from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.serving import ReplicaAck, ServingControl
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.inference.manifest import ManifestError, UntrustedVersion, rollback_dir, stage, verify
@@ -70,6 +79,29 @@ class LoadedState:
 def adapter_name(policy: str, version: int) -> str:
     """The LoRA adapter name of one version (new per version: vLLM refuses reusing a name)."""
     return f"{policy}-v{version}"
+
+
+def adapter_version(policy: str, name: str) -> int | None:
+    """The version of an adapter name of ``policy`` (:func:`adapter_name`), None for any other name."""
+    prefix = f"{policy}-v"
+    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def url_without_credentials(url: str) -> str:
+    """``url`` without a user or password (what a replica shows in Redis; routers bring their own API key)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+#: Seconds before a version the fleet is asked to serve is loaded again after its load failed.
+WANTED_RETRY_S = 10.0
+#: Seconds between two reads of the serving pointer by the worker's loop.
+SERVING_POLL_S = 1.0
 
 
 class InferenceSyncWorker:
@@ -106,6 +138,13 @@ class InferenceSyncWorker:
             Path(tempfile.mkdtemp(prefix=f"rlstream-staging-{self.icfg.worker_id}-"))
         self._staged: dict[int, Path] = {}  # version -> its staged copy
         self._loaded_event = asyncio.Event()
+        self.serving = ServingControl(control)
+        self.known: dict[int, tuple[PolicyVersion, SourceRecord | None]] = {}  # trusted records of our policy
+        self.failed: dict[int, tuple[float, str]] = {}  # version -> (monotonic time, error) of its last failed load
+        self.wanted: set[int] = set()  # serving, pending and canary versions (kept loaded)
+        self._serving_read_at = 0.0
+        self._fleet_failures_emitted = 0
+        self.replica_url = url_without_credentials(str(self.icfg.url))
 
     @property
     def weights_roots(self) -> list[Path]:
@@ -132,6 +171,7 @@ class InferenceSyncWorker:
             while not stop.is_set():
                 for item in await reader.fetch(timeout_ms=500, max_records=100):
                     await self.handle(item)
+                await self.follow_serving()
         finally:
             stop.set()
             heartbeat.cancel()
@@ -157,6 +197,7 @@ class InferenceSyncWorker:
                 break
             if await self.sync(item.event, item.source):
                 break
+        await self.follow_serving(force=True)
         await self._heartbeat()
         log.info("sync worker caught up", policy=self.cfg.policy, loaded_version=self.state.version,
                  name=self.state.name, seen=len(newest))
@@ -181,6 +222,7 @@ class InferenceSyncWorker:
         while True:
             try:
                 await self.trust.check(version, record.value)
+                self.known[version.version] = (version, record)
                 return True
             except UntrustedVersionRecord as exc:
                 await self._report(version, record, exc, refused=True)
@@ -218,9 +260,10 @@ class InferenceSyncWorker:
                     return False
                 await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
         self._drop_staged()
+        self.failed.pop(version.version, None)
         await self._heartbeat()
         seconds = time.monotonic() - started
-        await self.metrics.emit(mn.INFERENCE_LOADED_VERSION, version.version, step=version.version,
+        await self.metrics.emit(mn.INFERENCE_LOADED_VERSION, self.state.version, step=version.version,
                                 tags={"worker": self.icfg.worker_id, "kind": version.kind.value})
         await self.metrics.emit(mn.INFERENCE_LOAD_SECONDS, seconds, step=version.version,
                                 tags={"worker": self.icfg.worker_id})
@@ -249,7 +292,8 @@ class InferenceSyncWorker:
                 self.adapters.remove(name)
             await self.backend.load_lora(name, weights_dir)
             self.adapters.append(name)
-            self.state = LoadedState(version.version, name, "lora", self.state.weights_dir)
+            if version.version > self.state.version:  # an older version loaded for serving leaves the newest
+                self.state = LoadedState(version.version, name, "lora", self.state.weights_dir)
             await self._trim_adapters()
         elif version.kind == WeightsKind.full:
             previous = self.state.weights_dir or self._base_dir(version)
@@ -270,8 +314,47 @@ class InferenceSyncWorker:
         return path
 
     async def _trim_adapters(self) -> None:
-        while len(self.adapters) > self.icfg.keep_adapters:
-            await self._unload_quietly(self.adapters.popleft())
+        """Unload the oldest candidates beyond ``keep_adapters``; the versions the fleet is asked to serve stay."""
+        pinned = [n for n in self.adapters if self._adapter_version(n) in self.wanted]
+        others = [n for n in self.adapters if n not in pinned]
+        while len(others) > self.icfg.keep_adapters:
+            name = others.pop(0)
+            self.adapters.remove(name)
+            await self._unload_quietly(name)
+
+    # -- the versions the fleet is asked to serve ---------------------------------------------
+    async def follow_serving(self, force: bool = False) -> None:
+        """Read the serving pointer (at most every ``SERVING_POLL_S``) and load the serving, pending and canary
+        versions this server lacks, from their trusted records (LoRA versions; a failed one again after
+        ``WANTED_RETRY_S``)."""
+        now = time.monotonic()
+        if not force and now - self._serving_read_at < SERVING_POLL_S:
+            return
+        self._serving_read_at = now
+        try:
+            self.wanted = await self.serving.wanted_versions(self.cfg.policy)
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: keep what is loaded, read again later
+            log.warning("cannot read the serving pointer", error=str(exc))
+            return
+        loaded = {self._adapter_version(n) for n in self.adapters} | {self.state.version}
+        for version in sorted(self.wanted - loaded, reverse=True):
+            known = self.known.get(version)
+            failed = self.failed.get(version)
+            if known is None or failed is not None and now - failed[0] < WANTED_RETRY_S:
+                continue
+            if known[0].kind != WeightsKind.lora:
+                continue  # one full version per server: the newest announced one
+            log.info("loading a version the fleet is asked to serve", version=version)
+            await self.sync(known[0], known[1])
+        await self._emit_fleet_failures()
+
+    async def _emit_fleet_failures(self) -> None:
+        """``inference/fleet_load_failed`` when it changed (a gauge: Prometheus keeps the last value)."""
+        failing = sum(1 for v in self.wanted if v in self.failed)
+        if failing != self._fleet_failures_emitted:
+            self._fleet_failures_emitted = failing
+            await self.metrics.emit(mn.INFERENCE_FLEET_LOAD_FAILED, float(failing),
+                                    tags={"worker": self.icfg.worker_id})
 
     async def _unload_quietly(self, name: str) -> None:
         try:
@@ -282,6 +365,9 @@ class InferenceSyncWorker:
     # -- reporting --------------------------------------------------------------------------
     async def _report(self, version: PolicyVersion, record: SourceRecord | None, exc: Exception, refused: bool) -> None:
         self.failures += 1
+        self.failed[version.version] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
+        while len(self.failed) > 32:
+            del self.failed[min(self.failed)]
         if refused:
             self.refused.append((version.version, str(exc)))
         what = "refused" if refused else "failed"
@@ -302,9 +388,37 @@ class InferenceSyncWorker:
             await self.dead_letters.send(record, exc)
 
     # -- heartbeat --------------------------------------------------------------------------
+    async def read_back(self) -> dict[int, str] | None:
+        """The versions the server answers to (``/v1/models``), by version: the policy's adapters, and the base name
+        as the loaded full version (0 before any). None when the server does not answer."""
+        models = getattr(self.backend, "models", None)
+        if models is None:  # a backend without a model listing: what this worker loaded
+            names = [self.icfg.served_model, *self.adapters]
+        else:
+            try:
+                names = await models()
+            except BackendError as exc:
+                log.warning("the server does not list its models; no heartbeat", error=str(exc))
+                return None
+        loaded: dict[int, str] = {}
+        for name in names:
+            version = adapter_version(self.cfg.policy, name)
+            if version is not None:
+                loaded[version] = name
+            elif name == self.icfg.served_model:
+                loaded.setdefault(self.state.version if self.state.kind == "full" else 0, name)
+        return loaded
+
     async def _heartbeat(self) -> None:
-        await self.control.heartbeat_worker(self.cfg.policy, self.icfg.worker_id, self.state.version,
-                                            self.state.name, self.icfg.heartbeat_ttl_s)
+        """Acknowledge what the server has loaded (read back, not assumed), with the heartbeat."""
+        loaded = await self.read_back()
+        if loaded is None:
+            return
+        newest = max(loaded) if loaded else 0
+        failed = {v: error for v, (_, error) in self.failed.items() if v not in loaded}
+        await self.serving.record_replica(self.cfg.policy, ReplicaAck(
+            worker_id=self.icfg.worker_id, version=newest, name=loaded.get(newest, self.state.name),
+            url=self.replica_url, loaded=loaded, failed=failed), self.icfg.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

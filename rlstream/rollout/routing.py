@@ -1,32 +1,54 @@
-"""Which model name to request, and which policy version that is: from the sync workers' heartbeats."""
+"""Which model name to request, and which policy version that is: the serving pointer and the replicas'
+acknowledgements (rlstream/transport/serving.py, docs/promotion.md).
+
+``policy`` is the serving version; before the first promotion (no serving pointer) it is the newest version a
+replica acknowledged. ``policy@N`` is version N, on a replica that acknowledged loading it.
+"""
 from __future__ import annotations
 
+import itertools
 import time
+import zlib
 from dataclasses import dataclass
 
 from rlstream.transport.control import ControlPlane
+from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer
 
 
 @dataclass(frozen=True)
 class Route:
-    """Requests for the policy go to ``model``, which serves ``version``."""
+    """Requests for the policy go to ``model``, which serves ``version``; ``url``: the replica's server (empty: the
+    caller's configured upstream)."""
 
     model: str
     version: int
     worker_id: str | None = None
+    url: str = ""
+
+
+def production_version(pointer: ServingPointer | None, replicas: list[ReplicaAck]) -> int | None:
+    """The version ``policy`` means: the serving one; without a serving pointer the newest version a replica
+    acknowledged (None when no replica acknowledged anything)."""
+    if pointer is not None:
+        return pointer.version
+    versions = [v for r in replicas for v in r.loaded]
+    return max(versions) if versions else None
 
 
 class VersionRouter:
-    """Routes to the newest version an inference worker reports loaded (cached for ``ttl_s``).
+    """Routes to the serving version (cached for ``ttl_s``), on a replica that acknowledged loading it.
 
-    Without any worker heartbeat, requests go to the plain policy model and carry the learner's
-    latest published version (0 before the first).
+    Without a serving pointer: the newest version a replica acknowledged. When no replica has the serving version
+    loaded, the newest loaded version not above it. Without any worker heartbeat, requests go to the plain policy
+    model and carry the serving version, else the learner's latest published version (0 before the first).
+    ``worker_id`` restricts routing to one replica.
     """
 
     def __init__(self, control: ControlPlane, policy: str, base_model: str, worker_id: str | None = None,
                  ttl_s: float = 1.0) -> None:
         self.control, self.policy, self.base_model, self.worker_id, self.ttl_s = (
             control, policy, base_model, worker_id, ttl_s)
+        self.serving = ServingControl(control)
         self._cached: tuple[float, Route, bool] | None = None
 
     async def current(self) -> Route:
@@ -38,16 +60,82 @@ class VersionRouter:
         now = time.monotonic()
         if self._cached and now - self._cached[0] < self.ttl_s:
             return self._cached[1], self._cached[2]
-        workers = await self.control.workers(self.policy)
-        candidates = [
-            (int(info["version"]), wid, info.get("name") or self.base_model)
-            for wid, info in workers.items()
-            if "version" in info and (self.worker_id is None or wid == self.worker_id)
-        ]
+        replicas = [r for r in await self.serving.replicas(self.policy)
+                    if self.worker_id is None or r.worker_id == self.worker_id]
+        pointer = await self.serving.serving(self.policy)
+        wanted = production_version(pointer, replicas)
+        candidates = [(v, r.worker_id, name or self.base_model, r.url) for r in replicas
+                      for v, name in r.loaded.items() if wanted is None or v <= wanted]
         if candidates:
-            version, wid, name = max(candidates)
-            route, from_worker = Route(name, version, wid), True
+            version, wid, name, url = max(candidates)
+            route, from_worker = Route(name, version, wid, url), True
         else:
-            route, from_worker = Route(self.base_model, max(0, await self.control.latest_version(self.policy))), False
+            version = pointer.version if pointer is not None else max(0, await self.control.latest_version(self.policy))
+            route, from_worker = Route(self.base_model, version), False
         self._cached = (now, route, from_worker)
         return route, from_worker
+
+
+class VersionNotLoaded(LookupError):
+    """No alive replica acknowledged loading the version a request names."""
+
+
+class FleetRouter:
+    """The gateway's router: one version per request and per session, sent only to replicas that acknowledged it.
+
+    :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session started
+    on, else picks for a new session: the canary for its share of sessions (by a hash of the session id, so a
+    session keeps its pick), else the serving version (:func:`production_version`). Among the replicas that
+    acknowledged the version it goes round robin. The pointer and acknowledgements are cached for ``ttl_s``.
+    """
+
+    def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5) -> None:
+        self.serving = ServingControl(control)
+        self.policy, self.base_model, self.ttl_s = policy, base_model, ttl_s
+        self._snapshot: tuple[float, ServingPointer | None, list[ReplicaAck]] | None = None
+        self._turn = itertools.count()
+
+    async def _state(self) -> tuple[ServingPointer | None, list[ReplicaAck]]:
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
+            replicas = await self.serving.replicas(self.policy)
+            self._snapshot = (now, await self.serving.serving(self.policy), replicas)
+        return self._snapshot[1], self._snapshot[2]
+
+    def _on(self, version: int, replicas: list[ReplicaAck]) -> Route | None:
+        having = [r for r in replicas if version in r.loaded]
+        if not having:
+            return None
+        replica = having[next(self._turn) % len(having)]
+        return Route(replica.loaded[version] or self.base_model, version, replica.worker_id, replica.url)
+
+    async def route(self, pinned: int | None = None, session_version: int | None = None,
+                    session_id: str | None = None) -> Route:
+        """The route of one request; raises :class:`VersionNotLoaded` for a pinned version no replica has."""
+        pointer, replicas = await self._state()
+        if pinned is not None:
+            route = self._on(pinned, replicas)
+            if route is None:
+                raise VersionNotLoaded(f"version {pinned} of {self.policy!r} is not loaded on any replica")
+            return route
+        if session_version is not None:  # a session stays on its version while a replica has it
+            route = self._on(session_version, replicas)
+            if route is not None:
+                return route
+        if pointer is not None and pointer.canary_version is not None and pointer.canary_share > 0 \
+                and session_id is not None and session_version is None:
+            if zlib.crc32(session_id.encode()) / 2 ** 32 < pointer.canary_share:
+                route = self._on(pointer.canary_version, replicas)
+                if route is not None:
+                    return route
+        version = production_version(pointer, replicas)
+        if version is not None:
+            route = self._on(version, replicas)
+            if route is not None:
+                return route
+            older = sorted({v for r in replicas for v in r.loaded if v <= version}, reverse=True)
+            if older:  # the serving version on no alive replica: the newest loaded below it
+                route = self._on(older[0], replicas)
+                assert route is not None
+                return route
+        return Route(self.base_model, version or 0)

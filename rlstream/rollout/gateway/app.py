@@ -32,12 +32,14 @@ from rlstream.rollout.gateway.responses import request_messages, response_messag
 from rlstream.rollout.gateway.spool import Spool
 from rlstream.rollout.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
+from rlstream.rollout.routing import FleetRouter, VersionNotLoaded
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.masking import mask_text
 from rlstream.schemas.models import RewardEvent, new_id
+from rlstream.transport.serving import parse_model_name
 
 log = get_logger(__name__)
 
@@ -94,12 +96,17 @@ def upstream_failed(exc: Exception, config: GatewayConfig, what: str = "unreacha
 
 class Gateway:
     """State of one gateway: the upstream client, open sessions, the capture queue; with ``metrics``, the
-    gateway's overhead per captured call (``metric_names.GATEWAY_OVERHEAD_S``, Prometheus only)."""
+    gateway's overhead per captured call (``metric_names.GATEWAY_OVERHEAD_S``, Prometheus only).
+
+    With ``fleet`` (it takes precedence over ``route``), the policy's model names address versions (``policy`` the
+    serving one, ``policy@N`` version N) and each request and session is pinned to one version, sent to a replica
+    that acknowledged loading it (docs/promotion.md)."""
 
     def __init__(self, config: GatewayConfig, publisher: Submitter, route: RouteSource | None = None,
                  client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None,
-                 access: AccessConfig | None = None) -> None:
+                 access: AccessConfig | None = None, fleet: FleetRouter | None = None) -> None:
         self.config = config
+        self.fleet = fleet
         self.access = access if access is not None else AccessConfig()
         self.keys = self.access.key_store()
         secret = self.access.feedback_secret
@@ -181,6 +188,26 @@ class Gateway:
             log.error("trajectory not built", trajectory_id=traj.trajectory_id, error=str(exc))
             return
         self.capture.put(event)
+
+    async def _route_pinned(self, model: str, session_id: str | None) -> tuple[str, int, str]:
+        """(upstream model name, version, upstream base URL ending in /v1) of a call for ``model``: pinned to one
+        version (the one ``policy@N`` names, the session's, or a new pick) on a replica that has it loaded.
+        Raises :class:`VersionNotLoaded` for ``policy@N`` that no replica has."""
+        _, pinned = parse_model_name(model, self.config.policy)
+        if self.fleet is None:
+            name, version = await self._route(model)
+            return name, version, self.config.upstream_base
+        session = self.sessions.open.get(session_id) if session_id is not None else None
+        try:
+            route = await self.fleet.route(pinned, session.policy_version if session is not None else None,
+                                           session_id)
+        except VersionNotLoaded:
+            raise
+        except Exception as exc:  # Redis unreachable: the request goes out as asked, to the configured upstream
+            log.warning("policy version unknown (router failed); request sent as asked", error=str(exc))
+            return model, self.config.policy_version, self.config.upstream_base
+        base = route.url.rstrip("/") if route.url else self.config.upstream_base
+        return route.model, route.version, base if base.endswith("/v1") else base + "/v1"
 
     async def _route(self, model: str) -> tuple[str, int]:
         if self.route is not None and model in (self.config.policy, self.config.served_model):
@@ -266,8 +293,8 @@ class Gateway:
                                     tags={"route": route, "streamed": "true" if streamed else "false"})
 
     # -- upstream --
-    async def _send(self, body: dict[str, Any], stream: bool) -> httpx.Response:
-        url = self.config.upstream_base + "/chat/completions"
+    async def _send(self, body: dict[str, Any], stream: bool, base: str | None = None) -> httpx.Response:
+        url = (base or self.config.upstream_base) + "/chat/completions"
         sent = upstream_request(body, self.request_token_data, self.config.request_logprobs)
         request = self.client.build_request("POST", url, json=sent)
         response = await self.client.send(request, stream=stream)
@@ -288,13 +315,14 @@ class Gateway:
         return f"{tenant}:{session_id}" if self.keys.enabled else session_id
 
     def _is_policy_model(self, model: str) -> bool:
-        return model in (self.config.policy, self.config.served_model)
+        return model == self.config.served_model or parse_model_name(model, self.config.policy)[0]
 
     def _admit(self, request: Request, model: str) -> tuple[Principal, str | None, str | None, bool]:
         """(the caller, its task, its scoped session id or None, whether the call is captured) of an inference
         call for ``model``; :class:`AuthRefusal` (403) for a model or a task the caller's key may not use."""
         caller: Principal = request.scope.get(PRINCIPAL_KEY) or OPEN
-        if not caller.may_call(model, (self.config.policy, self.config.served_model)):
+        named, _ = parse_model_name(model, self.config.policy)  # policy@N: a version of the policy
+        if not caller.may_call(self.config.policy if named else model, (self.config.policy, self.config.served_model)):
             raise forbidden(f"this API key may not call model {model!r}", "model_not_allowed")
         task = task_for(caller, request.headers.get(TASK_HEADER) or None)
         session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
@@ -342,12 +370,15 @@ class Gateway:
         if not captured:
             return await self._passthrough("/chat/completions", body)
         asked = client_asked(body)
-        model, version = await self._route(str(body.get("model", "")))
+        try:
+            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id)
+        except VersionNotLoaded as exc:
+            return openai_error(404, str(exc), "model_not_found")
         upstream_body = {**body, "model": model}
         stream = bool(body.get("stream"))
         upstream_started = time.perf_counter()
         try:
-            response = await self._send(upstream_body, stream)
+            response = await self._send(upstream_body, stream, base)
         except httpx.HTTPError as exc:
             return upstream_failed(exc, self.config)
         if stream and response.status_code == 200:
@@ -397,8 +428,11 @@ class Gateway:
         caller, task, session_id, captured = self._admit(request, str(body.get("model", "")))
         if not captured:
             return await self._passthrough("/responses", body)
-        model, version = await self._route(str(body.get("model", "")))
-        url = self.config.upstream_base + "/responses"
+        try:
+            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id)
+        except VersionNotLoaded as exc:
+            return openai_error(404, str(exc), "model_not_found")
+        url = base + "/responses"
         stream = bool(body.get("stream"))
         upstream_started = time.perf_counter()
         try:
