@@ -18,15 +18,22 @@ def lineage_command(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
 ) -> None:
-    """Resolve a version to its groups (topic/partition/offset, group ids) and their trajectory offsets."""
+    """Resolve a version to its groups (topic/partition/offset, group ids) and their trajectory offsets, and list
+    the promotion decisions about it."""
     from rlstream.ops.lineage import render_lineage, version_lineage
+    from rlstream.ops.promotion import read_decisions
 
     cfg = load_or_exit(config, override)
     lineage = run_or_exit(version_lineage(cfg, version, policy))
+    decisions = run_or_exit(read_decisions(cfg, policy or cfg.policy, version))
     if fmt == OutputFormat.json:
-        print(json.dumps(lineage.to_dict()))
+        print(json.dumps({**lineage.to_dict(), "decisions": [d.model_dump(mode="json") for d in decisions]}))
     else:
         render_lineage(lineage, console)
+        for d in decisions:
+            before = "-" if d.serving_before is None else d.serving_before
+            console.print(f"decision {d.decided_at:%Y-%m-%d %H:%M:%S} {d.decision.value} (serving before: {before}, "
+                          f"by {d.decided_by}): {d.reason}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

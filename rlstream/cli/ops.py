@@ -27,6 +27,7 @@ class TailKind(str, Enum):
     groups = "groups"
     dlq = "dlq"
     versions = "versions"
+    promotions = "promotions"
 
 
 def run_or_exit(coro: Coroutine[Any, Any, T]) -> T:
@@ -96,7 +97,7 @@ def replay_command(
 
 
 def tail_command(
-    kind: TailKind = typer.Argument(..., help="metrics | groups | dlq | versions"),
+    kind: TailKind = typer.Argument(..., help="metrics | groups | dlq | versions | promotions"),
     run: Optional[str] = typer.Option(None, "--run", help="only events of this run"),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep reading new records (live table)"),
     from_beginning: bool = typer.Option(False, "--from-beginning", help="start at the beginning of each partition"),

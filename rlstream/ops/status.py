@@ -2,8 +2,8 @@
 
 Policy versions (the Redis latest pointer and the recent PolicyVersion messages the fenced learner announced;
 records that do not count are listed apart with the reason, see transport/trusted_versions.py), the learner
-lease holder, inference workers and the version each has loaded, lag per topic and consumer
-group, the run's status hash and its latest metrics. Reads only: it joins no group and commits
+lease holder, the serving pointer and the last promotion decisions (docs/promotion.md), inference workers and the
+versions each acknowledged loading, lag per topic and consumer group, the run's status hash and its latest metrics. Reads only: it joins no group and commits
 nothing.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import client_options
 from rlstream.transport.log import get_logger
+from rlstream.transport.serving import ServingControl
 from rlstream.transport.topic_reader import (TopicMissingError, TopicReader, open_reader, partitions_of,
                                              read_to_end)
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
@@ -153,6 +154,13 @@ async def latest_metrics(kafka: KafkaConfig, topic: str, run_id: str | None, tai
     return sorted(last.values(), key=lambda e: (e.source, e.name))
 
 
+async def last_decisions(cfg: RlstreamConfig, limit: int) -> list[Any]:
+    """The last ``limit`` decisions about ``cfg.policy`` on ``promotions``, newest first."""
+    from rlstream.ops.promotion import read_decisions
+
+    return list(reversed(await read_decisions(cfg, cfg.policy, tail=max(50, 10 * limit))))[:limit]
+
+
 async def control_plane_status(url: str, policy: str, run_id: str) -> dict[str, Any]:
     """Latest pointer, lease holder, workers (with heartbeat age) and the run's status hash."""
     plane = ControlPlane(url, retry_max_s=2.0)
@@ -162,8 +170,10 @@ async def control_plane_status(url: str, policy: str, run_id: str) -> dict[str, 
         for info in workers.values():
             if "heartbeat_at" in info:
                 info["age_s"] = f"{max(0.0, now - float(info['heartbeat_at'])):.1f}"
+        pointer = await ServingControl(plane).serving(policy)
         return {
             "latest": await plane.latest(policy),
+            "serving": asdict(pointer) if pointer is not None else None,
             "lease_holder": await plane.lease_holder(policy),
             "workers": workers,
             "run_status": await plane.status(run_id),
@@ -202,6 +212,7 @@ async def collect_status(cfg: RlstreamConfig, run_id: str | None = None, version
         except Exception as exc:
             status["errors"].append(f"recent_versions: {type(exc).__name__}: {exc}")
     for key, call in (
+        ("promotions", lambda: last_decisions(cfg, versions)),
         ("lag", lambda: consumer_group_lags(cfg.kafka, cfg.topics.prefix)),
         ("metrics", lambda: latest_metrics(cfg.kafka, names.metrics, run_id)),
     ):
@@ -225,6 +236,22 @@ def render_status(status: dict[str, Any], console: Any) -> None:
     console.print(f"[bold]policy[/bold] {status['policy']}   [bold]run[/bold] {status['run_id']}")
     console.print(f"latest version (redis): {latest.get('version', '-')}  uri: {latest.get('uri', '-')}")
     console.print(f"learner lease: {status.get('lease_holder') or 'free'}")
+    serving = status.get("serving")
+    if serving:
+        canary = (f"  canary: {serving['canary_version']} ({serving['canary_share']:.0%} of new sessions)"
+                  if serving.get("canary_version") is not None else "")
+        pending = f"  pending: {serving['pending_version']}" if serving.get("pending_version") is not None else ""
+        console.print(f"serving version: {serving['version']}  by {serving['decided_by'] or '-'}: "
+                      f"{serving['reason'] or '-'}{pending}{canary}", highlight=False)
+    else:
+        console.print("serving version: no serving pointer (routing follows the newest loaded version)")
+    if status.get("promotions"):
+        table = Table("time", "decision", "version", "serving before", "by", "reason", title="promotion decisions")
+        for d in status["promotions"]:
+            table.add_row(str(d["decided_at"]), str(d["decision"]), str(d["version"]),
+                          "-" if d["serving_before"] is None else str(d["serving_before"]), d["decided_by"],
+                          d["reason"])
+        console.print(table)
 
     table = Table("version", "kind", "learner step", "groups", "run", "created", "uri", title="recent policy versions")
     for v in status.get("recent_versions", []):
@@ -238,9 +265,11 @@ def render_status(status: dict[str, Any], console: Any) -> None:
             table.add_row(f"{u['partition']}:{u['offset']}", str(u["version"]), str(u["fencing_token"]), u["reason"])
         console.print(table)
 
-    table = Table("worker", "name", "loaded version", "heartbeat age s", title="inference workers")
+    table = Table("worker", "name", "loaded version", "loaded (acknowledged)", "failed", "heartbeat age s",
+                  title="inference workers")
     for wid, info in sorted((status.get("workers") or {}).items()):
-        table.add_row(wid, info.get("name", ""), info.get("version", ""), info.get("age_s", ""))
+        table.add_row(wid, info.get("name", ""), info.get("version", ""), info.get("loaded", ""),
+                      info.get("failed", ""), info.get("age_s", ""))
     console.print(table)
 
     table = Table("consumer group", "topic", "committed", "end", "lag", title="lag per topic and consumer group")

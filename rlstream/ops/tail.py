@@ -1,4 +1,4 @@
-"""``rlstream tail metrics|groups|dlq|versions``: read a topic as a table or as JSON lines.
+"""``rlstream tail metrics|groups|dlq|versions|promotions``: read a topic as a table or as JSON lines.
 
 Without ``--from-beginning`` it starts ``--last`` records before the end of each partition (like
 ``tail``); without ``--follow`` it stops at the end offsets of the moment it started. ``--follow``
@@ -33,19 +33,20 @@ from rlstream.transport.topic_reader import open_reader, partitions_of
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.schemas.codec import AvroCodec, CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, WireModel
+from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, PromotionDecision, TrajectoryGroup,
+                                     WireModel)
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
-TAIL_KINDS = ("metrics", "groups", "dlq", "versions")
+TAIL_KINDS = ("metrics", "groups", "dlq", "versions", "promotions")
 _MODELS: dict[str, type[WireModel]] = {"metrics": MetricEvent, "groups": TrajectoryGroup, "dlq": DeadLetter,
-                                       "versions": PolicyVersion}
+                                       "versions": PolicyVersion, "promotions": PromotionDecision}
 
 
 def topic_for(kind: str, names: TopicNames) -> str:
     """The topic a tail kind reads."""
     return {"metrics": names.metrics, "groups": names.groups, "dlq": names.dlq,
-            "versions": names.policy_versions}[kind]
+            "versions": names.policy_versions, "promotions": names.promotions}[kind]
 
 
 @dataclass
@@ -235,6 +236,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "groups": ("time", "run", "example", "size", "reward mean", "std", "min", "max", "completion", "versions", "pct"),
     "dlq": ("time", "service", "from", "error", "message"),
     "versions": ("time", "policy", "version", "kind", "step", "groups", "run", "uri", "trust"),
+    "promotions": ("time", "policy", "decision", "version", "serving before", "by", "token", "reason"),
 }
 
 
@@ -260,6 +262,11 @@ def table_cells(kind: str, event: WireModel) -> list[str]:
         kind_name = event.kind.value if isinstance(event.kind, Enum) else str(event.kind)
         return [_time(event.created_at), event.policy, str(event.version), kind_name, str(event.learner_step),
                 str(event.group_count), event.run_id, _short(event.uri, 50), "announced"]
+    if isinstance(event, PromotionDecision):
+        decision = event.decision.value if isinstance(event.decision, Enum) else str(event.decision)
+        before = "-" if event.serving_before is None else str(event.serving_before)
+        return [_time(event.decided_at), event.policy, decision, str(event.version), before, event.decided_by,
+                str(event.fencing_token), _short(event.reason, 60)]
     raise TypeError(f"no table row for {type(event).__name__}")
 
 

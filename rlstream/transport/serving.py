@@ -24,6 +24,7 @@ the pointer and records the decision on ``promotions``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from enum import Enum
 from typing import Any
 
 from rlstream.schemas.codec import AvroCodec
-from rlstream.schemas.models import DecisionKind, PromotionDecision
+from rlstream.schemas.models import DecisionKind, PolicyVersion, PromotionDecision
 from rlstream.transport.control import ControlPlane, worker_key
 from rlstream.transport.log import get_logger
 
@@ -62,6 +63,12 @@ def parse_model_name(model: str, policy: str) -> tuple[bool, int | None]:
     if sep and head == policy and tail.isdigit() and len(tail) <= 18:
         return True, int(tail)
     return False, None
+
+
+def files_digest(record: PolicyVersion) -> str:
+    """The serving pointer's ``sha256`` of a version: the sha256 of its files' ``<path> <sha256>`` lines, sorted."""
+    lines = sorted(f"{f.path} {f.sha256}" for f in record.files)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def versioned_model_name(policy: str, version: int) -> str:
