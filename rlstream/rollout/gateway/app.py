@@ -340,9 +340,9 @@ class Gateway:
             self.feedback_index.own(caller.tenant, trajectory_id)
             tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id))
         headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
-        if ids:
+        if ids:  # n > 1: the response id names the whole group, no one trajectory (not indexed)
             headers["x-rlstream-feedback-tokens"] = ",".join(tokens)
-        elif response_id is not None:  # n > 1: a response id names the whole group, no one trajectory
+        elif response_id is not None:
             self.feedback_index.add_response(caller.tenant, response_id, trajectory_ids[0])
         if session_id is not None:
             headers["x-rlstream-session-id"] = session_id
