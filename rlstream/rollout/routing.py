@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer
@@ -23,7 +23,7 @@ class Route:
     model: str
     version: int
     worker_id: str | None = None
-    url: str = ""
+    url: str = field(default="", compare=False)
 
 
 def production_version(pointer: ServingPointer | None, replicas: list[ReplicaAck]) -> int | None:
