@@ -12,7 +12,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer
+from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer, parse_model_name
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class VersionRouter:
     Without a serving pointer: the newest version a replica acknowledged. When no replica has the serving version
     loaded, the newest loaded version not above it. Without any worker heartbeat, requests go to the plain policy
     model and carry the serving version, else the learner's latest published version (0 before the first).
-    ``worker_id`` restricts routing to one replica.
+    ``worker_id`` restricts routing to one replica. A ``base_model`` of the form ``policy@N`` pins version N: the
+    route is N's name on a replica that acknowledged it (else the name as given, which the server refuses).
     """
 
     def __init__(self, control: ControlPlane, policy: str, base_model: str, worker_id: str | None = None,
@@ -63,10 +64,14 @@ class VersionRouter:
         replicas = [r for r in await self.serving.replicas(self.policy)
                     if self.worker_id is None or r.worker_id == self.worker_id]
         pointer = await self.serving.serving(self.policy)
-        wanted = production_version(pointer, replicas)
+        _, pinned = parse_model_name(self.base_model, self.policy)
+        wanted = pinned if pinned is not None else production_version(pointer, replicas)
         candidates = [(v, r.worker_id, name or self.base_model, r.url) for r in replicas
-                      for v, name in r.loaded.items() if wanted is None or v <= wanted]
-        if candidates:
+                      for v, name in r.loaded.items()
+                      if wanted is None or (v == wanted if pinned is not None else v <= wanted)]
+        if pinned is not None and not candidates:
+            route, from_worker = Route(self.base_model, pinned), False
+        elif candidates:
             version, wid, name, url = max(candidates)
             route, from_worker = Route(name, version, wid, url), True
         else:

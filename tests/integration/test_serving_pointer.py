@@ -115,3 +115,45 @@ def test_fleet_rule_and_recorded_decision(rl_config: RlstreamConfig, created_top
     assert [(d.version, d.decision, d.serving_before, d.reason) for d in decisions] == [
         (1, DecisionKind.promote, None, "passed")]
     assert decisions[0].fencing_token >= 1
+
+
+def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamConfig) -> None:
+    from rlstream.rollout.routing import FleetRouter, VersionNotLoaded, VersionRouter
+
+    policy = rl_config.policy
+
+    async def scenario() -> None:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        try:
+            await serving.record_replica(policy, ReplicaAck("a", 3, "p-v3", url="http://a:1",
+                                                            loaded={0: "base", 2: "p-v2", 3: "p-v3"}), 30)
+            await serving.record_replica(policy, ReplicaAck("b", 2, "p-v2", url="http://b:1",
+                                                            loaded={0: "base", 2: "p-v2"}), 30)
+            fleet = FleetRouter(control, policy, "base", ttl_s=0)
+            # no serving pointer yet: the newest acknowledged version (what a deployment without a gate does)
+            assert (await VersionRouter(control, policy, "base", ttl_s=0).current()).version == 3
+            assert (await fleet.route()).version == 3
+            await serving.promote(policy, 2, token=await serving.issue_token(policy), reason="x", decided_by="t")
+            assert (await VersionRouter(control, policy, "base", ttl_s=0).current()).model == "p-v2"
+            routes = [await fleet.route() for _ in range(4)]
+            assert {(r.version, r.model) for r in routes} == {(2, "p-v2")}
+            assert {r.url for r in routes} == {"http://a:1", "http://b:1"}  # both replicas acknowledged it
+            pinned = [await fleet.route(pinned=3) for _ in range(3)]
+            assert {(r.version, r.url) for r in pinned} == {(3, "http://a:1")}  # only the replica that has it
+            assert (await VersionRouter(control, policy, f"{policy}@3", ttl_s=0).current()).model == "p-v3"
+            with pytest.raises(VersionNotLoaded):
+                await fleet.route(pinned=7)
+            assert (await fleet.route(session_version=3, session_id="s")).version == 3  # a session keeps its own
+            await serving.set_canary(policy, 3, 0.5, await serving.issue_token(policy))
+            picks = {sid: (await fleet.route(session_id=sid)).version for sid in (f"s{i}" for i in range(200))}
+            canary = sum(1 for v in picks.values() if v == 3)
+            assert 60 < canary < 140 and set(picks.values()) == {2, 3}
+            again = {sid: (await fleet.route(session_id=sid)).version for sid in list(picks)[:20]}
+            assert again == {sid: picks[sid] for sid in again}  # a session id keeps its pick
+            await serving.set_canary(policy, None, 0.0, await serving.issue_token(policy))
+            assert {(await fleet.route(session_id=f"s{i}")).version for i in range(50)} == {2}
+        finally:
+            await control.close()
+
+    asyncio.run(scenario())
