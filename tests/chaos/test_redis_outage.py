@@ -39,6 +39,8 @@ def test_the_learner_rides_out_a_60s_redis_outage(rl_config: RlstreamConfig, cre
     try:
         cfg = rl_config.model_copy(update={
             "redis": rl_config.redis.model_copy(update={"url": redis.address}),
+            # every group is made at version 0 and trained across STEPS versions: no staleness skip here
+            "streams": rl_config.streams.model_copy(update={"max_policy_lag": 100}),
             "learner": rl_config.learner.model_copy(update={
                 "model": str(tiny_model(tmp_path)), "lora": rl_config.learner.lora.model_copy(update={"enabled": True}),
                 "device": "cpu", "groups_per_step": 1, "total_steps": STEPS, "publish_every": 1,
