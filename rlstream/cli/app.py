@@ -25,6 +25,7 @@ app.add_typer(config_app, name="config")
 from rlstream.cli.ops import register as register_ops; register_ops(app)  # noqa: E402,E702
 from rlstream.cli.lineage import register as register_lineage; register_lineage(app)  # noqa: E402,E702
 from rlstream.cli.promotion import register as register_promotion; register_promotion(app)  # noqa: E402,E702
+from rlstream.cli.gate import register as register_gate; register_gate(app)  # noqa: E402,E702
 from rlstream.cli.streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
 from rlstream.cli.rollout import rollout_app; app.add_typer(rollout_app, name="rollout")  # noqa: E402,E702
 from rlstream.cli.inference import inference_app; app.add_typer(inference_app, name="inference")  # noqa: E402,E702

@@ -394,6 +394,58 @@ class InferenceConfig(Section):
     prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")
 
 
+class GateConfig(Section):
+    """The promotion gate (``rlstream gate``; docs/gate.md): evaluates each candidate against the serving version,
+    promotes or rejects it, optionally through a canary."""
+
+    dataset: Path | None = Field(None, description="held-out evaluation set (JSON list or JSONL; each example has "
+                                 "prompt or messages, optionally tools); default finetuning.validation_dataset")
+    reward_function: str | None = Field(None, description="module:function(example, completion_text) scoring one "
+                                        "evaluation answer; default rollout.reward_function")
+    examples: int = Field(24, ge=1, description="evaluation examples used (the first ones of the dataset)")
+    samples: int = Field(4, ge=1, description="completions per evaluation example (each with its own fixed seed, "
+                         "the same for every version)")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature of the evaluation; default "
+                                      "rollout.temperature")
+    max_tokens: int | None = Field(None, ge=1, description="completion token limit of the evaluation; default "
+                                   "rollout.max_tokens")
+    concurrency: int = Field(8, ge=1, description="evaluation requests in flight at once")
+    reward_tolerance: float = Field(0.05, ge=0, description="a candidate whose mean held-out reward is below the "
+                                    "serving version's minus this is rejected")
+    rate_tolerance: float = Field(0.05, ge=0, description="a candidate whose share of answers that parse or tool "
+                                  "calls that parse is below the serving version's minus this, or whose share of "
+                                  "refusals is above the serving version's plus this, is rejected")
+    length_tolerance: float = Field(1.0, ge=0, description="a candidate whose mean answer length (tokens) is above "
+                                    "the serving version's times (1 + this), or below it divided by that, is rejected")
+    min_reward: float = Field(0.0, description="with nothing to compare with (no serving version and the base "
+                              "weights not evaluable), a candidate needs at least this mean held-out reward")
+    answer_pattern: str = Field(r"\S", description="regular expression an answer must contain to count as parsed "
+                                "(an answer with tool calls counts as parsed)")
+    refusal_patterns: list[str] = Field(
+        default_factory=lambda: [r"\bI(?: am|'m) (?:sorry|unable)", r"\bI can(?:no|')t (?:help|assist|do)",
+                                 r"\bas an AI\b"],
+        description="regular expressions (case-insensitive) that mark an answer as a refusal")
+    load_timeout_s: float = Field(120.0, gt=0, description="how long the gate waits for a replica to load a "
+                                  "candidate before evaluating it, and for the fleet to load it before moving serving")
+    canary_share: float = Field(0.0, ge=0, le=1, description="share of new production sessions a promoted version "
+                                "first gets as a canary before it serves everyone (0: no canary)")
+    canary_alpha: float = Field(0.05, gt=0, lt=1, description="false-alarm rate of the canary's sequential test: "
+                                "the probability of rolling back a canary that is as good as serving")
+    canary_beta: float = Field(0.2, gt=0, lt=1, description="probability that the canary's sequential test keeps a "
+                               "canary worse by canary_min_effect")
+    canary_min_effect: float = Field(0.1, gt=0, description="drop of the mean online reward (canary minus serving) "
+                                     "that the canary's sequential test is built to detect")
+    canary_min_samples: int = Field(20, ge=2, description="rewards per arm (canary, serving) before the canary's "
+                                    "sequential test decides")
+    canary_max_samples: int = Field(2000, ge=2, description="rewards per arm at which an undecided canary test is "
+                                    "truncated (rolled back when its evidence leans to harm, else finished)")
+    canary_max_s: float = Field(1800.0, gt=0, description="seconds after which an undecided canary is decided "
+                                "as at canary_max_samples")
+    group_id: str = Field("rlstream-gate", description="the gate's consumer group on policy-versions (the policy "
+                          "name is appended)")
+    prometheus_port: int | None = Field(None, description="serve the gate's metrics to Prometheus on this port")
+
+
 class RlstreamConfig(BaseSettings):
     """The whole system's configuration."""
 
@@ -415,6 +467,7 @@ class RlstreamConfig(BaseSettings):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
 
     @classmethod
     def settings_customise_sources(

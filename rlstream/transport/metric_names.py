@@ -162,6 +162,22 @@ GATEWAY_REQUESTS_REJECTED = "gateway/requests_rejected"
 GATEWAY_SESSIONS_EVICTED = "gateway/sessions_evicted"
 GATEWAY_SESSIONS_SPLIT_LONG = "gateway/sessions_split_long"
 
+# --- promotion gate (source ``gate``; step = the version decided about; docs/gate.md) --------------------------------
+#: 1 per decision (tag ``decision``: promote, reject, canary, finish_canary, rollback).
+GATE_DECISIONS = "gate/decisions"
+#: Mean held-out reward of one evaluated version (tag ``role``: candidate or serving).
+GATE_EVAL_REWARD_MEAN = "gate/eval_reward_mean"
+#: Seconds from a rewarded trajectory's feedback to a version trained on it serving on every alive replica (one per
+#: trained trajectory; Prometheus only).
+GATE_FEEDBACK_TO_SERVING_S = "gate/feedback_to_serving_s"
+#: Median and 90th percentile of every feedback-to-serving sample the gate measured.
+GATE_FEEDBACK_TO_SERVING_P50_S = "gate/feedback_to_serving_p50_s"
+GATE_FEEDBACK_TO_SERVING_P90_S = "gate/feedback_to_serving_p90_s"
+#: Seconds from a canary's start to its rollback by the sequential test.
+GATE_CANARY_ROLLBACK_S = "gate/canary_rollback_s"
+#: 1 per policy-versions record the gate refused as untrusted (tag ``reason``); it never evaluates it.
+GATE_VERSION_REFUSED = "gate/version_refused"
+
 # --- groups of names ---------------------------------------------------------------------------------------------
 #: The names ``rlstream plot`` draws, in the order of its legend.
 PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE)
@@ -190,8 +206,10 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
            STREAMS_PAYLOADS_READ_BACK)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
+GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
+        GATE_FEEDBACK_TO_SERVING_P90_S, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED)
 #: Every name rlstream emits (a name in several groups appears once).
-ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY))
+ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY + GATE))
 
 
 def split_streams_figure(key: str) -> tuple[str, str]:
@@ -397,4 +415,20 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec(GATEWAY_SESSIONS_SPLIT_LONG, "counter", "rlstream_gateway_sessions_split_long_total", (),
                "Sessions split because their trajectory reached max_session_turns or max_session_bytes",
                cumulative=True, topic=False),
+    # promotion gate
+    _counter(GATE_DECISIONS, "rlstream_gate_decisions_total", ("policy", "decision"), "Promotion decisions of the "
+             "gate (promote, reject, canary, finish_canary, rollback)"),
+    _gauge(GATE_EVAL_REWARD_MEAN, "rlstream_gate_eval_reward_mean", ("policy", "role"), "Mean held-out reward of "
+           "the last version the gate evaluated (role: candidate or serving)"),
+    _histogram(GATE_FEEDBACK_TO_SERVING_S, "rlstream_gate_feedback_to_serving_seconds", ("policy",), "Time from a "
+               "trained trajectory's feedback to a version trained on it serving on every alive replica",
+               topic=False, buckets=(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 300.0, 600.0, 1800.0)),
+    _gauge(GATE_FEEDBACK_TO_SERVING_P50_S, "rlstream_gate_feedback_to_serving_p50_seconds", ("policy",), "Median "
+           "feedback-to-serving time over every trajectory the gate measured"),
+    _gauge(GATE_FEEDBACK_TO_SERVING_P90_S, "rlstream_gate_feedback_to_serving_p90_seconds", ("policy",), "90th "
+           "percentile of the feedback-to-serving time over every trajectory the gate measured"),
+    _histogram(GATE_CANARY_ROLLBACK_S, "rlstream_gate_canary_rollback_seconds", ("policy",), "Time from a canary's "
+               "start to its automatic rollback"),
+    _counter(GATE_VERSION_REFUSED, "rlstream_gate_version_refused_total", ("policy", "reason"), "policy-versions "
+             "records the gate refused as untrusted (never evaluated)"),
 )}

@@ -1,0 +1,501 @@
+"""``rlstream gate``: the promotion gate service (docs/gate.md).
+
+It follows ``policy-versions`` in its own consumer group (``gate.group_id``-``policy``), accepts only records the
+fenced learner announced (transport/trusted_versions.py), and decides about the newest candidate above the serving
+version: it evaluates the candidate on the held-out set under the candidate's own model name on a replica that
+acknowledged loading it (never through the serving name, never through the gateway), compares it with the serving
+version's figures on the same prompts and seeds (rules.py), and promotes it (the serving pointer moves once every
+alive replica has it loaded: transport/serving.py) or rejects it with the reason. With ``gate.canary_share`` above 0
+a promoted version first serves that share of new sessions; the sequential test of sequential.py over the online
+rewards of feedback.py finishes the promotion or rolls the canary back. Every decision is a PromotionDecision on
+``promotions``. Candidates that arrive while one is evaluated or a canary runs are not decided one by one: the next
+decision is about the newest.
+
+The serving version's figures are kept per version once measured: a version is measured when it is a candidate,
+so a server that holds one set of full weights (which cannot serve the serving version beside a candidate) still
+compares with the serving version on the same prompts and seeds.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from rlstream.gate.evaluation import (EvaluationSet, EvaluationSetError, evaluate_version, load_evaluation_examples,
+                                      load_reward_function)
+from rlstream.gate.feedback import FeedbackClock, OnlineRewards, trained_trajectories
+from rlstream.gate.rules import EvalFigures, Tolerances, Verdict, judge
+from rlstream.gate.sequential import SequentialOutcome, SequentialState, SprtSettings, sprt
+from rlstream.schemas.codec import AvroCodec, codec_for
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.masking import secret_value
+from rlstream.schemas.models import (DecisionKind, MetricEvent, PolicyVersion, PromotionDecision, RewardEvent,
+                                     TrajectoryEvent, TrajectoryGroup)
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport import metric_names as mn
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import create_topics, make_consumer, make_producer
+from rlstream.transport.log import get_logger
+from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.serving import (ReplicaAck, ServingControl, ServingMoveRefused, move_serving_when_loaded,
+                                        publish_decision)
+from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch, read_slice, wait_for_partitions
+from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
+
+log = get_logger(__name__)
+
+#: Seconds between two polls while the gate waits (for a replica, for feedback).
+POLL_S = 0.5
+#: Seconds the gate spends at most reading one ``trained_on`` range of ``groups`` (a range lost to retention).
+GROUPS_READ_TIMEOUT_S = 15.0
+#: Who the gate's decisions are recorded as.
+DECIDED_BY = "gate"
+
+
+def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
+    """The held-out set of ``gate.*`` (defaults: ``finetuning.validation_dataset``, ``rollout.reward_function``)."""
+    g = cfg.gate
+    dataset = g.dataset or cfg.finetuning.validation_dataset
+    reward = g.reward_function or cfg.rollout.reward_function
+    if dataset is None:
+        raise EvaluationSetError("no evaluation set: set gate.dataset (or finetuning.validation_dataset)")
+    if not reward:
+        raise EvaluationSetError("no reward function: set gate.reward_function (or rollout.reward_function)")
+    return EvaluationSet(
+        examples=load_evaluation_examples(Path(dataset), g.examples), reward_function=load_reward_function(reward),
+        samples=g.samples, temperature=g.temperature if g.temperature is not None else cfg.rollout.temperature,
+        max_tokens=g.max_tokens or cfg.rollout.max_tokens, answer_pattern=g.answer_pattern,
+        refusal_patterns=tuple(g.refusal_patterns), concurrency=g.concurrency,
+        request_timeout_s=cfg.inference.request_timeout_s)
+
+
+@dataclass(frozen=True)
+class ReplicaRoute:
+    """Where to ask one version: the replica's server (``.../v1``) and the model name it answers the version by."""
+
+    base_url: str
+    model: str
+    worker_id: str
+
+
+@dataclass
+class Canary:
+    """A running canary: ``version`` gets ``share`` of new sessions while ``serving`` serves the rest."""
+
+    version: int
+    serving: int
+    started_at: float
+    record: PolicyVersion
+    rewards: OnlineRewards
+    candidate_figures: EvalFigures
+    serving_figures: EvalFigures | None
+
+
+class PromotionGate:
+    """The gate of ``cfg.policy`` (see the module docstring)."""
+
+    def __init__(self, cfg: RlstreamConfig, control: ControlPlane, evaluation: EvaluationSet,
+                 producer: Any = None, codec: AvroCodec | None = None) -> None:
+        if not cfg.redis.url:
+            raise EvaluationSetError("redis.url is not set: the serving pointer lives in Redis")
+        self.cfg, self.gcfg, self.policy = cfg, cfg.gate, cfg.policy
+        self.control = control
+        self.serving = ServingControl(control)
+        self.evaluation = evaluation
+        self.codec = codec or codec_for(cfg)
+        self.topics = TopicNames.from_config(cfg.topics)
+        self.producer = producer or make_producer(cfg.kafka)
+        self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics, source="gate",
+                                        run_id=cfg.run_id, prometheus_port=self.gcfg.prometheus_port)
+        self.trust = TrustedVersions(control, cfg.inference.max_version_jump)
+        self.tolerances = Tolerances(self.gcfg.reward_tolerance, self.gcfg.rate_tolerance,
+                                     self.gcfg.length_tolerance, self.gcfg.min_reward)
+        self.sprt = SprtSettings(alpha=self.gcfg.canary_alpha, beta=self.gcfg.canary_beta,
+                                 delta=self.gcfg.canary_min_effect, min_samples=self.gcfg.canary_min_samples,
+                                 max_samples=self.gcfg.canary_max_samples)
+        self.known: dict[int, PolicyVersion] = {}  # trusted records of the policy
+        self.figures: dict[int, EvalFigures] = {}  # measured versions (0: the base weights)
+        self.decided = 0  # the newest candidate decided about (or given up on)
+        self.canary: Canary | None = None
+        self.clock = FeedbackClock()
+        self.decisions: list[PromotionDecision] = []
+        self._versions_consumer: Any = None
+        self._versions: TopicReader[PolicyVersion] | None = None
+        self._feedback_consumer: Any = None
+        self._groups_consumer: Any = None
+        self._serving_read_at = 0.0
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Decide about candidates until ``stop`` is set."""
+        stop = stop or asyncio.Event()
+        await self._start()
+        try:
+            while not stop.is_set():
+                await self.pump(timeout_ms=200)
+                if self.canary is not None:
+                    await self.step_canary()
+                else:
+                    await self.step()
+                await asyncio.sleep(0)
+        finally:
+            await self._stop()
+
+    async def _start(self) -> None:
+        await self.producer.start()
+        self._versions_consumer = make_consumer(self.cfg.kafka, group_id=f"{self.gcfg.group_id}-{self.policy}",
+                                                isolation_level="read_committed")
+        await self._versions_consumer.start()
+        self._versions_consumer.subscribe([self.topics.policy_versions])
+        self._versions = TopicReader(self._versions_consumer, self.codec, PolicyVersion,
+                                     on_reject=self._undecodable)
+        # feedback: every reward from the beginning (arrival times), trajectories from now on (canaries)
+        self._feedback_consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
+        await self._feedback_consumer.start()
+        rewards = await wait_for_partitions(self._feedback_consumer, self.topics.rewards, timeout_s=30.0)
+        trajectories = await wait_for_partitions(self._feedback_consumer, self.topics.trajectories, timeout_s=30.0)
+        self._feedback_consumer.assign([*rewards, *trajectories])
+        await self._feedback_consumer.seek_to_beginning(*rewards)
+        await self._feedback_consumer.seek_to_end(*trajectories)
+        self._groups_consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
+        await self._groups_consumer.start()
+        log.info("gate started", policy=self.policy, examples=len(self.evaluation.examples),
+                 samples=self.evaluation.samples, canary_share=self.gcfg.canary_share)
+
+    async def _stop(self) -> None:
+        for consumer in (self._versions_consumer, self._feedback_consumer, self._groups_consumer):
+            if consumer is not None:
+                await consumer.stop()
+        await self.producer.stop()
+
+    def _undecodable(self, source: SourceRecord, reason: BaseException | str) -> None:
+        log.warning("undecodable record skipped by the gate", topic=source.topic, partition=source.partition,
+                    offset=source.offset, error=str(reason))
+
+    async def pump(self, timeout_ms: int = 0) -> None:
+        """Read what arrived: version records, feedback, and the serving pointer (for the latency)."""
+        assert self._versions is not None
+        items = await self._versions.fetch(timeout_ms=timeout_ms, max_records=100)
+        for item in items:
+            await self.on_version(item.event, item.source)
+        if items:
+            await self._versions_consumer.commit()
+        await self._read_feedback()
+        await self._observe_serving()
+
+    async def on_version(self, event: PolicyVersion, source: SourceRecord) -> None:
+        """One record of ``policy-versions``: remembered when trusted, with what it trained on (lineage)."""
+        if event.policy != self.policy:
+            return
+        while True:
+            try:
+                await self.trust.check(event, source.value)
+                break
+            except UntrustedVersionRecord as exc:
+                log.warning("untrusted policy version ignored by the gate", version=event.version, error=str(exc))
+                await self.metrics.emit(mn.GATE_VERSION_REFUSED, 1.0, step=event.version,
+                                        tags={"policy": self.policy, "reason": exc.reason})
+                return
+            except Exception as exc:  # noqa: BLE001 - Redis unreachable: nothing counts until it can be checked
+                log.warning("cannot check a policy version; retrying", version=event.version, error=str(exc))
+                await asyncio.sleep(1.0)
+        self.known[event.version] = event
+        self.clock.on_version(event.version, await self._trained_on(event))
+
+    async def _trained_on(self, event: PolicyVersion) -> list[Any]:
+        """The rewarded trajectories of the groups ``event`` trained on (its ``trained_on`` ranges of ``groups``)."""
+        out: list[Any] = []
+        reader = TopicReader(self._groups_consumer, self.codec, TrajectoryGroup, on_reject=self._undecodable)
+
+        async def read(tp: TopicPartition, first: int, stop: int) -> None:
+            async for item in reader.stream(read_slice(self._groups_consumer, {tp: first}, {tp: stop})):
+                out.extend(trained_trajectories(item.event))
+
+        for rng in event.trained_on:
+            try:
+                await asyncio.wait_for(read(TopicPartition(rng.topic, rng.partition), rng.first, rng.last + 1),
+                                       timeout=GROUPS_READ_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - lineage is a figure; a read failure must not stop decisions
+                log.warning("groups of a version not read (its feedback latency is not measured)",
+                            version=event.version, error=str(exc) or type(exc).__name__)
+        return out
+
+    async def _read_feedback(self) -> None:
+        for record in await fetch_batch(self._feedback_consumer, timeout_ms=0, max_records=2000):
+            if record.topic == self.topics.rewards:
+                try:
+                    reward = self.codec.decode(record.value, RewardEvent)
+                except Exception:  # noqa: BLE001 - streams dead-letters it; the gate only reads
+                    continue
+                self.clock.on_reward(reward)
+                if self.canary is not None:
+                    self.canary.rewards.on_reward(reward)
+            elif self.canary is not None:
+                try:
+                    trajectory = self.codec.decode(record.value, TrajectoryEvent)
+                except Exception:  # noqa: BLE001
+                    continue
+                self.canary.rewards.on_trajectory(trajectory, self.policy)
+
+    async def _observe_serving(self) -> None:
+        """Measure feedback-to-serving when the serving pointer reached a newer version."""
+        now = time.monotonic()
+        if now - self._serving_read_at < POLL_S:
+            return
+        self._serving_read_at = now
+        pointer = await self.serving.serving(self.policy)
+        if pointer is None or pointer.version <= self.clock.served_version:
+            return
+        samples = self.clock.on_serving(pointer.version, pointer.moved_at or time.time())
+        for value in samples:
+            await self.metrics.emit(mn.GATE_FEEDBACK_TO_SERVING_S, value, step=pointer.version,
+                                    tags={"policy": self.policy})
+        if samples:
+            p50, p90 = self.clock.quantiles()
+            await self.metrics.emit_many({mn.GATE_FEEDBACK_TO_SERVING_P50_S: p50,
+                                          mn.GATE_FEEDBACK_TO_SERVING_P90_S: p90}, step=pointer.version,
+                                         tags={"policy": self.policy})
+            log.info("feedback to serving", version=pointer.version, trajectories=len(samples),
+                     p50_s=round(p50, 2), p90_s=round(p90, 2))
+
+    # -- routes -----------------------------------------------------------------------------------
+    def route_of(self, replicas: list[ReplicaAck], version: int) -> ReplicaRoute | None:
+        """A replica that acknowledged loading ``version``, and the name it answers it by."""
+        for replica in replicas:
+            if version in replica.loaded:
+                url = (replica.url or secret_value(self.cfg.inference.url) or "").rstrip("/")
+                return ReplicaRoute(f"{url}/v1", replica.loaded[version] or self.cfg.inference.served_model,
+                                    replica.worker_id)
+        return None
+
+    async def _still_loaded(self, route: ReplicaRoute, version: int) -> bool:
+        """Whether the replica still acknowledges ``version`` (a full reload may have replaced it meanwhile)."""
+        replicas = await self.serving.replicas(self.policy)
+        return any(r.worker_id == route.worker_id and version in r.loaded for r in replicas)
+
+    async def measure(self, version: int) -> EvalFigures | None:
+        """The figures of ``version`` (kept once measured), or None when no replica has it loaded now."""
+        if version in self.figures:
+            return self.figures[version]
+        route = self.route_of(await self.serving.replicas(self.policy), version)
+        if route is None:
+            return None
+        figures = await evaluate_version(self.evaluation, version, route.base_url, route.model,
+                                         secret_value(self.cfg.inference.api_key))
+        if not await self._still_loaded(route, version):
+            log.info("version replaced on the replica during its evaluation; figures dropped", version=version)
+            return None
+        self.figures[version] = figures
+        log.info("version evaluated", version=version, model=route.model, reward_mean=round(figures.reward_mean, 3),
+                 answer_parse_rate=round(figures.answer_parse_rate, 3), seconds=round(figures.seconds, 2))
+        return figures
+
+    # -- deciding about a candidate ---------------------------------------------------------------
+    def next_candidate(self, serving_version: int | None) -> int | None:
+        floor = max(self.decided, serving_version if serving_version is not None else 0)
+        newer = [v for v in self.known if v > floor]
+        return max(newer) if newer else None
+
+    async def step(self) -> None:
+        """Decide about the newest candidate above the serving version, when there is one."""
+        pointer = await self.serving.serving(self.policy)
+        serving_version = pointer.version if pointer is not None else None
+        if pointer is not None and pointer.floor > self.decided:
+            self.decided = pointer.floor  # a rolled-back version (or older) never comes back by a promotion
+        baseline_version = serving_version if serving_version is not None else 0
+        candidate = self.next_candidate(serving_version)
+        if baseline_version not in self.figures:
+            await self.measure(baseline_version)  # while it is loaded (a full-weights server replaces it)
+        if candidate is None:
+            return
+        route = await self._wait_loaded(candidate)
+        if route is None:
+            return
+        serving_figures = self.figures.get(baseline_version)
+        if serving_figures is None:
+            serving_figures = await self.measure(baseline_version)
+        candidate_figures = await self.measure(candidate)
+        if candidate_figures is None:
+            return  # replaced during the evaluation: the next step takes the newest
+        await self.metrics.emit(mn.GATE_EVAL_REWARD_MEAN, candidate_figures.reward_mean, step=candidate,
+                                tags={"policy": self.policy, "role": "candidate"})
+        if serving_figures is not None:
+            await self.metrics.emit(mn.GATE_EVAL_REWARD_MEAN, serving_figures.reward_mean, step=baseline_version,
+                                    tags={"policy": self.policy, "role": "serving"})
+        self.decided = candidate
+        verdict = judge(candidate_figures, serving_figures, self.tolerances)
+        if not verdict.promote:
+            await self.record(DecisionKind.reject, candidate, f"rejected: {verdict.reason}", serving_version,
+                              candidate_figures, serving_figures)
+        elif self.gcfg.canary_share > 0 and serving_version is not None:
+            await self.start_canary(candidate, serving_version, candidate_figures, serving_figures, verdict)
+        else:
+            await self.promote(candidate, serving_version, candidate_figures, serving_figures, verdict)
+
+    async def _wait_loaded(self, candidate: int) -> ReplicaRoute | None:
+        """A replica that loaded ``candidate``; None when a newer candidate came meanwhile, or after
+        ``gate.load_timeout_s`` (a rejection is recorded then)."""
+        deadline = time.monotonic() + self.gcfg.load_timeout_s
+        while True:
+            route = self.route_of(await self.serving.replicas(self.policy), candidate)
+            if route is not None:
+                return route
+            if max(self.known) > candidate:
+                return None  # superseded: decide about the newest
+            if time.monotonic() >= deadline:
+                self.decided = candidate
+                pointer = await self.serving.serving(self.policy)
+                await self.record(DecisionKind.reject, candidate, f"rejected: no replica loaded version {candidate} "
+                                  f"within {self.gcfg.load_timeout_s:g}s", pointer.version if pointer else None)
+                return None
+            await asyncio.sleep(POLL_S)
+            await self.pump()
+
+    async def promote(self, candidate: int, serving_version: int | None, candidate_figures: EvalFigures,
+                      serving_figures: EvalFigures | None, verdict: Verdict) -> None:
+        record = self.known[candidate]
+        outcome = await move_serving_when_loaded(
+            self.serving, self.policy, candidate, decision=DecisionKind.promote, reason=f"promoted: {verdict.reason}",
+            decided_by=DECIDED_BY, expected_version=serving_version if serving_version is not None else -1,
+            uri=record.uri, sha256=_digest(record), timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
+            codec=self.codec, topic=self.topics.promotions, candidate_metrics=candidate_figures.metrics(),
+            serving_metrics=serving_figures.metrics() if serving_figures else {})
+        if outcome.moved and outcome.decision is not None:
+            await self._decided(outcome.decision)
+            await self._observe_serving()
+        else:
+            await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",
+                              serving_version, candidate_figures, serving_figures)
+
+    # -- canaries ---------------------------------------------------------------------------------
+    async def start_canary(self, candidate: int, serving_version: int, candidate_figures: EvalFigures,
+                           serving_figures: EvalFigures | None, verdict: Verdict) -> None:
+        """Give the candidate ``gate.canary_share`` of new sessions once every alive replica loaded it."""
+        token = await self.serving.issue_token(self.policy)
+        try:
+            await self.serving.request_load(self.policy, candidate, token)
+            deadline = time.monotonic() + self.gcfg.load_timeout_s
+            readiness = await self.serving.readiness(self.policy, candidate)
+            while not readiness.ready and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+                await self.pump()
+                readiness = await self.serving.readiness(self.policy, candidate)
+            if not readiness.ready:
+                await self.serving.request_load(self.policy, None, token)
+                await self.record(DecisionKind.reject, candidate, f"rejected: canary not started: {readiness.reason}",
+                                  serving_version, candidate_figures, serving_figures, token)
+                return
+            await self.serving.set_canary(self.policy, candidate, self.gcfg.canary_share, token)
+            await self.serving.request_load(self.policy, None, token)
+        except ServingMoveRefused as exc:
+            await self.record(DecisionKind.reject, candidate, f"rejected: canary not started: {exc}",
+                              serving_version, candidate_figures, serving_figures)
+            return
+        now = time.time()
+        self.canary = Canary(candidate, serving_version, now, self.known[candidate],
+                             OnlineRewards(candidate, serving_version, datetime.fromtimestamp(now, timezone.utc)),
+                             candidate_figures, serving_figures)
+        await self.record(DecisionKind.canary, candidate, f"canary on {self.gcfg.canary_share:.0%} of new sessions: "
+                          f"{verdict.reason}", serving_version, candidate_figures, serving_figures, token)
+
+    async def step_canary(self) -> None:
+        """Run the sequential test on the canary's online rewards; finish or roll back when it decides."""
+        canary = self.canary
+        assert canary is not None
+        state = sprt(canary.rewards.canary, canary.rewards.serving, self.sprt)
+        elapsed = time.time() - canary.started_at
+        outcome = state.outcome
+        if outcome == SequentialOutcome.wait and elapsed >= self.gcfg.canary_max_s:
+            outcome = SequentialOutcome.rollback if state.llr > 0 else SequentialOutcome.finish
+        if outcome == SequentialOutcome.wait:
+            await asyncio.sleep(POLL_S)
+            return
+        online = {**canary.rewards.figures(), **state.figures(), "canary_seconds": elapsed}
+        if outcome == SequentialOutcome.rollback:
+            await self.rollback_canary(canary, state, online)
+        else:
+            await self.finish_canary(canary, state, online)
+        self.canary = None
+
+    async def rollback_canary(self, canary: Canary, state: SequentialState, online: dict[str, float]) -> None:
+        token = await self.serving.issue_token(self.policy)
+        try:
+            await self.serving.set_canary(self.policy, None, 0.0, token)
+        except ServingMoveRefused as exc:  # a newer decision (an operator's) took over: nothing left to end
+            log.warning("canary not ended by the gate", version=canary.version, error=str(exc))
+        elapsed = time.time() - canary.started_at
+        await self.metrics.emit(mn.GATE_CANARY_ROLLBACK_S, elapsed, step=canary.version, tags={"policy": self.policy})
+        reason = (f"canary v{canary.version} rolled back to v{canary.serving} after {elapsed:.1f}s: online reward "
+                  f"{canary.rewards.canary.mean:.3f} (n={state.canary_n}) vs serving {canary.rewards.serving.mean:.3f} "
+                  f"(n={state.serving_n}), sequential test llr {state.llr:.2f} >= {self.sprt.upper:.2f} "
+                  f"(alpha {self.sprt.alpha:g}, effect {self.sprt.delta:g})")
+        await self.record(DecisionKind.rollback, canary.serving, reason, canary.serving,
+                          canary.candidate_figures, canary.serving_figures, token,
+                          extra={**online, "canary_version": float(canary.version)})
+
+    async def finish_canary(self, canary: Canary, state: SequentialState, online: dict[str, float]) -> None:
+        token = await self.serving.issue_token(self.policy)
+        reason = (f"canary v{canary.version} finished after {online['canary_seconds']:.1f}s: online reward "
+                  f"{canary.rewards.canary.mean:.3f} (n={state.canary_n}) vs serving {canary.rewards.serving.mean:.3f} "
+                  f"(n={state.serving_n}), sequential test llr {state.llr:.2f}")
+        outcome = await move_serving_when_loaded(
+            self.serving, self.policy, canary.version, decision=DecisionKind.finish_canary, reason=reason,
+            decided_by=DECIDED_BY, token=token, expected_version=canary.serving, uri=canary.record.uri,
+            sha256=_digest(canary.record), timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
+            codec=self.codec, topic=self.topics.promotions,
+            candidate_metrics={**canary.candidate_figures.metrics(), **online},
+            serving_metrics=canary.serving_figures.metrics() if canary.serving_figures else {})
+        try:
+            await self.serving.set_canary(self.policy, None, 0.0, token)
+        except ServingMoveRefused as exc:
+            log.warning("canary not ended by the gate", version=canary.version, error=str(exc))
+        if outcome.moved and outcome.decision is not None:
+            await self._decided(outcome.decision)
+            await self._observe_serving()
+        else:
+            await self.record(DecisionKind.reject, canary.version, f"canary ended, serving could not move: "
+                              f"{outcome.reason}", canary.serving, canary.candidate_figures, canary.serving_figures,
+                              token, extra=online)
+
+    # -- records ----------------------------------------------------------------------------------
+    async def record(self, decision: DecisionKind, version: int, reason: str, serving_before: int | None,
+                     candidate: EvalFigures | None = None, serving: EvalFigures | None = None, token: int = 0,
+                     extra: dict[str, float] | None = None) -> PromotionDecision:
+        """Write a decision that does not move the pointer itself (the moves record theirs) to ``promotions``."""
+        event = PromotionDecision(policy=self.policy, version=version, decision=decision, reason=reason,
+                                  serving_before=serving_before,
+                                  candidate_metrics={**(candidate.metrics() if candidate else {}), **(extra or {})},
+                                  serving_metrics=serving.metrics() if serving else {}, decided_by=DECIDED_BY,
+                                  fencing_token=token)
+        await publish_decision(self.producer, self.codec, self.topics.promotions, event)
+        await self._decided(event)
+        return event
+
+    async def _decided(self, event: PromotionDecision) -> None:
+        self.decisions.append(event)
+        log.info("promotion decision", decision=event.decision.value, version=event.version, reason=event.reason)
+        await self.metrics.emit(mn.GATE_DECISIONS, 1.0, step=event.version,
+                                tags={"policy": self.policy, "decision": event.decision.value})
+
+
+def _digest(record: PolicyVersion) -> str:
+    """One digest naming the version's files (the first file's sha256 when it has one file)."""
+    return record.files[0].sha256 if len(record.files) == 1 else ""
+
+
+async def run_gate(cfg: RlstreamConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the promotion gate of ``cfg.policy`` until ``stop`` (or SIGINT/SIGTERM through the CLI)."""
+    evaluation = evaluation_set(cfg)
+    await create_topics(cfg.kafka, cfg.topics)
+    codec = codec_for(cfg)
+    codec.ensure_registered([PromotionDecision.avro_name, MetricEvent.avro_name])
+    control = ControlPlane(str(cfg.redis.url), cfg.redis.retry_max_s)
+    try:
+        await PromotionGate(cfg, control, evaluation, codec=codec).run(stop)
+    finally:
+        await control.close()
