@@ -1,0 +1,126 @@
+"""Canaries on the real broker and Redis: the gate gives a promoted candidate a share of new sessions, reads the
+online feedback of both versions from ``trajectories`` and ``rewards`` (synthetic production events), and rolls a
+worse canary back automatically (the time from its start to the rollback measured and bounded) or finishes the
+promotion of one that is as good. The fleet is one replica acknowledging both versions (the sync worker's heartbeat
+hash); no evaluation runs here (the offline figures are given)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from rlstream.gate.evaluation import EvaluationSet
+from rlstream.gate.rules import EvalFigures, Verdict
+from rlstream.gate.service import PromotionGate
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DecisionKind, PolicyVersion, PromotionDecision, TrajectorySource
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.kafka import make_producer
+from rlstream.transport.serving import ReplicaAck, ServingControl
+from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
+from tests.factories import make_reward, make_trajectory
+
+pytestmark = pytest.mark.integration
+CODEC = AvroCodec()
+#: A canary's rollback must come within this many seconds of its start once its feedback is in.
+ROLLBACK_BOUND_S = 30.0
+
+
+def figures(version: int) -> EvalFigures:
+    return EvalFigures(version=version, reward_mean=0.5, answer_parse_rate=1.0, tool_call_parse_rate=1.0,
+                       refusal_rate=0.0, answer_length=4.0, samples=8)
+
+
+async def run_canary(cfg: RlstreamConfig, names: TopicNames, canary_p: float, serving_p: float,
+                     per_arm: int) -> tuple[PromotionGate, float]:
+    """Serving v1, canary v2 on a quarter of sessions; ``per_arm`` rewarded production trajectories per version
+    (Bernoulli rewards, fixed seed); returns the gate once the canary is decided, and the seconds it took."""
+    policy = cfg.policy
+    control = ControlPlane(str(cfg.redis.url))
+    serving = ServingControl(control)
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    token = await serving.issue_token(policy)
+    await serving.promote(policy, 1, token=token, reason="start", decided_by="test", expected_version=-1)
+    await serving.record_replica(policy, ReplicaAck("w0", 2, f"{policy}-v2", loaded={1: f"{policy}-v1",
+                                                                                       2: f"{policy}-v2"}), 120.0)
+    evaluation = EvaluationSet(examples=[{"id": "0", "prompt": "x"}], reward_function=lambda e, t: 0.0)
+    gate = PromotionGate(cfg, control, evaluation, codec=CODEC)
+    await gate._start()
+    try:
+        gate.known[2] = PolicyVersion(policy=policy, version=2, base_model="m", uri="/v2", learner_step=2)
+        started = time.monotonic()
+        await gate.start_canary(2, 1, figures(2), figures(1), Verdict(True))
+        pointer = await serving.serving(policy)
+        assert pointer is not None and (pointer.version, pointer.canary_version, pointer.canary_share) == (1, 2, 0.25)
+        rng = random.Random(7)
+        for i in range(per_arm):
+            for version, p in ((2, canary_p), (1, serving_p)):
+                trajectory = make_trajectory(policy=policy, policy_version=version, reward=None, group_size=1,
+                                             example_id=f"ex-{version}-{i}", run_id=cfg.run_id)
+                trajectory.source = TrajectorySource.production
+                await producer.send(names.trajectories, CODEC.encode(trajectory), key=trajectory.example_id.encode())
+                reward = make_reward(trajectory, float(rng.random() < p))
+                await producer.send(names.rewards, CODEC.encode(reward), key=reward.example_id.encode())
+        await producer.flush()
+        deadline = time.monotonic() + 60.0
+        while gate.canary is not None and time.monotonic() < deadline:
+            await gate.pump(timeout_ms=200)
+            await gate.step_canary()
+        assert gate.canary is None, "the canary was not decided within 60 s"
+        return gate, time.monotonic() - started
+    finally:
+        await gate._stop()
+        await producer.stop()
+        await control.close()
+
+
+async def decisions(cfg: RlstreamConfig, names: TopicNames) -> list[PromotionDecision]:
+    reader = await open_reader(cfg.kafka)
+    try:
+        return [item.event async for item in TopicReader(reader, CODEC, PromotionDecision).stream(
+            read_to_end(reader, names.promotions))]
+    finally:
+        await reader.stop()
+
+
+def canary_config(rl_config: RlstreamConfig) -> RlstreamConfig:
+    return rl_config.model_copy(update={"gate": rl_config.gate.model_copy(update={
+        "canary_share": 0.25, "canary_min_samples": 20, "canary_min_effect": 0.1, "load_timeout_s": 10.0})})
+
+
+def test_worse_canary_is_rolled_back_automatically(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    cfg = canary_config(rl_config)
+    gate, seconds = asyncio.run(run_canary(cfg, created_topics, canary_p=0.2, serving_p=0.8, per_arm=60))
+    last = gate.decisions[-1]
+    assert last.decision == DecisionKind.rollback and last.version == 1, last.reason
+    assert last.candidate_metrics["canary_version"] == 2
+    assert last.candidate_metrics["canary_reward_mean"] < last.candidate_metrics["serving_reward_mean"]
+    assert 0 < last.candidate_metrics["canary_seconds"] <= seconds <= ROLLBACK_BOUND_S
+    pointer = asyncio.run(_pointer(cfg))
+    assert pointer is not None and pointer.version == 1 and pointer.canary_version is None
+    recorded = asyncio.run(decisions(cfg, created_topics))
+    assert [d.decision for d in recorded] == [DecisionKind.canary, DecisionKind.rollback]
+
+
+def test_as_good_canary_finishes_its_promotion(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    cfg = canary_config(rl_config)
+    gate, _ = asyncio.run(run_canary(cfg, created_topics, canary_p=0.5, serving_p=0.5, per_arm=300))
+    last = gate.decisions[-1]
+    assert last.decision == DecisionKind.finish_canary and last.version == 2, last.reason
+    pointer = asyncio.run(_pointer(cfg))
+    assert pointer is not None and pointer.version == 2 and pointer.canary_version is None
+    recorded = asyncio.run(decisions(cfg, created_topics))
+    assert [d.decision for d in recorded] == [DecisionKind.canary, DecisionKind.finish_canary]
+
+
+async def _pointer(cfg: RlstreamConfig):  # type: ignore[no-untyped-def]
+    control = ControlPlane(str(cfg.redis.url))
+    try:
+        return await ServingControl(control).serving(cfg.policy)
+    finally:
+        await control.close()
