@@ -370,7 +370,8 @@ class ServingControl:
     async def replicas(self, policy: str) -> list[ReplicaAck]:
         """The alive replicas (heartbeat not expired) with what each acknowledged."""
         workers = await self.control.workers(policy)
-        return [ReplicaAck.from_hash(wid, raw) for wid, raw in sorted(workers.items()) if raw]
+        # a hash without a heartbeat (only a failure written after it expired) is no alive replica
+        return [ReplicaAck.from_hash(wid, raw) for wid, raw in sorted(workers.items()) if raw.get("heartbeat_at")]
 
     async def readiness(self, policy: str, version: int) -> FleetReadiness:
         return fleet_readiness(await self.replicas(policy), version)
