@@ -41,7 +41,7 @@ async def announce_versions(cfg: RlstreamConfig, versions: Sequence[PolicyVersio
             held = leases[version.policy]
             event = version.model_copy(update={"fencing_token": held.token})
             await announce_record(producers[version.policy], control, held, topic=topic, policy=version.policy,
-                                  version=version.version, value=CODEC.encode(event))
+                                  version=version.version, value=CODEC.encode(event), transactional=True)
     finally:
         for producer in producers.values():
             await producer.stop()

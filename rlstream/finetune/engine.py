@@ -21,7 +21,7 @@ from typing import Callable, Protocol, Sequence
 from rlstream.finetune.epoch_curriculum import EpochCurriculum
 from rlstream.finetune.outputs import FinetuneOutputs, epoch_record, validation_record
 from rlstream.finetune.runtime import CollectedGroup, FinetuneContext, FinetuneError
-from rlstream.finetune.training import EpochLearner
+from rlstream.finetune.training import EpochLearner, TrainingGroup
 from rlstream.rollout.routing import VersionRouter
 from rlstream.schemas.config import CurriculumConfig
 from rlstream.schemas.models import TrajectoryEvent
@@ -179,14 +179,6 @@ def checked_groups(candidates: Sequence[CandidateGroup], min_group_size: int,
 def finite_rewards(collected: CollectedGroup) -> list[float]:
     """The finite rewards of an assembled group's members."""
     return [t.reward for t in collected.group.trajectories if t.reward is not None and math.isfinite(t.reward)]
-
-
-def group_offsets(groups: Sequence[CollectedGroup]) -> dict[int, list[int]]:
-    """Per ``groups`` partition, the offsets of these groups (a version's exact lineage)."""
-    offsets: dict[int, list[int]] = {}
-    for collected in groups:
-        offsets.setdefault(collected.partition, []).append(collected.offset)
-    return offsets
 
 
 # --- the engine -------------------------------------------------------------------------------------------
@@ -374,7 +366,7 @@ class EpochEngine:
         try:
             report(10.0, f"training {len(groups)} groups")
             trained = await self.learner.train_and_publish(
-                [[t for t in c.group.trajectories] for c in groups], group_offsets(groups),
+                [TrainingGroup(c.group.trajectories, c.partition, c.offset) for c in groups],
                 lambda done, total: report(10.0 + 70.0 * done / max(1, total), f"step {done}/{total}"))
             if trained.version is None:
                 return TrainingOutcome(OutcomeStatus.COMPLETED, "no trainable samples; no new version",

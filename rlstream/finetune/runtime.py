@@ -247,7 +247,7 @@ class FinetuneContext:
     topics: TopicNames = field(init=False)
     control: ControlPlane | None = None
     producer: AIOKafkaProducer | None = None
-    announcer: AIOKafkaProducer | None = None  # transactional, one id per policy: Kafka fences a zombie run
+    announcer: Any = None  # rlstream.learner.publish.Announcer: transactional, one id per policy (fences a zombie)
     metrics: MetricsPublisher | None = None
     rollout_metrics: MetricsPublisher | None = None
     collector: GroupCollector | None = None
@@ -288,10 +288,10 @@ class FinetuneContext:
             raise FinetuneError(f"the learner lease of policy {cfg.policy!r} is held by {holder}: another learner "
                                 "trains this policy; stop it or use another policy name")
         self._tasks.append(asyncio.create_task(self._keep_lease()))
-        from rlstream.learner.publish import transactional_id
+        from rlstream.learner.publish import Announcer
 
-        self.announcer = make_producer(cfg.kafka, transactional_id=transactional_id(cfg.policy))
-        await self.announcer.start()
+        self.announcer = Announcer.for_policy(cfg.kafka, cfg.policy)
+        await self.announcer.producer.start()
         latest = await self.control.latest_version(cfg.policy)
         if latest > 0:
             log.warning("policy already has versions; this run continues their numbering and vLLM serves the "
@@ -379,7 +379,7 @@ class FinetuneContext:
             await self.control.close()
         if self.announcer is not None:
             try:
-                await self.announcer.stop()
+                await self.announcer.producer.stop()
             except Exception as exc:  # a fenced producer may fail to close cleanly
                 log.warning("announcing producer stop failed", error=str(exc))
         if self.producer is not None:

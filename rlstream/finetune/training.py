@@ -1,12 +1,14 @@
-"""The engine's learner: the groups of one submission trained in this process and published as one version."""
+"""The engine's learner: each submission's groups trained in this process through the learner's train-and-publish
+loop (:class:`rlstream.learner.loop.TrainPublishLoop`) and published as one version."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from rlstream.finetune.runtime import FinetuneContext, FinetuneError
 from rlstream.schemas.models import TrajectoryEvent
+from rlstream.transport.control import Lease, LeaseLost
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -22,28 +24,70 @@ class TrainedVersion:
     figures: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class TrainingGroup:
+    """One assembled group to train: its members and where it sits on ``groups`` (the version's lineage)."""
+
+    events: Sequence[TrajectoryEvent]
+    partition: int
+    offset: int
+
+
+class ContextLease:
+    """The run's learner lease as the train-and-publish loop sees it (renewed in the background by the context)."""
+
+    def __init__(self, context: FinetuneContext) -> None:
+        self.context = context
+
+    @property
+    def lease(self) -> Lease:
+        assert self.context.lease is not None, "open the context first"
+        return self.context.lease
+
+    async def confirm(self) -> bool:
+        ctx = self.context
+        if ctx.lease_lost or ctx.control is None:
+            return False
+        try:
+            await ctx.control.renew_lease(ctx.cfg.policy, self.lease, ctx.cfg.learner.lease_ttl_s)
+            return True
+        except LeaseLost as exc:
+            self.lost(exc)
+        except Exception as exc:
+            log.warning("lease not confirmed (Redis unreachable?); no version this time", error=str(exc))
+        return False
+
+    def lost(self, exc: BaseException) -> None:
+        self.context.lease_lost = str(exc)
+        log.error("learner lease lost or announcement fenced; this run will not publish again", error=str(exc))
+
+
 class EpochLearner:
     """Loads the policy once; trains each submission in ``learner.groups_per_step`` chunks and publishes it."""
 
     def __init__(self, context: FinetuneContext) -> None:
         self.context = context
         self.cfg = context.cfg
-        self.policy: Any = None
-        self.trainer_step: Any = None
-        self.version = 0
-        self.step = 0
+        self.loop: Any = None  # rlstream.learner.loop.TrainPublishLoop, once open
         self.skipped: list[tuple[str, str]] = []  # (group_id, reason) of trajectories without usable tokens
 
     async def open(self) -> None:
+        from rlstream.learner.checkpoint import LearnerState
+        from rlstream.learner.loop import PublicationTarget, TrainPublishLoop
         from rlstream.learner.policy import load_policy
         from rlstream.learner.step import GRPOTrainerStep
 
-        assert self.context.control is not None
-        self.policy = await asyncio.to_thread(load_policy, self.cfg.learner)
-        self.trainer_step = GRPOTrainerStep(self.policy, self.cfg.learner)
-        self.version = max(0, await self.context.control.latest_version(self.cfg.policy))
+        ctx = self.context
+        assert ctx.control is not None and ctx.announcer is not None, "open the context first"
+        policy = await asyncio.to_thread(load_policy, self.cfg.learner)
+        state = LearnerState(version=max(0, await ctx.control.latest_version(self.cfg.policy)))
+        self.loop = TrainPublishLoop(
+            policy=policy, trainer=GRPOTrainerStep(policy, self.cfg.learner), state=state, announcer=ctx.announcer,
+            control=ctx.control, codec=ctx.codec, guard=ContextLease(ctx),
+            target=PublicationTarget(self.cfg.policy, self.cfg.run_id, ctx.topics, ctx.output_dir / "versions",
+                                     self.cfg.learner.lease_ttl_s))
 
-    def _train(self, groups: Sequence[Sequence[TrajectoryEvent]], progress: StepProgress) -> dict[str, float]:
+    def _train(self, groups: Sequence[TrainingGroup], progress: StepProgress) -> dict[str, float]:
         """Optimizer steps over ``groups`` in chunks of ``learner.groups_per_step`` (runs in a thread)."""
         from rlstream.learner.batch import BatchError, samples_from_trajectory
 
@@ -52,48 +96,41 @@ class EpochLearner:
         losses: list[float] = []
         skipped = steps = 0
         for n, chunk in enumerate(chunks):
-            samples = []
-            for index, events in enumerate(chunk):
-                for event in events:
+            samples, sampled = [], []
+            for index, group in enumerate(chunk):
+                before = len(samples)
+                for event in group.events:
                     try:
-                        samples.extend(samples_from_trajectory(event, index, self.policy.tokenizer,
+                        samples.extend(samples_from_trajectory(event, index, self.loop.policy.tokenizer,
                                                                ft.target_functions, ft.target_model))
                     except BatchError as exc:
                         skipped += 1
                         self.skipped.append((event.group_id, str(exc)))
                         log.warning("trajectory not trained on", trajectory_id=event.trajectory_id, reason=str(exc))
+                if len(samples) > before:
+                    sampled.append(group)
             if samples:
-                stats = self.trainer_step.step(samples)
-                losses.append(stats.loss)
+                stats = self.loop.train(samples)
                 steps += 1
-                self.step += 1
+                if stats is not None:
+                    losses.append(stats.loss)
+                    if stats.trained:  # exact lineage: the groups of applied optimizer steps
+                        self.loop.record_trained([(g.partition, g.offset) for g in sampled])
             progress(n + 1, len(chunks))
         return {"loss": sum(losses) / len(losses) if losses else 0.0, "steps": float(steps),
                 "skipped_trajectories": float(skipped)}
 
-    async def train_and_publish(self, groups: Sequence[Sequence[TrajectoryEvent]],
-                                offsets: Mapping[int, Sequence[int]],
+    async def train_and_publish(self, groups: Sequence[TrainingGroup],
                                 progress: StepProgress = lambda _d, _t: None) -> TrainedVersion:
-        """Train ``groups``; publish the next version unless no sample was trainable. ``offsets`` (per ``groups``
-        partition) are the records trained: the version's exact lineage."""
-        from rlstream.learner.publish import announce, write_version
-        from rlstream.schemas.models import WeightsKind
-
+        """Train ``groups``; publish the next version unless no sample was trainable."""
         ctx = self.context
         figures = await asyncio.to_thread(self._train, groups, progress)
         if figures["steps"] == 0:
             return TrainedVersion(None, figures)
         if ctx.lease_lost:
             raise FinetuneError(f"learner lease lost: {ctx.lease_lost}")
-        version = self.version + 1
-        directory, manifest = await asyncio.to_thread(write_version, self.policy, ctx.output_dir / "versions",
-                                                      self.cfg.policy, version)
-        assert ctx.announcer is not None and ctx.control is not None and ctx.lease is not None
-        await announce(producer=ctx.announcer, codec=ctx.codec, control=ctx.control, lease=ctx.lease,
-                       topic=ctx.topics.policy_versions, groups_topic=ctx.topics.groups, policy_name=self.cfg.policy,
-                       run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=version,
-                       step=self.step, kind=WeightsKind.lora if self.policy.lora else WeightsKind.full,
-                       base_model=self.policy.base_model, offsets=offsets, group_count=len(groups), metrics=figures,
-                       lease_ttl_s=self.cfg.learner.lease_ttl_s)
-        self.version = version
-        return TrainedVersion(version, figures)
+        saved = await self.loop.save(checkpoint=False, publish=True, figures=figures)
+        if saved.version is None:
+            raise FinetuneError(f"no version published ({saved.refused}"
+                                f"{': ' + ctx.lease_lost if ctx.lease_lost else ''})")
+        return TrainedVersion(saved.version.version, figures)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -26,7 +27,9 @@ from safetensors.torch import save_file
 
 from rlstream.learner.checkpoint import MANIFEST, fsync_path, sha256_file, verify_manifest, write_manifest
 from rlstream.learner.policy import Policy
+from rlstream.schemas.config import KafkaConfig
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
+from rlstream.transport.kafka import make_producer
 from rlstream.transport.trusted_versions import announce_record
 from rlstream.transport.log import get_logger
 from rlstream.schemas.codec import AvroCodec
@@ -44,26 +47,20 @@ def transactional_id(policy_name: str) -> str:
     return f"rlstream-learner-{policy_name}"
 
 
-def is_transactional(producer: Any) -> bool:
-    """True for an aiokafka producer built with a ``transactional_id``."""
-    manager = getattr(producer, "_txn_manager", None)
-    return manager is not None and getattr(manager, "transactional_id", None) is not None
+@dataclass(frozen=True)
+class Announcer:
+    """The producer that announces a policy's versions, with the transactional id its caller built it with (None:
+    a plain producer, whose announcements are refused)."""
 
+    producer: Any
+    transactional_id: str | None
 
-async def send_announcement(producer: Any, topic: str, value: bytes, key: bytes) -> None:
-    """Send one PolicyVersion: in its own transaction when ``producer`` is transactional (raises
-    :class:`PublicationFenced` when Kafka fenced it), else as a plain idempotent send."""
-    if not is_transactional(producer):
-        await producer.send_and_wait(topic, value, key=key)
-        return
-    from aiokafka.errors import ProducerFenced
-
-    try:
-        async with producer.transaction():
-            await producer.send_and_wait(topic, value, key=key)
-    except ProducerFenced as exc:
-        raise PublicationFenced(f"the announcing producer was fenced by a newer learner ({exc}); "
-                                "version not announced") from exc
+    @classmethod
+    def for_policy(cls, kafka: KafkaConfig, policy_name: str) -> "Announcer":
+        """A transactional announcer with the policy's id (:func:`transactional_id`): starting it fences the
+        announcer of any other learner of the policy."""
+        tid = transactional_id(policy_name)
+        return cls(make_producer(kafka, transactional_id=tid), tid)
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -155,15 +152,15 @@ def exact_ranges(topic: str, offsets: Mapping[int, Iterable[int]]) -> list[Offse
 
 
 async def announce(
-    *, producer: Any, codec: AvroCodec, control: ControlPlane, lease: Lease, topic: str, groups_topic: str,
+    *, announcer: Announcer, codec: AvroCodec, control: ControlPlane, lease: Lease, topic: str, groups_topic: str,
     policy_name: str, run_id: str, directory: Path, manifest: dict[str, Any], version: int, step: int,
     kind: WeightsKind, base_model: str, group_count: int, metrics: dict[str, float], lease_ttl_s: float,
     ranges: dict[int, list[int]] | None = None, offsets: Mapping[int, Iterable[int]] | None = None,
     before_commit: Callable[[], None] | None = None,
 ) -> PolicyVersion:
     """Announce a written version: verify its sha256 manifest, renew (check) the lease, PolicyVersion on
-    ``policy-versions`` (in a transaction when ``producer`` is transactional), then move the Redis pointer by CAS
-    under the lease. Raises :class:`LeaseLost` when the lease is gone (then nothing is announced) and
+    ``policy-versions`` (in a transaction of ``announcer``, which must be transactional), then move the Redis pointer by
+    CAS under the lease. Raises :class:`LeaseLost` when the lease is gone (then nothing is announced) and
     :class:`PublicationFenced` when Kafka fenced the producer (then the pointer is not moved).
 
     Lineage (``trained_on``): ``offsets`` (per partition, the exact offsets of the groups trained) become the
@@ -183,8 +180,9 @@ async def announce(
     from aiokafka.errors import ProducerFenced
 
     try:  # registered and confirmed under the lease: readers accept only such records (transport/trusted_versions)
-        await announce_record(producer, control, lease, topic=topic, policy=policy_name, version=version,
-                              value=codec.encode(event), before_commit=before_commit)
+        await announce_record(announcer.producer, control, lease, topic=topic, policy=policy_name, version=version,
+                              value=codec.encode(event), transactional=announcer.transactional_id is not None,
+                              before_commit=before_commit)
     except ProducerFenced as exc:
         raise PublicationFenced(f"the announcing producer was fenced by a newer learner ({exc}); "
                                 "version not announced") from exc

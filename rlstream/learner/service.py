@@ -34,7 +34,8 @@ from rlstream.learner import distributed
 from rlstream.learner.batch import Sample, behaviour_version, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy, pick_device
-from rlstream.learner.publish import PublicationFenced, announce, transactional_id, write_version
+from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPublishLoop
+from rlstream.learner.publish import Announcer
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.transport import metric_names
@@ -46,8 +47,7 @@ from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
 from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, TrajectorySource,
-                                     WeightsKind)
+from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 
 log = get_logger(__name__)
@@ -106,6 +106,7 @@ class Learner:
         self._lease_lock = asyncio.Lock()
         self._known_version = 0  # the newest version this learner published or resumed from
         self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
+        self.loop: TrainPublishLoop | None = None  # train, checkpoint, write a version, announce it
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -162,7 +163,7 @@ class Learner:
         control = ControlPlane(self.cfg.redis.url, self.cfg.redis.retry_max_s)
         producer = make_producer(self.cfg.kafka)
         # announcements only: transactional, one id per policy, started once the lease is held (fences a zombie)
-        announcer = make_producer(self.cfg.kafka, transactional_id=transactional_id(self.cfg.policy))
+        announcer = Announcer.for_policy(self.cfg.kafka, self.cfg.policy)
         announcer_started = False
         consumer = make_consumer(self.cfg.kafka, group_id=f"{self.cfg.policy}-learner",
                                  isolation_level="read_committed")
@@ -175,18 +176,23 @@ class Learner:
             if self.parallel is not None:
                 await asyncio.to_thread(self.parallel.broadcast_command, distributed.START)
             policy, trainer, state = await self._load()
+            self.loop = TrainPublishLoop(
+                policy=policy, trainer=trainer, state=state, announcer=announcer, control=control, codec=self.codec,
+                target=PublicationTarget(self.cfg.policy, self.cfg.run_id, self.topics, self.versions_root,
+                                         self.lcfg.lease_ttl_s),
+                guard=_LearnerLease(self, control), store=self.store, before_step=self._broadcast_step)
             self._known_version = max(state.version, await control.latest_version(self.cfg.policy))
             self._tokenizer, self._vocab_size = policy.tokenizer, policy.vocab_size
             self._reporters = Reporters.open(
                 self.lcfg.report_to, log_dir=self.lcfg.logging_dir or self.output_dir / "logs",
                 run_name=f"{self.cfg.run_id}-{self.cfg.policy}", config=self.lcfg.model_dump(mode="json"))
             await producer.start()
-            await announcer.start()
+            await announcer.producer.start()
             announcer_started = True
             metrics = self._metrics = MetricsPublisher(producer, self.codec, self.topics.metrics, SERVICE,
                                                        self.cfg.run_id, prometheus_port=self.lcfg.prometheus_port)
             await self._report_lease(not self.lease_lost)
-            await self._finish_interrupted_publication(state, policy, announcer, control)
+            await self._finish_interrupted_publication(state, control)
             await consumer.start()
             await self._assign_and_seek(consumer, state)
             # records that do not decode (or that no step can use, see _decode) go to dlq with the reason
@@ -200,7 +206,7 @@ class Learner:
                 taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
-                await self._train_step(state, taken, policy, trainer, announcer, control, metrics, consumer)
+                await self._train_step(state, taken, control, metrics, consumer)
             return state
         finally:
             if self.parallel is not None:  # release the other ranks (waiting for START, or in their loop)
@@ -215,7 +221,7 @@ class Learner:
             await producer.stop()
             if announcer_started:
                 try:
-                    await announcer.stop()
+                    await announcer.producer.stop()
                 except Exception as exc:  # noqa: BLE001 - a fenced producer may fail to close cleanly
                     log.warning("announcing producer stop failed", error=str(exc))
             if self.lease and not self.lease_lost:
@@ -357,50 +363,41 @@ class Learner:
         return None
 
     # -- training ----------------------------------------------------------------------------------------
-    async def _train_step(self, state: LearnerState, taken: list[TakenGroup], policy: Policy,
-                          trainer: GRPOTrainerStep, producer: Any, control: ControlPlane,
+    def _broadcast_step(self, samples: list[Sample]) -> None:
+        """Hand the step's batch to the other data-parallel ranks (before the driver's own step)."""
+        if self.parallel is not None:
+            self.parallel.broadcast_command(distributed.STEP, samples)
+
+    async def _train_step(self, state: LearnerState, taken: list[TakenGroup], control: ControlPlane,
                           metrics: MetricsPublisher, consumer: Any) -> None:
+        assert self.loop is not None
         samples: list[Sample] = []
         groups = [t for t in taken if t.group is not None]
         for index, t in enumerate(groups):
             for s in t.samples:
                 s.group = index
                 samples.append(s)
-        if samples and self.parallel is not None:
-            await asyncio.to_thread(self.parallel.broadcast_command, distributed.STEP, samples)
-        stats = await asyncio.to_thread(trainer.step, samples) if samples else None
-        state.step += 1
+        stats = await self.loop.train_batch(samples)
         for t in taken:
             state.offsets[t.partition] = t.offset + 1
         # exact lineage: the groups whose samples went into an applied optimizer step, nothing else
         trained = [t for t in groups if t.samples] if stats is not None and stats.trained else []
-        for t in trained:
-            state.record_trained(t.partition, t.offset)
+        self.loop.record_trained([(t.partition, t.offset) for t in trained])
         lag = [state.version - behaviour_version(g.group, g.samples) for g in groups if g.group is not None]
         await self._report(state, stats, lag, metrics, control, len(trained))
         if self.kill_after_step is not None and state.step == self.kill_after_step:
             log.warning("fault injection: SIGKILL after step", step=state.step)
             os.kill(os.getpid(), signal.SIGKILL)
         publish_due = state.step % self.lcfg.publish_every == 0
-        checkpoint_due = publish_due or state.step % self.lcfg.checkpoint_every == 0
-        if checkpoint_due:
-            bad = await asyncio.to_thread(policy.nonfinite_parameters)
-            if bad:
-                log.error("weights are not finite: no checkpoint and no publication (restart the learner to resume "
-                          "from its last checkpoint)", step=state.step, parameters=bad[:5], count=len(bad))
-                if publish_due:
-                    await metrics.emit(metric_names.LEARNER_PUBLISH_REFUSED, 1.0, step=state.step,
-                                       tags={"reason": "nonfinite_weights", "policy": self.cfg.policy})
-                publish_due = checkpoint_due = False
-        if checkpoint_due and not await self._lease_confirmed(control):
-            publish_due = checkpoint_due = False  # no checkpoint nor version without the lease (a zombie writes none)
-        if publish_due:
-            state.version += 1
-            state.start_publication()
-        if checkpoint_due:
-            await asyncio.to_thread(self.store.save, state, policy.model, trainer.optimizer, trainer.scheduler)
-        if publish_due:
-            await self._publish(state, policy, producer, control, stats.figures() if stats else {})
+        saved = await self.loop.save(checkpoint=state.step % self.lcfg.checkpoint_every == 0, publish=publish_due,
+                                     figures=stats.figures() if stats else {},
+                                     before_commit=self._pause_self if state.version + 1 == self.pause_in_announcement
+                                     else None)
+        if saved.refused == REFUSED_NONFINITE and publish_due:  # restart the learner to resume from its last checkpoint
+            await metrics.emit(metric_names.LEARNER_PUBLISH_REFUSED, 1.0, step=state.step,
+                               tags={"reason": "nonfinite_weights", "policy": self.cfg.policy})
+        if saved.version is not None:
+            self._known_version = max(self._known_version, saved.version.version)
         await self._commit_for_monitoring(consumer, state)
 
     async def _report(self, state: LearnerState, stats: StepStats | None, lag: list[int],
@@ -429,26 +426,6 @@ class Learner:
         log.info("learner step", step=state.step, groups=n_groups,
                  loss=round(stats.loss, 5) if stats else None, reward_mean=round(stats.reward_mean, 4) if stats else None,
                  tokens_per_s=round(stats.tokens_per_s, 1) if stats else None)
-
-    async def _publish(self, state: LearnerState, policy: Policy, producer: Any, control: ControlPlane,
-                       figures: dict[str, float]) -> None:
-        assert self.lease is not None
-        directory, manifest = await asyncio.to_thread(write_version, policy, self.versions_root, self.cfg.policy,
-                                                      state.version)
-        try:
-            await announce(
-                producer=producer, codec=self.codec, control=control, lease=self.lease,
-                topic=self.topics.policy_versions, groups_topic=self.topics.groups, policy_name=self.cfg.policy,
-                run_id=self.cfg.run_id, directory=directory, manifest=manifest, version=state.version,
-                step=state.step, kind=WeightsKind.lora if policy.lora else WeightsKind.full,
-                base_model=policy.base_model, offsets=state.publishing_offsets, group_count=state.publishing_groups,
-                metrics=figures, lease_ttl_s=self.lcfg.lease_ttl_s,
-                before_commit=self._pause_self if state.version == self.pause_in_announcement else None)
-        except (PublicationFenced, LeaseLost) as exc:
-            self._lost(exc)
-            return
-        state.publishing_offsets, state.publishing_groups = {}, 0
-        self._known_version = max(self._known_version, state.version)
 
     @staticmethod
     def _pause_self() -> None:
@@ -480,14 +457,16 @@ class Learner:
                         error=str(exc))
         return False
 
-    async def _finish_interrupted_publication(self, state: LearnerState, policy: Policy, producer: Any,
-                                              control: ControlPlane) -> None:
+    async def _finish_interrupted_publication(self, state: LearnerState, control: ControlPlane) -> None:
         """A checkpoint written for a publication that was never announced: announce it now."""
+        assert self.loop is not None
         if not state.publishing_offsets and not state.publishing_groups:
             return
         if state.version > await control.latest_version(self.cfg.policy):
             log.warning("announcing a version whose publication was interrupted", version=state.version)
-            await self._publish(state, policy, producer, control, {})
+            announced = await self.loop.announce_pending({})
+            if announced is not None:
+                self._known_version = max(self._known_version, announced.version)
         state.publishing_offsets, state.publishing_groups = {}, 0
 
     async def _commit_for_monitoring(self, consumer: Any, state: LearnerState) -> None:
@@ -495,3 +474,23 @@ class Learner:
             await consumer.commit({TopicPartition(self.topics.groups, p): o for p, o in state.offsets.items()})
         except Exception as exc:  # noqa: BLE001 - monitoring only; the checkpoint holds the truth
             log.debug("offset commit for monitoring failed", error=str(exc))
+
+
+class _LearnerLease:
+    """The service's hold on the learner lease, as the train-and-publish loop sees it: confirmation takes an
+    expired lease back when no other learner published meanwhile (:meth:`Learner._lease_confirmed`)."""
+
+    def __init__(self, learner: Learner, control: ControlPlane) -> None:
+        self.learner = learner
+        self.control = control
+
+    @property
+    def lease(self) -> Lease:
+        assert self.learner.lease is not None, "the lease is acquired before the loop runs"
+        return self.learner.lease
+
+    async def confirm(self) -> bool:
+        return await self.learner._lease_confirmed(self.control)
+
+    def lost(self, exc: BaseException) -> None:
+        self.learner._lost(exc)

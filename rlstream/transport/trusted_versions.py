@@ -77,17 +77,18 @@ def record_digest(value: bytes) -> str:
 
 
 async def announce_record(producer: Any, control: ControlPlane, lease: Lease, *, topic: str, policy: str,
-                          version: int, value: bytes, before_commit: Callable[[], None] | None = None) -> None:
+                          version: int, value: bytes, transactional: bool,
+                          before_commit: Callable[[], None] | None = None) -> None:
     """Announce one encoded PolicyVersion: registered in Redis under ``lease``, sent in a transaction of ``producer``
-    (which must be transactional), confirmed once committed.
+    (which must be transactional: ``transactional`` says whether its caller built it with a transactional id),
+    confirmed once committed.
 
     Raises :class:`~rlstream.transport.control.LeaseLost` when the lease is not held (before the send: nothing is
     written; after the commit: the record is never confirmed, so it never counts) and
     aiokafka's ``ProducerFenced`` when Kafka fenced the producer (aborted). ``before_commit`` (fault injection for
     tests) runs once the record is in the log and registered, before the transaction commits.
     """
-    manager = getattr(producer, "_txn_manager", None)  # aiokafka keeps the transactional id there only
-    if manager is None or getattr(manager, "transactional_id", None) is None:
+    if not transactional:
         raise ValueError("policy versions are announced only by a transactional producer")
     digest = record_digest(value)
     # registered before the transaction opens: no control-plane wait can outlast the broker's transaction timeout

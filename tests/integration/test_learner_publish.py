@@ -13,7 +13,8 @@ from safetensors import safe_open
 from rlstream.learner.batch import collate
 from rlstream.learner.checkpoint import CheckpointError, verify_manifest
 from rlstream.learner.policy import completion_logprobs
-from rlstream.learner.publish import announce, load_published, manifest_digest, version_dir, write_version
+from rlstream.learner.publish import (Announcer, announce, load_published, manifest_digest, version_dir,
+                                      write_version)
 from rlstream.learner.service import Learner
 from rlstream.transport.control import ControlPlane, LeaseLost
 from rlstream.schemas.codec import AvroCodec
@@ -114,7 +115,7 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
             takeover = await control.acquire_lease(cfg.policy, "third", ttl_s=30)
             assert takeover is not None
             with pytest.raises(LeaseLost):
-                await announce(producer=producer, codec=AvroCodec(), control=control, lease=stale,
+                await announce(announcer=Announcer(producer, None), codec=AvroCodec(), control=control, lease=stale,
                                topic=created_topics.policy_versions, groups_topic=created_topics.groups,
                                policy_name=cfg.policy, run_id=cfg.run_id, directory=directory, manifest=manifest,
                                version=5, step=5, kind=WeightsKind.lora, base_model=cfg.learner.model, ranges={},
@@ -199,23 +200,30 @@ def test_a_zombie_learners_announcement_is_fenced_by_kafka(rl_config: RlstreamCo
     async def scenario() -> None:
         control = ControlPlane(cfg.redis.url)
         lease = await control.acquire_lease(cfg.policy, "both", ttl_s=60)  # Kafka's fence alone is under test
-        zombie = make_producer(cfg.kafka, transactional_id=transactional_id(cfg.policy))
-        new = make_producer(cfg.kafka, transactional_id=transactional_id(cfg.policy) + ("" if same_id else "-b"))
+        zombie_announcer = Announcer.for_policy(cfg.kafka, cfg.policy)
+        new_id = transactional_id(cfg.policy) + ("" if same_id else "-b")
+        new_announcer = Announcer(make_producer(cfg.kafka, transactional_id=new_id), new_id)
+        zombie, new = zombie_announcer.producer, new_announcer.producer
         await zombie.start()
         try:
             d1, m1 = _fake_version(root, 1)
-            await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d1, m1, 1))
+            await announce(announcer=zombie_announcer,
+                           **_announce_kwargs(cfg, created_topics, control, lease, d1, m1, 1))
             await new.start()  # the new learner's producer: fences the zombie when the id is the same
             d2, m2 = _fake_version(root, 2)
             if same_id:
                 with pytest.raises(PublicationFenced):
-                    await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+                    await announce(announcer=zombie_announcer,
+                                   **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
                 assert await control.latest_version(cfg.policy) == 1  # the zombie did not move the pointer
-                await announce(producer=new, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+                await announce(announcer=new_announcer,
+                               **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
             else:
-                await announce(producer=zombie, **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
+                await announce(announcer=zombie_announcer,
+                               **_announce_kwargs(cfg, created_topics, control, lease, d2, m2, 2))
                 d3, m3 = _fake_version(root, 3)
-                await announce(producer=new, **_announce_kwargs(cfg, created_topics, control, lease, d3, m3, 3))
+                await announce(announcer=new_announcer,
+                               **_announce_kwargs(cfg, created_topics, control, lease, d3, m3, 3))
         finally:
             for producer in (new, zombie):
                 try:
