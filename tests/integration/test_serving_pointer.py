@@ -13,7 +13,7 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.serving import (MoveKind, NotForward, ReplicaAck, ServingConflict, ServingControl,
-                                        ServingFenced, move_serving_when_loaded, parse_model_name)
+                                        ServingFenced, move_serving_when_loaded, parse_model_name, publish_decision)
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()
@@ -157,3 +157,50 @@ def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamCon
             await control.close()
 
     asyncio.run(scenario())
+
+
+def test_status_tail_and_lineage_show_the_decisions(rl_config: RlstreamConfig,
+                                                          created_topics: TopicNames) -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from rlstream.ops.promotion import read_decisions
+    from rlstream.ops.status import collect_status, render_status
+    from rlstream.ops.tail import TailOptions, build_table, run_tail
+
+    policy = rl_config.policy
+
+    async def scenario() -> tuple[dict, str, list[PromotionDecision]]:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        producer = make_producer(rl_config.kafka)
+        await producer.start()
+        try:
+            await serving.promote(policy, 4, token=await serving.issue_token(policy), reason="passed",
+                                  decided_by="gate")
+            for version, kind, reason in ((5, DecisionKind.reject, "reward 0.2 below 0.5 - 0.05"),
+                                          (4, DecisionKind.promote, "passed")):
+                await publish_decision(producer, CODEC, created_topics.promotions, PromotionDecision(
+                    policy=policy, version=version, decision=kind, reason=reason, serving_before=3,
+                    candidate_metrics={"eval/reward": 0.2}, decided_by="gate", fencing_token=1))
+        finally:
+            await producer.stop()
+            await control.close()
+        status = await collect_status(rl_config)
+        out = io.StringIO()
+        await run_tail(rl_config, "promotions", TailOptions(from_beginning=True), "json", out=out)
+        return status, out.getvalue(), await read_decisions(rl_config, policy, version=5)
+
+    status, tailed, about_5 = asyncio.run(scenario())
+    assert status["serving"]["version"] == 4 and status["serving"]["reason"] == "passed"
+    assert [(d["version"], d["decision"]) for d in status["promotions"]] == [(4, "promote"), (5, "reject")]
+    console = Console(file=io.StringIO(), width=200)
+    render_status(status, console)
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "serving version: 4" in shown and "reward 0.2 below" in shown
+    rows = [json.loads(line) for line in tailed.splitlines()]
+    assert [(r["version"], r["decision"]) for r in rows] == [(5, "reject"), (4, "promote")]
+    assert [(d.version, d.decision) for d in about_5] == [(5, DecisionKind.reject)]
+    assert build_table("promotions", [], "") is not None
