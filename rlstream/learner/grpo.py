@@ -11,6 +11,8 @@ References:
 - Dr. GRPO: Liu et al. 2025, *Understanding R1-Zero-Like Training* (arXiv:2503.20783): no std scaling, a constant
   normaliser instead of the sequence length.
 - k3: Schulman 2020, *Approximating KL Divergence* (joschu.net/blog/kl-approx.html).
+- Masked importance sampling (MIS: tokens whose ratio leaves a band get no loss): verl's rollout correction
+  presets (token-level MIS); prime-rl masks off-policy tokens the same way.
 - Truncated importance sampling against the sampler's logprobs: Yao et al. 2025, *Your Efficient RL Framework
   Secretly Brings You Off-Policy RL Training* (the fix TRL applies as ``vllm_importance_sampling_correction``).
 - Multi-turn: advantages per trajectory, not per turn (the turn-count bias of agent-lightning#444/#445).
@@ -270,6 +272,38 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs:
     return torch.exp(old_logprobs.detach() - behaviour_logprobs).clamp(max=cap)
 
 
+def masked_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None, low: float,
+                              high: float) -> torch.Tensor | None:
+    r"""
+    Masked importance sampling weight of each token against the rollout's sampler: the ratio where it lies in
+    $[L, H]$, 0 elsewhere (token-level masked IS, "MIS", as verl's rollout correction presets do; prime-rl masks
+    tokens the same way). Where truncation keeps a capped share of a token the current policy has
+    moved far from, masking drops it from the loss.
+
+    $$w_t = \frac{\pi_{\theta_\text{old}}(y_t)}{\mu(y_t)}\,\mathbb{1}\left[L \le
+    \frac{\pi_{\theta_\text{old}}(y_t)}{\mu(y_t)} \le H\right]$$
+
+    No gradient.
+
+    Args:
+        old_logprobs (`torch.Tensor`):
+            $\log \pi_{\theta_\text{old}}$, the batch-start policy, shape `(B, T)`.
+        behaviour_logprobs (`torch.Tensor` or `None`):
+            $\log \mu$, shape `(B, T)`; `None` for on-policy data.
+        low (`float`):
+            $L$, the smallest ratio kept (0 keeps every token the current policy finds less likely).
+        high (`float`):
+            $H$, the largest ratio kept.
+
+    Returns:
+        `torch.Tensor` or `None`: weights, shape `(B, T)`; `None` when `behaviour_logprobs` is `None`.
+    """
+    if behaviour_logprobs is None:
+        return None
+    ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs)
+    return torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+
+
 def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     r"""
     Probability ratio of each token between the current and the batch-start policy (PPO).
@@ -406,6 +440,10 @@ class LossConfig:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     importance_cap: float = 2.0
+    #: ``"truncate"``: :func:`truncated_importance_weights` at ``importance_cap``; ``"mask"``:
+    #: :func:`masked_importance_weights` keeping ratios in [``importance_mask_low``, ``importance_cap``]
+    importance_correction: Literal["truncate", "mask"] = "truncate"
+    importance_mask_low: float = 0.5
     beta: float = 0.0
     aggregation: LossAggregation = "token_mean"
     loss_constant: float = 1024.0
@@ -428,7 +466,8 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
               total_sequences: float | None = None, trajectory_tokens: torch.Tensor | None = None,
               total_trajectories: float | None = None) -> LossParts:
     r"""
-    The GRPO loss of one (micro-)batch: clipped surrogate x truncated IS weight + beta * k3 KL, aggregated.
+    The GRPO loss of one (micro-)batch: clipped surrogate x IS weight (truncated, or masked with
+    ``cfg.importance_correction="mask"``) + beta * k3 KL, aggregated.
 
     $$\ell_t = -\min\left(\rho_t A, \operatorname{clip}(\rho_t, 1-\epsilon_\text{low}, 1+\epsilon_\text{high}) A\right) w_t
     + \beta\, k_3, \qquad \mathcal{L} = \operatorname{aggregate}(\ell, m)$$
@@ -458,7 +497,10 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     ratio = policy_ratio(logprobs, old)
     per_token, clipped = clipped_surrogate(ratio, advantages, cfg.epsilon_low, cfg.epsilon_high)
-    weights = truncated_importance_weights(old, behaviour_logprobs, cfg.importance_cap)
+    if cfg.importance_correction == "mask":
+        weights = masked_importance_weights(old, behaviour_logprobs, cfg.importance_mask_low, cfg.importance_cap)
+    else:
+        weights = truncated_importance_weights(old, behaviour_logprobs, cfg.importance_cap)
     if weights is not None:
         per_token = per_token * weights
     kl = None
