@@ -237,3 +237,29 @@ def test_spool_directory_0700_and_files_0600(tmp_path: Path) -> None:
     assert any(p.suffix == ".seg" for p in files)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), \
         {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+
+
+async def test_bounds_are_counted_in_prometheus() -> None:
+    from rlstream.transport.metrics import MetricsPublisher, stop_prometheus
+
+    metrics = MetricsPublisher(None, None, "metrics", source="gateway", run_id="r",  # type: ignore[arg-type]
+                               prometheus_port=0)  # the gateway's figures go to Prometheus only
+    assert metrics.prometheus is not None
+    gateway = Gateway(GatewayConfig(max_open_sessions=1, session_idle_s=0.2), FakePublisher(),
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)), metrics=metrics)
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            for index in range(3):
+                await c.post(f"/s/m{index}/v1/chat/completions", json=CHAT)
+            assert (await c.post("/v1/chat/completions", json={**CHAT, "n": 100_000})).status_code == 400
+        await asyncio.sleep(0.3)  # a sweep of the sessions emits the running totals
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://127.0.0.1:{metrics.prometheus.port}/metrics")).text
+    finally:
+        await gateway.stop()
+        stop_prometheus(metrics.prometheus)
+    labels = '{run_id="r",source="gateway"}'
+    assert f"rlstream_gateway_sessions_evicted_total{labels} 2.0" in text, text[-2000:]
+    assert 'rlstream_gateway_requests_rejected_total{reason="bad_n",run_id="r",source="gateway"} 1.0' in text
+    assert f"rlstream_gateway_sessions_split_long_total{labels} 0.0" in text
