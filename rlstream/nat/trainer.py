@@ -103,7 +103,7 @@ class RlstreamTrainer(Trainer):
         return self.engine.summary()
 
     def log_progress(self, epoch: int, metrics: dict[str, Any], output_dir: str | None = None) -> None:
-        log.info("epoch done", epoch=epoch, **metrics)
+        log.info("epoch progress", **{**metrics, "epoch": epoch})
 
     async def cleanup(self) -> None:
         """Write the plot, then stop what the adapter started (NAT calls this once, after the run)."""
