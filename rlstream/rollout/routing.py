@@ -143,4 +143,6 @@ class FleetRouter:
                 route = self._on(older[0], replicas)
                 assert route is not None
                 return route
-        return Route(self.base_model, version or 0)
+        if version is None:  # nothing acknowledged yet: the learner's latest version, as VersionRouter does
+            version = max(0, await self.serving.control.latest_version(self.policy))
+        return Route(self.base_model, version)

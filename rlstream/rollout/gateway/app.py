@@ -321,8 +321,9 @@ class Gateway:
         """(the caller, its task, its scoped session id or None, whether the call is captured) of an inference
         call for ``model``; :class:`AuthRefusal` (403) for a model or a task the caller's key may not use."""
         caller: Principal = request.scope.get(PRINCIPAL_KEY) or OPEN
+        policy_models = (self.config.policy, self.config.served_model)
         named, _ = parse_model_name(model, self.config.policy)  # policy@N: a version of the policy
-        if not caller.may_call(self.config.policy if named else model, (self.config.policy, self.config.served_model)):
+        if not (caller.may_call(model, policy_models) or named and caller.may_call(self.config.policy, policy_models)):
             raise forbidden(f"this API key may not call model {model!r}", "model_not_allowed")
         task = task_for(caller, request.headers.get(TASK_HEADER) or None)
         session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
