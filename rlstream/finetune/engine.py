@@ -22,6 +22,7 @@ from rlstream.finetune.epoch_curriculum import EpochCurriculum
 from rlstream.finetune.outputs import FinetuneOutputs, epoch_record, validation_record
 from rlstream.finetune.runtime import CollectedGroup, FinetuneContext, FinetuneError
 from rlstream.finetune.training import EpochLearner, TrainingGroup
+from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.routing import VersionRouter
 from rlstream.schemas.config import CurriculumConfig
 from rlstream.schemas.models import TrajectoryEvent
@@ -156,18 +157,19 @@ def checked_groups(candidates: Sequence[CandidateGroup], min_group_size: int,
     groups: list[list[TrajectoryEvent]] = []
     dropped: list[tuple[str, Generation, str]] = []
     for candidate in candidates:
-        good: list[TrajectoryEvent] = []
+        kept: list[Generation] = []
         for member in candidate.members:
             problem = member.problem or (trajectory_problem(member.event) if member.event is not None
                                          else "not converted")
-            if problem is None and member.event is not None:
-                good.append(member.event)
+            if problem is None:
+                kept.append(member)
             else:
-                dropped.append((candidate.group_id, member, problem or "not converted"))
-        if good and len(good) < min_group_size:
-            reason = f"group has {len(good)} trainable generations, fewer than streams.min_group_size {min_group_size}"
-            dropped += [(candidate.group_id, m, reason) for m in candidate.members if m.event in good]
+                dropped.append((candidate.group_id, member, problem))
+        if kept and len(kept) < min_group_size:
+            reason = f"group has {len(kept)} trainable generations, fewer than streams.min_group_size {min_group_size}"
+            dropped += [(candidate.group_id, m, reason) for m in kept]
             continue
+        good = [m.event for m in kept if m.event is not None]
         if good and len(good) < len(candidate.members):
             good = [e.model_copy(update={"group_size": len(good), "generation_index": i}) for i, e in enumerate(good)]
         if good:
@@ -196,14 +198,12 @@ class EpochEngine:
         self.outcomes: list[TrainingOutcome] = []
         self.router: VersionRouter | None = None
         self._dead_letters: DeadLetterSink | None = None
-        self._publisher: object = None
+        self._publisher: TrajectoryPublisher | None = None
         self._submissions = 0
 
     # -- set-up --
     async def open(self) -> None:
         """Load the policy to train, start the trajectory publisher; the context must be open."""
-        from rlstream.rollout.publisher import TrajectoryPublisher
-
         ctx = self.context
         assert ctx.producer is not None and ctx.control is not None, "open the FinetuneContext first"
         await self.learner.open()
@@ -239,7 +239,7 @@ class EpochEngine:
         """Stop the trajectory publisher (the context is closed by its owner)."""
         if self._publisher is not None:
             try:
-                await self._publisher.close()  # type: ignore[attr-defined]
+                await self._publisher.close()
             except Exception as exc:
                 log.warning("trajectory publisher closed with errors", error=str(exc))
             self._publisher = None
@@ -343,8 +343,8 @@ class EpochEngine:
             await self._dead_letter(group_id, member, reason)
         for events in groups:
             for event in events:
-                await self._publisher.publish_trajectory(event)  # type: ignore[attr-defined]
-        await self._publisher.flush()  # type: ignore[attr-defined]
+                await self._publisher.publish_trajectory(event)
+        await self._publisher.flush()
         expected = {events[0].group_id for events in groups}
         partial = any(len(events) < events[0].group_size for events in groups)
         wait = self.settings.collect_grace_s + (self.cfg.finetuning.group_timeout_s if partial else 0.0)
