@@ -76,7 +76,7 @@ def validation_config(cfg: RlstreamConfig) -> RlstreamConfig | None:
 async def run_engine(cfg: RlstreamConfig, infra: Infrastructure, val_cfg: RlstreamConfig | None) -> dict[str, Any]:
     """Open the run's context, run ``num_epochs`` epochs of the engine with the rollout generator."""
     ft = cfg.finetuning
-    ctx = FinetuneContext(cfg, infra.server_url, val_cfg)
+    ctx = FinetuneContext(cfg, infra.server_url)
     ctx.supervisor = infra.supervisor
     engine = EpochEngine(ctx, ft.curriculum_learning, EngineSettings(curriculum_seed=cfg.learner.seed))
     generator = RolloutGenerator(ctx, val_cfg)

@@ -240,7 +240,6 @@ class FinetuneContext:
 
     cfg: RlstreamConfig
     server_url: str
-    validation_cfg: RlstreamConfig | None = None
     output_dir: Path = field(init=False)
     worker_id: str = field(init=False)
     codec: AvroCodec = field(init=False)
