@@ -53,6 +53,8 @@ log = get_logger(__name__)
 POLL_S = 0.5
 #: Seconds the gate spends at most reading one ``trained_on`` range of ``groups`` (a range lost to retention).
 GROUPS_READ_TIMEOUT_S = 15.0
+#: Seconds the gate waits after a failed step before it tries again.
+ERROR_BACKOFF_S = 2.0
 #: Who the gate's decisions are recorded as.
 DECIDED_BY = "gate"
 
@@ -137,11 +139,17 @@ class PromotionGate:
         await self._start()
         try:
             while not stop.is_set():
-                await self.pump(timeout_ms=200)
-                if self.canary is not None:
-                    await self.step_canary()
-                else:
-                    await self.step()
+                try:
+                    await self.pump(timeout_ms=200)
+                    if self.canary is not None:
+                        await self.step_canary()
+                    else:
+                        await self.step()
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a transient failure (broker, Redis, a replica) is retried
+                    log.exception("gate step failed; retrying", error=str(exc))
+                    await asyncio.sleep(ERROR_BACKOFF_S)
                 await asyncio.sleep(0)
         finally:
             await self._stop()
@@ -164,6 +172,9 @@ class PromotionGate:
         await self._feedback_consumer.seek_to_end(*trajectories)
         self._groups_consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
         await self._groups_consumer.start()
+        pointer = await self.serving.serving(self.policy)
+        if pointer is not None:  # what serves already was measured by an earlier gate, or never will be
+            self.clock.served_version = pointer.version
         log.info("gate started", policy=self.policy, examples=len(self.evaluation.examples),
                  samples=self.evaluation.samples, canary_share=self.gcfg.canary_share)
 
