@@ -490,7 +490,9 @@ class PromotionGate:
     async def _decided(self, event: PromotionDecision) -> None:
         self.decisions.append(event)
         log.info("promotion decision", decision=event.decision.value, version=event.version, reason=event.reason)
-        await self.metrics.emit(mn.GATE_DECISIONS, 1.0, step=event.version,
+        # a canary's rollback is marked at the canary's version (the record names the version production went back to)
+        step = int(event.candidate_metrics.get("canary_version", event.version))
+        await self.metrics.emit(mn.GATE_DECISIONS, 1.0, step=step,
                                 tags={"policy": self.policy, "decision": event.decision.value})
 
 

@@ -48,6 +48,7 @@ class RunMetrics:
     run_id: str
     series: dict[tuple[str, str], Series] = field(default_factory=dict)
     step_kind: str | None = None
+    decisions: list[tuple[str, int]] = field(default_factory=list)  # the promotion gate's (decision, version)
 
     def of(self, name: str) -> list[Series]:
         return [s for (n, _), s in sorted(self.series.items()) if n == name]
@@ -67,7 +68,7 @@ async def load_run_metrics(cfg: RlstreamConfig, run_id: str) -> RunMetrics:
         metrics = TopicReader(reader, codec, MetricEvent)  # read-only: an undecodable record is skipped
         async for item in metrics.stream(read_to_end(reader, topic)):
             event = item.event
-            if event.run_id == run_id and event.name in mn.PLOTTED:
+            if event.run_id == run_id and (event.name in mn.PLOTTED or event.name == mn.GATE_DECISIONS):
                 events.append(event)
     finally:
         await reader.stop()
@@ -79,6 +80,10 @@ def metrics_from_events(run_id: str, events: list[MetricEvent]) -> RunMetrics:
     out = RunMetrics(run_id)
     kinds = defaultdict(int)
     for event in sorted(events, key=lambda e: e.ts):
+        if event.name == mn.GATE_DECISIONS:
+            if event.step is not None:
+                out.decisions.append((event.tags.get("decision", ""), event.step))
+            continue
         series = out.series.setdefault((event.name, event.source), Series(event.name, event.source))
         step = event.step
         if step is None:
@@ -107,6 +112,14 @@ def draw(metrics: RunMetrics, out: Path) -> Path:
         for series in metrics.of(name):
             xs, ys = series.xy()
             ax.plot(xs, ys, label=f"{name} ({series.source})", **styles[name])
+    marks = {"promote": ("tab:green", "promoted"), "finish_canary": ("tab:green", "promoted"),
+             "force_promote": ("tab:green", "promoted"), "rollback": ("tab:red", "rolled back")}
+    labelled: set[str] = set()
+    for decision, version in metrics.decisions:  # the promotion gate's moves, on the version axis
+        if decision in marks:
+            color, label = marks[decision]
+            ax.axvline(version, color=color, alpha=0.35, linewidth=1, label=None if label in labelled else label)
+            labelled.add(label)
     ax.set_xlabel({"epoch": "epoch", "version": "policy version"}.get(metrics.step_kind or "", "step"))
     ax.set_ylabel("reward")
     from matplotlib.ticker import MaxNLocator

@@ -92,3 +92,16 @@ def test_online_rewards_join_and_corrections() -> None:
     online.on_reward(_reward("c2", 1.0, 1004.0))  # corrected
     assert (online.canary.count, online.canary.mean) == (2, 0.5)
     assert (online.serving.count, online.serving.mean) == (1, 1.0)
+
+
+def test_rlstream_plot_marks_the_gate_moves() -> None:
+    from rlstream.ops.plot import metrics_from_events
+    from rlstream.schemas.models import MetricEvent
+    from rlstream.transport import metric_names as mn
+
+    events = [MetricEvent(source="learner", run_id="r", name=mn.REWARD_MEAN, value=0.5, step=v) for v in range(4)]
+    events += [MetricEvent(source="gate", run_id="r", name=mn.GATE_DECISIONS, value=1.0, step=v,
+                           tags={"decision": d}) for v, d in ((1, "promote"), (2, "reject"), (3, "rollback"))]
+    metrics = metrics_from_events("r", events)
+    assert metrics.decisions == [("promote", 1), ("reject", 2), ("rollback", 3)]
+    assert [name for name, _ in metrics.series] == [mn.REWARD_MEAN]  # decisions are marks, not a series
