@@ -113,6 +113,37 @@ class RewardEvent(WireModel):
     feedback_id: str | None = None
 
 
+class CallKind(str, Enum):
+    call = "call"
+    end = "end"  # the session ends: its open trajectory is published
+    feedback = "feedback"  # a reward for the session's latest trajectory
+
+
+class CallEvent(WireModel):
+    """One LLM call of a session as a gateway captured it (topic ``calls``, keyed by session id); the stream app
+    stitches a session's calls into trajectories (streams/stitching.py)."""
+
+    avro_name: ClassVar[str] = "rlstream.v1.CallEvent"
+    call_id: str = Field(default_factory=new_id)
+    session_id: str
+    kind: CallKind = CallKind.call
+    tenant: str = ""
+    task: str | None = None
+    run_id: str = ""
+    policy: str = ""
+    policy_version: int = 0
+    request_messages: list[Message] = Field(default_factory=list)
+    response_message: Message | None = None
+    turn: Turn | None = None
+    served_model: str | None = None
+    end_session: bool = False
+    reward: float | None = None
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    feedback_id: str | None = None
+    created_at: datetime = Field(default_factory=utc_now)
+    gateway_id: str = ""
+
+
 class SourceOffset(WireModel):
     avro_name: ClassVar[str] = "rlstream.v1.SourceOffset"
     topic: str
@@ -245,5 +276,6 @@ class DeadLetter(WireModel):
 #: Top-level events, by Avro full name (the nested records are reached through them).
 EVENT_MODELS: dict[str, type[WireModel]] = {
     m.avro_name: m
-    for m in (TrajectoryEvent, RewardEvent, TrajectoryGroup, PolicyVersion, MetricEvent, DeadLetter, PromotionDecision)
+    for m in (TrajectoryEvent, RewardEvent, TrajectoryGroup, PolicyVersion, MetricEvent, DeadLetter, PromotionDecision,
+              CallEvent)
 }

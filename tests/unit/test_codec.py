@@ -21,6 +21,7 @@ from rlstream.schemas.codec import (
 )
 from rlstream.schemas.models import (
     EVENT_MODELS,
+    CallEvent,
     CurriculumInfo,
     DeadLetter,
     DecisionKind,
@@ -90,7 +91,12 @@ def sample_events() -> list[WireModel]:
     decision = PromotionDecision(policy="toy", version=4, decision=DecisionKind.rollback, reason="operator",
                                  serving_before=6, candidate_metrics={"eval/reward": 0.5}, decided_by="cli",
                                  fencing_token=3)
-    return [traj, sparse, make_reward(traj, 0.75), group, version, metric, letter, decision]
+    call = CallEvent(session_id="acme:s1", tenant="acme", task="t", run_id="r", policy="p", policy_version=3,
+                     request_messages=[Message(role="user", content="hi")],
+                     response_message=Message(role="assistant", content="hello"),
+                     turn=Turn(prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
+                               policy_version=3, temperature=0.7), served_model="p", gateway_id="g1")
+    return [traj, sparse, make_reward(traj, 0.75), group, version, metric, letter, decision, call]
 
 
 @pytest.fixture(params=["single-object", "confluent"])
