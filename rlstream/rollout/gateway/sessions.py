@@ -9,35 +9,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.rollout.capture import RecordedCall, Recording, _same_message
+from rlstream.rollout.capture import RecordedCall, Recording
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource, new_id
-
-
-#: How a call continues its session's open trajectory (see :func:`continuation`).
-TOKENS = "tokens"
-MESSAGES = "messages"
+from rlstream.schemas.sessions import MESSAGES, TOKENS, continues
 
 
 def continuation(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> str | None:
-    """How a call with ``prompt_ids`` / ``messages`` continues ``previous``, or None when it does not.
-
-    ``TOKENS``: the new prompt starts with the previous prompt + completion, token for token (token-in, token-out).
-    ``MESSAGES``: its messages start with the previous call's messages and reply, but the upstream rendered the
-    history into other tokens than the ones it generated: a tool call, which the chat template writes in its own
-    format (``<tool_call>...``) while the model generated the bare call under a grammar, or an upstream that returns
-    no token ids. The call continues the trajectory either way; every turn keeps the exact prompt and completion
-    tokens the upstream saw and produced, so nothing is trained on tokens that were not sampled.
-    None: the history was rewritten (a new trajectory starts; the split is counted).
-    """
+    """How a call with ``prompt_ids`` / ``messages`` continues ``previous``, or None when it does not
+    (:func:`rlstream.schemas.sessions.continues`: ``TOKENS``, ``MESSAGES`` or None). Every turn keeps the exact
+    prompt and completion tokens the upstream saw and produced, so nothing is trained on tokens that were not
+    sampled."""
     turn = previous.turn
-    if prompt_ids is not None and turn.prompt_token_ids is not None and turn.completion_token_ids is not None:
-        prefix = [*turn.prompt_token_ids, *turn.completion_token_ids]
-        if len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix:
-            return TOKENS
-    before = [*previous.request_messages, previous.response_message]
-    if len(messages) > len(before) and all(_same_message(a, b) for a, b in zip(messages, before)):
-        return MESSAGES
-    return None
+    return continues(turn.prompt_token_ids, turn.completion_token_ids,
+                     [*previous.request_messages, previous.response_message], prompt_ids, messages)
 
 
 def extends(previous: RecordedCall, prompt_ids: list[int] | None, messages: list[Message]) -> bool:
