@@ -61,8 +61,9 @@ async def _sync(cfg) -> None:  # type: ignore[no-untyped-def]
         await control.close()
 
 
-@inference_app.command("serve")
+@inference_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def inference_serve(
+    ctx: typer.Context,
     model_dir: Path = typer.Argument(..., help="a transformers model directory (untied embeddings)"),
     served_model: str = typer.Option("policy", help="the name clients request"),
     port: Optional[int] = typer.Option(None, help="port (default: a free one)"),
@@ -71,13 +72,22 @@ def inference_serve(
                                           help="the key clients must send (vLLM's --api-key, handed over in its "
                                                "environment, never on its command line; /v1 routes including the "
                                                "LoRA admin ones need it); also RLSTREAM_INFERENCE__API_KEY"),
+    tool_call_parser: str = typer.Option("auto", help="vLLM's tool-call parser (--enable-auto-tool-choice "
+                                         "--tool-call-parser): 'auto' picks the model family's, 'none' starts vLLM "
+                                         "without automatic tool choice"),
+    vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="one more vLLM option, as it is "
+                                                 "(repeatable, e.g. --vllm-arg=--max-num-seqs=8); options after "
+                                                 "'--' go to vLLM too"),
 ) -> None:
-    """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled) and keep it running until interrupted."""
+    """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled, tool calling on) and keep it running until interrupted.
+    Any vLLM option passes through: ``rlstream inference serve MODEL -- --max-num-seqs 8``."""
     from rlstream.ops.vllm import start_vllm_server
     from rlstream.schemas.masking import remember_secret
 
     remember_secret(api_key)
-    server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv, api_key=api_key)
+    extra = [*(vllm_arg or []), *ctx.args]
+    server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv, api_key=api_key,
+                               extra_args=extra, tool_call_parser=tool_call_parser)
     keyed = "; clients send its API key" if api_key else "; no API key: anyone who reaches it can use it"
     console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file}{keyed})")
     stopped = False

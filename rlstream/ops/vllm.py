@@ -153,6 +153,72 @@ def server_env(cache_root: Path) -> dict[str, str]:
     return env
 
 
+#: vLLM's tool-call parser for each model family (``model_type`` of the model's config.json): the format the
+#: family's chat template teaches the model to write tool calls in.
+TOOL_CALL_PARSERS: dict[str, str] = {
+    "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "llama": "llama3_json", "llama4": "llama4_pythonic",
+    "mistral": "mistral", "mixtral": "mistral",
+    "granite": "granite", "internlm2": "internlm", "olmo3": "olmo3", "phi3": "phi4_mini_json",
+}
+#: the parser of a family not in :data:`TOOL_CALL_PARSERS` (``<tool_call>{json}</tool_call>``, the most common)
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+#: ``tool_call_parser`` values: pick by model family / start vLLM without automatic tool choice
+AUTO_PARSER = "auto"
+NO_PARSER = "none"
+
+
+#: the parser of a chat template that writes tool calls in no JSON format (the toy model's ``<tool_call>name
+#: args</tool_call>``): its tool calls come from forced tool choice, which this parser leaves to a plain JSON grammar
+PLAIN_TEMPLATE_PARSER = "pythonic"
+
+
+def chat_template_text(model_dir: Path) -> str | None:
+    """The chat template of the model in ``model_dir`` (chat_template.jinja, else tokenizer_config.json's)."""
+    model_dir = Path(model_dir)
+    try:
+        return (model_dir / "chat_template.jinja").read_text()
+    except OSError:
+        pass
+    try:
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) else None
+
+
+def tool_call_parser_for(model_dir: Path) -> str:
+    """The tool-call parser of the model in ``model_dir``: its family's (config.json ``model_type``), or
+    :data:`PLAIN_TEMPLATE_PARSER` where the chat template writes tool calls without JSON."""
+    template = chat_template_text(model_dir)
+    if template is not None and "tool_call" in template and "tojson" not in template:
+        return PLAIN_TEMPLATE_PARSER
+    try:
+        model_type = str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        model_type = ""
+    parser = TOOL_CALL_PARSERS.get(model_type)
+    if parser is None:
+        log.warning("no tool-call parser known for this model family; using the default", model_type=model_type,
+                    parser=DEFAULT_TOOL_CALL_PARSER)
+        return DEFAULT_TOOL_CALL_PARSER
+    return parser
+
+
+def tool_call_args(model_dir: Path, tool_call_parser: str | None, extra_args: list[str]) -> list[str]:
+    """vLLM's automatic tool choice options (``--enable-auto-tool-choice --tool-call-parser P``), so that a request
+    with ``tools`` and ``tool_choice: auto`` gets its tool calls back as tool calls. ``tool_call_parser``: a vLLM
+    parser name, ``auto`` (by model family, :func:`tool_call_parser_for`) or ``none``/None (no automatic tool
+    choice). Options already in ``extra_args`` win."""
+    if tool_call_parser is None or tool_call_parser == NO_PARSER:
+        return []
+    args = [] if "--enable-auto-tool-choice" in extra_args else ["--enable-auto-tool-choice"]
+    if not any(a == "--tool-call-parser" or a.startswith("--tool-call-parser=") for a in extra_args):
+        parser = tool_call_parser_for(model_dir) if tool_call_parser == AUTO_PARSER else tool_call_parser
+        args += ["--tool-call-parser", parser]
+    return args
+
+
 @dataclass
 class VllmServer:
     """A running vLLM OpenAI server started by ``start_vllm_server``."""
@@ -200,11 +266,13 @@ def start_vllm_server(
     timeout_s: float = 240.0,
     extra_args: list[str] | None = None,
     api_key: str | None = None,
+    tool_call_parser: str | None = AUTO_PARSER,
 ) -> VllmServer:
     """Start vLLM's OpenAI server (fp32, LoRA enabled) on ``model_dir`` and wait until /health is 200. With
     ``api_key`` the server wants ``Authorization: Bearer <api_key>`` on its /v1 routes (the LoRA admin ones too);
     the key goes in its environment (``VLLM_API_KEY``, what ``--api-key`` defaults to), not on its command line
-    where every local user could read it."""
+    where every local user could read it. Tool calling is on (:func:`tool_call_args`: ``tool_call_parser`` auto
+    picks the model family's parser); ``extra_args`` go to vLLM as they are and override the defaults here."""
     python = ensure_vllm_venv(venv_dir)
     port = port or free_port()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rlstream-vllm-"))
@@ -222,6 +290,7 @@ def start_vllm_server(
         # forced tool calls and JSON outputs in compact JSON: a small model may otherwise spend its whole token
         # budget on the whitespace the JSON grammar allows, and the call's arguments never close
         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+        *tool_call_args(model_dir, tool_call_parser, extra_args or []),
         *(extra_args or []),
     ]
     with open(log_file, "ab") as out:  # its own process group (its engine and workers too); dies with this process
@@ -261,4 +330,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["VllmError", "VllmServer", "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
-           "vllm_venv_ready", "server_env"]
+           "vllm_venv_ready", "server_env", "tool_call_args", "tool_call_parser_for"]
