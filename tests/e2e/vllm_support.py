@@ -42,8 +42,8 @@ def shared_server(factory: pytest.TempPathFactory) -> VllmServer:
         _state["server"] = server
     if server is None or not server.alive():
         model_dir = tiny_model_dir(factory)
-        server = start_vllm_server(model_dir, SERVED_MODEL, workdir=factory.getbasetemp() / "vllm",
-                                   extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+        # tool calling as rlstream starts vLLM by default (the toy model's template: the pythonic parser)
+        server = start_vllm_server(model_dir, SERVED_MODEL, workdir=factory.getbasetemp() / "vllm")
         _state["server"] = server
         atexit.register(server.stop)
     return server
