@@ -165,6 +165,15 @@ class StreamsConfig(Section):
     group_timeout_s: float = Field(300.0, gt=0, description="a generations group (group_size > 1) still missing "
                                    "members or rewards this long after its first record leaves with what it has "
                                    "(completion timeout) or expires")
+    session_idle_s: float = Field(300.0, gt=0, description="a gateway session (topic calls) with no call for this "
+                                  "long is closed and its trajectory published")
+    session_max_turns: int = Field(256, ge=1, description="calls in one stitched session trajectory; a longer "
+                                   "session continues in a new trajectory")
+    session_max_bytes: int = Field(512 * 1024, ge=1024, description="approximate bytes (messages and token ids) of "
+                                   "one stitched session trajectory held in the stream app's session table; past it "
+                                   "the session continues in a new trajectory (keep it under kafka.max_message_bytes)")
+    session_retention_s: float = Field(3600.0, gt=0, description="how long a closed session is remembered (feedback "
+                                       "by session id, a later call continuing it as the next trajectory)")
     min_group_size: int = Field(2, ge=1, description="members with rewards a timed-out group needs to leave; with "
                                 "fewer it expires (counted)")
     reward_window_s: float = Field(86_400.0, gt=0, description="how long a single response (group_size 1: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from rlstream.schemas.models import Message
+from rlstream.schemas.models import Message, Turn
 
 #: How a call continues its session's open trajectory (see :func:`continues`).
 TOKENS = "tokens"
@@ -42,3 +42,20 @@ def session_trajectory_id(session_id: str, segment: int = 0) -> str:
     """The id of a session's ``segment``-th trajectory (0: the first; a rewritten history or a cap starts the
     next): the same in every gateway and in the stitcher, with no state shared between them."""
     return str(uuid.uuid5(SESSION_NAMESPACE, f"{session_id}#{segment}"))
+
+
+def stitched_turns(calls: Sequence[tuple[Sequence[Message], Message, Turn]]) -> tuple[list[Message], list[Turn]]:
+    """(messages, turns) of a trajectory made of ``calls`` (request messages, reply, turn each), as the capture
+    SDK's Recording assembles them: the last call's messages and reply, one turn per call with ``message_index``
+    pointing at its reply in them (None for a call that is not part of that conversation)."""
+    if not calls:
+        return [], []
+    last_request, last_reply, _ = calls[-1]
+    conversation = [*last_request, last_reply]
+    turns = []
+    for request, reply, turn in calls:
+        index = len(request)
+        inside = index < len(conversation) and same_message(conversation[index], reply) and all(
+            same_message(a, b) for a, b in zip(conversation[:index], request))
+        turns.append(turn.model_copy(update={"message_index": index if inside else None}))
+    return conversation, turns

@@ -33,7 +33,7 @@ from rlstream.transport.log import get_logger, logging_dict_config
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
-from rlstream.schemas.models import DeadLetter, MetricEvent, RewardEvent, TrajectoryEvent, TrajectoryGroup
+from rlstream.schemas.models import CallEvent, DeadLetter, MetricEvent, RewardEvent, TrajectoryEvent, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
@@ -42,6 +42,7 @@ from rlstream.streams.assembly import (AssemblyRules, Finished, GroupAssembler, 
                                        SourceRef, group_state_from_json)
 from rlstream.streams.filters import apply_filters
 from rlstream.streams.policy import PolicyTracker
+from rlstream.streams.stitching import Stitched, Stitcher, StitchRules
 from rlstream.streams.shutdown import DeadlineWorker, StopDeadline, flush_standard_streams
 from rlstream.streams.payloads import OffsetReader, PayloadCache
 from rlstream.streams.staging import StagedWrites, oversized_writes
@@ -178,7 +179,7 @@ class StreamsApp:
         self.codec = codec_for(self.cfg)
         # a registry that is down or refuses a schema stops the worker now, before it takes a partition
         self.codec.ensure_registered([TrajectoryGroup.avro_name, DeadLetter.avro_name, MetricEvent.avro_name,
-                                      TrajectoryEvent.avro_name])
+                                      TrajectoryEvent.avro_name, RewardEvent.avro_name])
         # changelog recovery (read_committed) must not drop records committed after an aborted transaction
         aborted_index.install()
         fetch_wait.install(self.cfg.kafka.empty_fetch_wait_ms)  # Faust's consumer too (transport/fetch_wait.py)
@@ -191,13 +192,18 @@ class StreamsApp:
         self.processing_lock = asyncio.Lock()
         self.group_sent = asyncio.Event()  # a group waits for its transaction's commit (commit_sent_groups)
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-        self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.ticks, **raw)
+        # calls (keyed by session id) share the agent, and so the partition transactions, of the other inputs
+        self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.names.calls, self.ticks, **raw)
         self.groups_out = self.app.topic(self.names.groups, **raw)
+        self.trajectories_out = self.app.topic(self.names.trajectories, **raw)
+        self.rewards_out = self.app.topic(self.names.rewards, **raw)
         self.dlq_out = self.app.topic(self.names.dlq, **raw)
         parts = self.cfg.topics.partitions
         json_schema = faust.Schema(key_serializer="json", value_serializer="json")
         self.group_table = self.app.Table("groups", default=None, partitions=parts, schema=json_schema)
         self.curriculum_table = self.app.Table("curriculum", default=None, partitions=parts, schema=json_schema)
+        # scoped session id -> its open trajectory's calls and what its next records need (streams/stitching.py)
+        self.session_table = self.app.Table("sessions", default=None, partitions=parts, schema=json_schema)
         # "<topic>:<partition>" -> last applied offset, in the same transaction as the record's effects
         self.progress_table = self.app.Table("progress", default=None, partitions=parts, schema=json_schema)
         # ticks carry no data (a lost or repeated tick only moves a timeout check): only the inputs are gated
@@ -207,7 +213,8 @@ class StreamsApp:
             self.app, lambda: make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")))
         self.offset_probe = GapProbe(lambda: make_consumer(self.cfg.kafka, group_id=None,
                                                            isolation_level="read_committed"))
-        self.gate = ProgressGate(self.progress_table, self.app.consumer, {self.names.trajectories, self.names.rewards},
+        self.gate = ProgressGate(self.progress_table, self.app.consumer,
+                                 {self.names.trajectories, self.names.rewards, self.names.calls},
                                  self.offset_probe,
                                  on_unproven_gap=lambda *_: self.telemetry.count(mn.STREAMS_UNPROVEN_GAPS))
         self.app.transaction_manager().configure(TransactionSettings(
@@ -222,6 +229,10 @@ class StreamsApp:
                                                           self.cfg.streams.baseline_window,
                                                           self.cfg.streams.baseline_ema_alpha, self.reward_range))
         self.groups_view = DetachedValues(self.group_table)
+        s = self.cfg.streams
+        self.stitcher = Stitcher(DetachedValues(self.session_table), StitchRules(
+            idle_s=s.session_idle_s, max_turns=s.session_max_turns, max_bytes=s.session_max_bytes,
+            retention_s=s.session_retention_s, producer_id=f"{SERVICE}:{self.worker_id}"))
         # members' records stay on their topic: a bounded cache, and a read back by offset on a miss
         self.payloads = PayloadCache(self.cfg.streams.payload_cache_bytes)
         self.offset_reader = OffsetReader(lambda: make_consumer(self.cfg.kafka, group_id=None,
@@ -362,7 +373,16 @@ class StreamsApp:
         src = SourceRef(msg.topic, msg.partition, msg.offset)
         now = time.time()
         self.telemetry.processed(msg.topic, msg.partition, msg.offset)
+        if msg.topic == self.names.calls:
+            await self._stitch(msg, src, now)
+            self.gate.applied(msg.topic, msg.partition, msg.offset)
+            await self.send_table_changes()
+            return
         if msg.topic == self.ticks:
+            try:
+                await self._send_stitched(self.stitcher.on_tick(msg.partition, now))
+            except Exception:  # a tick carries no data: the next tick checks again
+                log.exception("session tick could not be processed", partition=msg.partition)
             try:
                 due = self.assembler.due(msg.partition, now)
                 await self.read_back([state for _, state in due if state is not None])
@@ -418,6 +438,37 @@ class StreamsApp:
                 f"kafka.max_message_bytes ({limit}); the group holds too many members")))
         groups.apply()
         return outcome
+
+    async def _stitch(self, msg: Any, src: SourceRef, now: float) -> None:
+        """One ``calls`` record into its session (streams/stitching.py); a bad record goes to the dlq."""
+        self.telemetry.count(mn.STREAMS_EVENTS_IN)
+        try:
+            call = v.decode_event(self.codec, msg.value, CallEvent)
+            assert isinstance(call, CallEvent)
+            if msg.key is not None and msg.key != call.session_id.encode():
+                raise v.Rejected(v.Invalid(v.KEY_MISMATCH, f"record key {msg.key[:80]!r} is not the session id "
+                                                           f"{call.session_id[:80]!r}; key calls by session id"))
+            staged = StagedWrites(self.stitcher.table)
+            stitched = Stitcher(staged, self.stitcher.rules).on_call(call, msg.partition, now)
+            staged.apply()
+        except v.Rejected as rej:
+            await self._dead_letter(Reject(rej.invalid.reason, rej.invalid.message, src, msg.key, msg.value))
+            return
+        except Exception as exc:  # a bug must not stop the stream: the record goes to the dlq
+            log.exception("call could not be stitched", partition=msg.partition, offset=msg.offset)
+            await self._dead_letter(Reject("processing_error", f"{type(exc).__name__}: {exc}", src, msg.key,
+                                           msg.value))
+            return
+        await self._send_stitched(stitched)
+
+    async def _send_stitched(self, stitched: Stitched) -> None:
+        """Send what the stitcher produced (in the current record's transaction) and count it."""
+        for name, n in stitched.counts.items():
+            self.telemetry.count(name, n)
+        for trajectory in stitched.trajectories:
+            await self.trajectories_out.send(key=trajectory.example_id.encode(), value=self.codec.encode(trajectory))
+        for reward in stitched.rewards:
+            await self.rewards_out.send(key=reward.example_id.encode(), value=self.codec.encode(reward))
 
     def _decode_valid(self, msg: Any) -> TrajectoryEvent | RewardEvent:
         """The record decoded and checked (raises :class:`streams.validation.Rejected`)."""
@@ -532,7 +583,7 @@ class StreamsApp:
         lag = 0
         consumer = self.app.consumer
         for tp in consumer.assignment():
-            if tp.topic not in (self.names.trajectories, self.names.rewards):
+            if tp.topic not in (self.names.trajectories, self.names.rewards, self.names.calls):
                 continue
             try:
                 high = consumer.highwater(tp)

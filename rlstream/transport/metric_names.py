@@ -152,6 +152,18 @@ STREAMS_CLOSED_FORGOTTEN = "streams.closed_forgotten"
 STREAMS_GROUPS_WITHOUT_RECORDS = "streams.groups_without_records"
 #: Waiting members' records read back from their topic by offset (not in the worker's payload cache).
 STREAMS_PAYLOADS_READ_BACK = "streams.payloads_read_back"
+#: Session stitching over ``calls`` (streams/stitching.py): calls joined, trajectories published, splits (rewritten
+#: history; a cap reached), calls continued by messages, idle closes, re-sent calls dropped, records missing a
+#: turn or reward, ends of unknown sessions.
+STREAMS_SESSION_CALLS = "streams.session_calls"
+STREAMS_SESSION_TRAJECTORIES = "streams.session_trajectories"
+STREAMS_SESSION_SPLITS = "streams.session_splits"
+STREAMS_SESSION_SPLITS_LONG = "streams.session_splits_long"
+STREAMS_SESSION_RETOKENIZED = "streams.session_retokenized"
+STREAMS_SESSIONS_IDLE_CLOSED = "streams.sessions_idle_closed"
+STREAMS_SESSION_DUPLICATE_CALLS = "streams.session_duplicate_calls"
+STREAMS_SESSION_CALLS_INCOMPLETE = "streams.session_calls_incomplete"
+STREAMS_SESSION_ENDS_UNKNOWN = "streams.session_ends_unknown"
 
 # --- capture gateway (source ``gateway``; Prometheus only: one value per call) -----------------------------------
 #: Seconds the gateway spent on a captured call besides waiting for the upstream: the whole handler minus the
@@ -204,7 +216,9 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_DUPLICATE_REWARD, STREAMS_REWARDS_HELD, STREAMS_REWARDS_JOINED, STREAMS_REWARDS_CORRECTED,
            STREAMS_REWARDS_CORRECTED_AFTER_EMIT, STREAMS_GROUPS_COMPLETED,
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
-           STREAMS_PAYLOADS_READ_BACK)
+           STREAMS_PAYLOADS_READ_BACK, STREAMS_SESSION_CALLS, STREAMS_SESSION_TRAJECTORIES, STREAMS_SESSION_SPLITS,
+           STREAMS_SESSION_SPLITS_LONG, STREAMS_SESSION_RETOKENIZED, STREAMS_SESSIONS_IDLE_CLOSED,
+           STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
         GATE_FEEDBACK_TO_SERVING_P90_S, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED)
@@ -402,6 +416,15 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "groups none of whose members' records could be read back"),
     _total(STREAMS_PAYLOADS_READ_BACK, "rlstream_streams_payloads_read_back_total", _WORKER, "Waiting members' "
            "records read back from their topic by offset"),
+    _total(STREAMS_SESSION_CALLS, "rlstream_streams_session_calls_total", _WORKER, "Session calls joined to a trajectory by the stitcher"),
+    _total(STREAMS_SESSION_TRAJECTORIES, "rlstream_streams_session_trajectories_total", _WORKER, "Session trajectories published by the stitcher"),
+    _total(STREAMS_SESSION_SPLITS, "rlstream_streams_session_splits_total", _WORKER, "Session calls that rewrote the history and started a new trajectory"),
+    _total(STREAMS_SESSION_SPLITS_LONG, "rlstream_streams_session_splits_long_total", _WORKER, "Sessions continued in a new trajectory at the turn or byte cap"),
+    _total(STREAMS_SESSION_RETOKENIZED, "rlstream_streams_session_retokenized_total", _WORKER, "Session calls continued by messages while their prompt tokens differ"),
+    _total(STREAMS_SESSIONS_IDLE_CLOSED, "rlstream_streams_sessions_idle_closed_total", _WORKER, "Sessions closed for being idle"),
+    _total(STREAMS_SESSION_DUPLICATE_CALLS, "rlstream_streams_session_duplicate_calls_total", _WORKER, "Session calls re-sent by a gateway and dropped by call id"),
+    _total(STREAMS_SESSION_CALLS_INCOMPLETE, "rlstream_streams_session_calls_incomplete_total", _WORKER, "Session records without a turn, reply or reward"),
+    _total(STREAMS_SESSION_ENDS_UNKNOWN, "rlstream_streams_session_ends_unknown_total", _WORKER, "Session ends for sessions with no open trajectory"),
     # capture gateway
     _histogram(GATEWAY_OVERHEAD_S, "rlstream_gateway_overhead_seconds", ("route", "streamed"), "Time the gateway "
                "spent on a captured call besides waiting for the upstream", topic=False,
