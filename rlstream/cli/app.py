@@ -24,6 +24,7 @@ app.add_typer(topics_app, name="topics")
 app.add_typer(config_app, name="config")
 from rlstream.cli.ops import register as register_ops; register_ops(app)  # noqa: E402,E702
 from rlstream.cli.lineage import register as register_lineage; register_lineage(app)  # noqa: E402,E702
+from rlstream.cli.export import register as register_export; register_export(app)  # noqa: E402,E702
 from rlstream.cli.promotion import register as register_promotion; register_promotion(app)  # noqa: E402,E702
 from rlstream.cli.gate import register as register_gate; register_gate(app)  # noqa: E402,E702
 from rlstream.cli.streams import streams_app; app.add_typer(streams_app, name="streams")  # noqa: E402,E702
@@ -198,6 +199,7 @@ EXTRA_OF_MODULE = {
     "tokenizers": "learner",
     "noida_db": "local", "matplotlib": "local", "platformdirs": "local",
     "starlette": "gateway", "uvicorn": "gateway",
+    "pyarrow": "export",
 }
 
 
