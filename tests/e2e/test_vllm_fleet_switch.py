@@ -222,9 +222,7 @@ def test_rollback_while_the_learner_keeps_publishing_stays_back(
     base_dir = tiny_model_dir(tmp_path_factory)
     policy = rl_config.policy
     root = tmp_path / "storage"
-    source = make_lora_version(base_dir, tmp_path / "src", seed=3)
-    for v in range(1, 9):
-        shutil.copytree(source, root / f"v{v}")
+    source = make_lora_version(base_dir, root / "weights", seed=3)  # every version's record names these files
     cfg = replica_config(rl_config, vllm, "replica-only", root)
     config_file = tmp_path / "rlstream.yaml"
     config_file.write_text(
@@ -245,17 +243,17 @@ def test_rollback_while_the_learner_keeps_publishing_stays_back(
 
         async def learner(lease: Lease, start: int) -> None:  # keeps announcing versions through the fenced path
             version = start
-            while not learning.is_set() and version <= 8:
+            while not learning.is_set():
                 await announce_versions(rl_config, [PolicyVersion(
-                    policy=policy, version=version, base_model="tiny", kind=WeightsKind.lora, uri=f"v{version}",
+                    policy=policy, version=version, base_model="tiny", kind=WeightsKind.lora, uri="weights",
                     files=digest_files(source), learner_step=version)], lease=lease)
                 published.append(version)
                 version += 1
-                await asyncio.sleep(1.5)
+                await asyncio.sleep(1.0)
 
         try:
             leases = await announce_versions(rl_config, [PolicyVersion(
-                policy=policy, version=1, base_model="tiny", kind=WeightsKind.lora, uri="v1",
+                policy=policy, version=1, base_model="tiny", kind=WeightsKind.lora, uri="weights",
                 files=digest_files(source), learner_step=1)])
             async def ready(version: int) -> bool:
                 return (await serving.readiness(policy, version)).ready
