@@ -43,7 +43,7 @@ class Tolerances:
 
     reward_tolerance: float = 0.05
     rate_tolerance: float = 0.05
-    length_tolerance: float = 1.0
+    length_tolerance: float = 3.0
     min_reward: float = 0.0
 
 

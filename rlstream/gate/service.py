@@ -35,7 +35,7 @@ from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.masking import secret_value
 from rlstream.schemas.models import (DecisionKind, MetricEvent, PolicyVersion, PromotionDecision, RewardEvent,
-                                     TrajectoryEvent, TrajectoryGroup)
+                                     TrajectoryEvent, TrajectoryGroup, WeightsKind)
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
@@ -53,6 +53,8 @@ log = get_logger(__name__)
 POLL_S = 0.5
 #: Seconds the gate spends at most reading one ``trained_on`` range of ``groups`` (a range lost to retention).
 GROUPS_READ_TIMEOUT_S = 15.0
+#: Seconds a promotion of a full-weights version waits for the fleet (see PromotionGate._move_timeout).
+FULL_MOVE_TIMEOUT_S = 5.0
 #: Seconds the gate waits after a failed step before it tries again.
 ERROR_BACKOFF_S = 2.0
 #: Who the gate's decisions are recorded as.
@@ -373,7 +375,7 @@ class PromotionGate:
         outcome = await move_serving_when_loaded(
             self.serving, self.policy, candidate, decision=DecisionKind.promote, reason=f"promoted: {verdict.reason}",
             decided_by=DECIDED_BY, expected_version=serving_version if serving_version is not None else -1,
-            uri=record.uri, sha256=_digest(record), timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
+            uri=record.uri, sha256=_digest(record), timeout_s=self._move_timeout(record), producer=self.producer,
             codec=self.codec, topic=self.topics.promotions, candidate_metrics=candidate_figures.metrics(),
             serving_metrics=serving_figures.metrics() if serving_figures else {})
         if outcome.moved and outcome.decision is not None:
@@ -382,6 +384,11 @@ class PromotionGate:
         else:
             await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",
                               serving_version, candidate_figures, serving_figures)
+
+    def _move_timeout(self, record: PolicyVersion) -> float:
+        """How long a move waits for the fleet: a server holds one set of full weights and never goes back to an
+        older full version by itself, so a full version already replaced by a newer candidate will not come back."""
+        return FULL_MOVE_TIMEOUT_S if record.kind == WeightsKind.full else self.gcfg.load_timeout_s
 
     # -- canaries ---------------------------------------------------------------------------------
     async def start_canary(self, candidate: int, serving_version: int, candidate_figures: EvalFigures,

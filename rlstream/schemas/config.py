@@ -424,7 +424,7 @@ class GateConfig(Section):
     rate_tolerance: float = Field(0.05, ge=0, description="a candidate whose share of answers that parse or tool "
                                   "calls that parse is below the serving version's minus this, or whose share of "
                                   "refusals is above the serving version's plus this, is rejected")
-    length_tolerance: float = Field(1.0, ge=0, description="a candidate whose mean answer length (tokens) is above "
+    length_tolerance: float = Field(3.0, ge=0, description="a candidate whose mean answer length (tokens) is above "
                                     "the serving version's times (1 + this), or below it divided by that, is rejected")
     min_reward: float = Field(0.0, description="with nothing to compare with (no serving version and the base "
                               "weights not evaluable), a candidate needs at least this mean held-out reward")

@@ -32,8 +32,8 @@ def test_not_worse_within_tolerance_is_promoted() -> None:
     ({"answer_parse_rate": 0.89}, "answers that parse 0.890"),
     ({"tool_call_parse_rate": 0.90}, "tool calls that parse 0.900"),
     ({"refusal_rate": 0.08}, "refusals 0.080"),
-    ({"answer_length": 16.5}, "answer length 16.5"),
-    ({"answer_length": 3.9}, "answer length 3.9"),
+    ({"answer_length": 32.5}, "answer length 32.5"),
+    ({"answer_length": 1.9}, "answer length 1.9"),
 ])
 def test_worse_beyond_tolerance_is_rejected_with_the_figure(changes: dict[str, float], named: str) -> None:
     verdict = judge(candidate(**changes), SERVING, Tolerances())
