@@ -45,6 +45,8 @@ def up(
                                     "production: gateway + simulated users with delayed feedback"),
     feedback_min_s: float = typer.Option(5.0, help="production traffic: earliest feedback after an answer"),
     feedback_max_s: float = typer.Option(60.0, help="production traffic: latest feedback after an answer"),
+    no_gate: bool = typer.Option(False, "--no-gate", help="no promotion gate: every version the sync worker loads "
+                                 "serves (by default `rlstream gate` decides which version serves)"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -59,7 +61,7 @@ def up(
     opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, until_version=until_version,
                      runs_dir=runs_dir,
                      heldout_examples=heldout, live=not no_live, model=model.value, traffic=traffic.value,
-                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)))
+                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate)
     try:
         run_up(opts)
     except (InfraError, ConfigError, ModelAssetMissing) as exc:

@@ -79,6 +79,7 @@ class UpOptions:
     live: bool = True
     traffic: str = "synthetic"  # synthetic: the rollout runner's GRPO groups; production: gateway + simulated users
     feedback_delay_s: tuple[float, float] = (5.0, 60.0)
+    gate: bool = True  # the promotion gate decides which version serves (rlstream gate, docs/gate.md)
 
 
 @dataclass
@@ -210,6 +211,32 @@ async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workfl
 
 # --- live figures --------------------------------------------------------------------------------------
 @dataclass
+class PromotionFigures:
+    """The promotion gate's decisions (``promotions``), the serving pointer and the feedback-to-serving figures."""
+
+    gate: bool = False
+    serving: int | None = None
+    canary: int | None = None
+    canary_share: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)  # decision -> how many
+    last: tuple[str, int, str] | None = None  # (decision, version, reason)
+    marks: list[tuple[str, int]] = field(default_factory=list)  # (decision, version) of every decision
+    feedback_to_serving_p50_s: float | None = None
+    feedback_to_serving_p90_s: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The ``promotion`` section of summary.json."""
+        c = self.counts
+        return {"gate": self.gate, "serving_version": self.serving,
+                "promoted": c.get("promote", 0) + c.get("finish_canary", 0) + c.get("force_promote", 0),
+                "rejected": c.get("reject", 0), "rolled_back": c.get("rollback", 0), "canaries": c.get("canary", 0),
+                "last_decision": ({"decision": self.last[0], "version": self.last[1], "reason": self.last[2]}
+                                  if self.last else None),
+                "feedback_to_serving_s": {"p50": self.feedback_to_serving_p50_s,
+                                          "p90": self.feedback_to_serving_p90_s}}
+
+
+@dataclass
 class LiveFigures:
     """What the live view shows, refreshed from Kafka and Redis."""
 
@@ -228,6 +255,7 @@ class LiveFigures:
     baseline_groups: int = 0  # single responses scored against a keyed baseline (production traffic)
     users: dict[str, str] = field(default_factory=dict)  # the simulated users' figures (production traffic)
     constant_answer: tuple[str, float] | None = None  # the toy task's best instruction-blind answer and its reward
+    promotion: PromotionFigures = field(default_factory=lambda: PromotionFigures())
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -251,6 +279,17 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
     age = f"{time.time() - figures.latest_published_at:.0f}s ago" if figures.latest_published_at else "-"
     table.add_row("policy version (published)", f"{figures.latest_version if figures.latest_version >= 0 else '-'} ({age})")
     table.add_row("loaded in vLLM", ", ".join(f"{w}: v{v}" for w, v in figures.loaded.items()) or "-")
+    p = figures.promotion
+    if p.gate:
+        candidate = figures.latest_version if figures.latest_version >= 0 else "-"
+        table.add_row("serving / candidate", f"v{p.serving if p.serving is not None else '-'} / v{candidate}"
+                      + (f"  (canary v{p.canary} on {p.canary_share:.0%} of new sessions)" if p.canary else ""))
+        last = f"{p.last[0]} v{p.last[1]}: {p.last[2]}" if p.last else "-"
+        table.add_row("last gate decision", last)
+        table.add_row("gate decisions", ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items())) or "-")
+        p50, p90 = p.feedback_to_serving_p50_s, p.feedback_to_serving_p90_s
+        table.add_row("feedback to serving", "-" if p50 is None else
+                      f"p50 {p50:.1f}s" + (f", p90 {p90:.1f}s" if p90 is not None else ""))
     heldout = "  ".join(f"v{s.version}: {s.reward_mean:.2f}" for s in figures.heldout[-8:])
     table.add_row("held-out reward per version", heldout or "-")
     if figures.constant_answer is not None:
@@ -284,19 +323,20 @@ class Watcher:
         from rlstream.transport.kafka import make_consumer
         from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch
         from rlstream.schemas.codec import codec_for
-        from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup
+        from rlstream.schemas.models import DeadLetter, MetricEvent, PromotionDecision, TrajectoryGroup
 
         def undecodable(source: SourceRecord, reason: BaseException | str) -> None:
             log.warning("undecodable record in live view", topic=source.topic, error=str(reason))
 
         names = TopicNames.from_config(self.cfg.topics)
         codec = codec_for(self.cfg, max_bytes=self.cfg.kafka.max_message_bytes * 4)
-        consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, group_id=None,
-                                 isolation_level="read_committed")
+        consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, names.promotions,
+                                 group_id=None, isolation_level="read_committed")
         # one consumer, one typed reader per topic; the live view only looks, so nothing is dead-lettered
         groups = TopicReader(consumer, codec, TrajectoryGroup, on_reject=undecodable)
         metrics = TopicReader(consumer, codec, MetricEvent, on_reject=undecodable)
         letters = TopicReader(consumer, codec, DeadLetter, on_reject=undecodable)
+        decisions = TopicReader(consumer, codec, PromotionDecision, on_reject=undecodable)
         await consumer.start()
         try:
             while not stop.is_set():
@@ -307,6 +347,9 @@ class Watcher:
                     elif record.topic == names.metrics:
                         if metric := await metrics.decode(record):
                             self._on_metric(metric.event)
+                    elif record.topic == names.promotions:
+                        if decision := await decisions.decode(record):
+                            self._on_decision(decision.event)
                     elif await letters.decode(record):
                         self.figures.dlq_count += 1
         finally:
@@ -325,9 +368,22 @@ class Watcher:
                 sum(rewards) / len(rewards))
         self.figures.newest_group_version = max(self.figures.newest_group_version or 0, group.max_policy_version)
 
+    def _on_decision(self, event: Any) -> None:
+        if event.policy != self.cfg.policy:
+            return
+        p = self.figures.promotion
+        kind = event.decision.value
+        p.counts[kind] = p.counts.get(kind, 0) + 1
+        p.last = (kind, event.version, event.reason)
+        p.marks.append((kind, int(event.candidate_metrics.get("canary_version", event.version))))
+
     def _on_metric(self, event: Any) -> None:
         if event.run_id != self.cfg.run_id:
             return
+        if event.name == mn.GATE_FEEDBACK_TO_SERVING_P50_S:
+            self.figures.promotion.feedback_to_serving_p50_s = event.value
+        elif event.name == mn.GATE_FEEDBACK_TO_SERVING_P90_S:
+            self.figures.promotion.feedback_to_serving_p90_s = event.value
         if event.name != mn.STREAMS_GROUPS_FILTERED:
             return
         # every streams worker reports its own count since start: keep each worker's latest, sum per reason
@@ -346,6 +402,12 @@ class Watcher:
             self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
         workers = await self.control.workers(self.cfg.policy)
         self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
+        from rlstream.transport.serving import ServingControl
+
+        pointer = await ServingControl(self.control).serving(self.cfg.policy)
+        if pointer is not None:
+            p = self.figures.promotion
+            p.serving, p.canary, p.canary_share = pointer.version, pointer.canary_version, pointer.canary_share
         status = await self.control.status(self.cfg.run_id)
         self.figures.users = {k: v for k, v in status.items() if k.startswith("users_")}
 
@@ -374,7 +436,8 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
     """Score every version the inference worker reports loaded (and the base model first) on held-out examples,
     with the run's own workflow and reward function."""
     from rlstream.rollout.loading import UserCodeError, load_callable
-    from rlstream.rollout.routing import VersionRouter
+    from rlstream.rollout.routing import Route
+    from rlstream.transport.serving import ServingControl
 
     try:
         workflow = check_workflow(load_callable(cfg.rollout.workflow or "rlstream.rollout.workflows:single_turn"))
@@ -386,12 +449,19 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
         return
     reward_fn = load_callable(cfg.rollout.reward_function)
 
-    router = VersionRouter(control, cfg.policy, cfg.rollout.model, ttl_s=0.0)
+    serving = ServingControl(control)
+
+    async def newest_loaded() -> Route | None:
+        """The newest version a replica acknowledged, by its own name: candidates too, not only the serving one."""
+        loaded = [(v, name or cfg.rollout.model) for r in await serving.replicas(cfg.policy)
+                  for v, name in r.loaded.items()]
+        return Route(max(loaded)[1], max(loaded)[0]) if loaded else None
+
     sampling = SamplingSettings.from_config(cfg.rollout)
     done: set[int] = set()
     while not stop.is_set():
-        route = await router.current()
-        if route.version not in done:
+        route = await newest_loaded()
+        if route is not None and route.version not in done:
             done.add(route.version)
             try:
                 mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
@@ -425,6 +495,15 @@ def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
     if figures.constant_answer is not None:
         answer, reward = figures.constant_answer
         ax.axhline(reward, color="grey", linestyle=":", label=f"best constant answer {answer!r} (format only)")
+    marks = {"promote": ("tab:green", "promoted"), "finish_canary": ("tab:green", "promoted"),
+             "force_promote": ("tab:green", "promoted"), "rollback": ("tab:red", "rolled back")}
+    labelled: set[str] = set()
+    for kind, version in figures.promotion.marks:
+        if kind in marks:
+            color, label = marks[kind]
+            ax.axvline(version, color=color, alpha=0.35, linewidth=1,
+                       label=None if label in labelled else f"{label} (gate)")
+            labelled.add(label)
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1.05)
@@ -462,6 +541,7 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
         "best_constant_answer": ({"answer": figures.constant_answer[0], "reward_mean": figures.constant_answer[1]}
                                  if figures.constant_answer is not None else None),
         "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
+        "promotion": figures.promotion.summary(),
         "topic_end_offsets": topic_ends or {},
         "checkpoints": str(run_dir / "learner"),
         "logs": str(run_dir / "logs"),
@@ -577,6 +657,16 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
         sup.spawn("learner", rlstream_command("learner", "run", *c))
         sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
+        if opts.gate and heldout:  # the gate evaluates every candidate on the held-out prompts before it serves
+            heldout_file = run_dir / "heldout.jsonl"
+            heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))
+            gate_dataset = [] if cfg.gate.dataset else ["-o", "gate.dataset", str(heldout_file)]
+            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, "-o", "gate.samples", str(opts.eval_samples),
+                                               "-o", "gate.examples", str(len(heldout))))
+            figures.promotion.gate = True
+        elif opts.gate:
+            log.warning("no held-out examples (set finetuning.validation_dataset or gate.dataset): the promotion "
+                        "gate is off and every loaded version serves")
         if opts.traffic == "production":
             gateway_port = free_port()
             api_key = f"rls-{secrets.token_urlsafe(32)}"  # the gateway's client key, through the environment only

@@ -1,7 +1,8 @@
 """`rlstream up --traffic production`: the capture gateway in front of vLLM, simulated users (OpenAI client plain
 and streamed, LangChain's ChatOpenAI, some two-turn sessions), feedback 1-10 s later for 70 % of the
 conversations and never for the others; streams scores each single response against the task's baseline; the
-learner trains on them and vLLM loads the versions.
+learner trains on them and vLLM loads the versions; the promotion gate decides which version serves, and the
+summary carries its decisions and the feedback-to-serving latency.
 
 The broker and Redis come from the test session, so the topics can be read after the run.
 """
@@ -100,3 +101,12 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
     loads = [json.loads(line) for line in (logs / "inference-sync.log").read_text().splitlines()
              if '"version loaded"' in line]
     assert any(int(event["version"]) >= 1 for event in loads)  # and vLLM loaded a trained version
+
+    # the promotion gate ran (on by default) and decided; trained feedback reached every replica's serving version
+    promotion = summary["promotion"]
+    assert promotion["gate"] is True and "gate" in stopped, brief
+    assert promotion["promoted"] >= 1 and promotion["serving_version"] is not None, promotion
+    assert promotion["promoted"] + promotion["rejected"] >= 1 and promotion["rolled_back"] == 0, promotion
+    assert promotion["last_decision"]["reason"], promotion
+    p50, p90 = promotion["feedback_to_serving_s"]["p50"], promotion["feedback_to_serving_s"]["p90"]
+    assert p50 is not None and 0 < p50 <= p90 < DURATION_S, promotion
