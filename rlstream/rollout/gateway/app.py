@@ -22,14 +22,20 @@ from rlstream.rollout.gateway.auth import (BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY
                                            AuthRefusal, Principal, forbidden, task_for, unauthorized)
 from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.feedback import RANGE_CONTEXT, Feedback, FeedbackIndex, validation_problems
+from rlstream.rollout.gateway.feedback_shapes import FeedbackShapes
 from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, generate_secret
 from rlstream.rollout.gateway.filtering import (ClientAsked, client_asked, filter_response, rejects_extensions,
                                                 upstream_request)
 from rlstream.rollout.gateway.limits import (LimitStats, RequestLimits, RequestRejected, check_choices, check_id,
                                              malformed_answer, parse_json)
 from rlstream.rollout.gateway.queue import CaptureQueue, Submitter
-from rlstream.rollout.gateway.responses import request_messages, response_message
+from rlstream.rollout.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
+                                                recorded_request, rejects_token_options, request_messages,
+                                                response_message, response_tokens, responses_asked,
+                                                responses_upstream_request)
+from rlstream.rollout.gateway.responses import finish_reason as responses_finish_reason
 from rlstream.rollout.gateway.spool import Spool
+from rlstream.rollout.gateway.unserved import not_served, public_models
 from rlstream.rollout.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
 from rlstream.rollout.routing import FleetRouter, VersionNotLoaded
@@ -416,8 +422,8 @@ class Gateway:
         return answer
 
     async def responses(self, request: Request) -> Response:
-        """``/v1/responses`` passed to the upstream (where it has the API) and recorded like a chat call (no token
-        data: the Responses API has no token-id extension). Streamed responses are passed through, not recorded."""
+        """``/v1/responses``, streamed or not, passed to the upstream (where it has the API) and recorded like a chat
+        call, with the exact prompt and completion token ids and logprobs vLLM returns (``responses.py``)."""
         started = time.perf_counter()
         body = parse_json(await request.body(), self.config.max_json_depth)
         if not isinstance(body, dict):
@@ -433,36 +439,97 @@ class Gateway:
             model, version, base = await self._route_pinned(str(body.get("model", "")), session_id)
         except VersionNotLoaded as exc:
             return openai_error(404, str(exc), "model_not_found")
-        url = base + "/responses"
         stream = bool(body.get("stream"))
         upstream_started = time.perf_counter()
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url, json={**body, "model": model}),
-                                              stream=stream)
+            upstream = await self._send_responses({**body, "model": model}, stream, base)
         except httpx.HTTPError as exc:
             return upstream_failed(exc, self.config)
-        upstream_s = time.perf_counter() - upstream_started
         if upstream.status_code == 404:
             await upstream.aclose()
             return openai_error(404, "the upstream has no Responses API", "not_found_error")
-        if stream:
-            log.warning("streamed Responses call passed through without capture")
-            return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
-                                     media_type=upstream.headers.get("content-type", "text/event-stream"),
-                                     background=BackgroundTask(upstream.aclose))
-        payload = upstream_json(upstream, upstream.content, self.config.max_choices)
+        recorded = recorded_request(body, messages)
+        asked = responses_asked(body)
+        if stream and upstream.status_code == 200:
+            return await self._stream_responses(upstream, request, recorded, asked, caller, session_id, task,
+                                                version, model, started, upstream_started)
+        raw = await upstream.aread() if stream else upstream.content
+        await upstream.aclose()
+        upstream_s = time.perf_counter() - upstream_started
+        payload = upstream_json(upstream, raw, self.config.max_choices)
         if isinstance(payload, Response):
             return payload
-        chat_body = {"model": body.get("model", model), "messages": messages}
-        traj, headers = self._begin(session_id, chat_body, None, version, task)
-        status = payload.get("status")
-        self._finish(traj, {**chat_body, "temperature": body.get("temperature")}, response_message(payload), None,
-                     None, None, "stop" if status in (None, "completed") else str(status), model, version)
+        tokens = response_tokens(payload)
+        traj, headers = self._begin(session_id, recorded, tokens.prompt_ids, version, task)
+        self._finish(traj, recorded, response_message(payload), tokens.prompt_ids, tokens.completion_ids,
+                     tokens.logprobs, responses_finish_reason(payload), model, version)
+        payload = filter_response_payload(payload, asked)
         if payload.get("model") == model:
             payload["model"] = body.get("model", model)
         answer = JSONResponse(payload, headers=self._sign(headers, caller, request_session(request), payload.get("id")))
         await self._overhead("responses", False, started, upstream_s)
         return answer
+
+    async def _send_responses(self, body: dict[str, Any], stream: bool, base: str) -> httpx.Response:
+        """Send a Responses request asking for token data; an upstream that refuses the token-data fields gets the
+        request as the client sent it (and capture goes on without token data)."""
+        url = base + "/responses"
+        sent = responses_upstream_request(body, self.request_token_data, self.config.request_logprobs)
+        response = await self.client.send(self.client.build_request("POST", url, json=sent), stream=stream)
+        if sent is not body and self.request_token_data and response.status_code in (400, 422):
+            text = (await response.aread()).decode(errors="replace")
+            if rejects_token_options(response.status_code, text):
+                await response.aclose()
+                log.warning("upstream rejects Responses token-data options; capturing without token data",
+                            error=text[:200])
+                response = await self.client.send(self.client.build_request("POST", url, json=body),
+                                                  stream=stream)
+        return response
+
+    async def _stream_responses(self, response: httpx.Response, request: Request, recorded: dict[str, Any],
+                                asked: ResponsesAsked, caller: Principal, session_id: str | None, task: str | None,
+                                version: int, model: str, started: float, upstream_started: float) -> Response:
+        """Pass a streamed Responses answer on event by event while following it; the call is recorded from its
+        final event (``response.completed``), which carries the token ids."""
+        lines = response.aiter_lines()
+        capture = ResponsesStreamCapture(asked, model, str(recorded.get("model") or model))
+        pending: list[str] = []
+        try:  # up to the first event (response.created): its response id is indexed for feedback
+            async for line in lines:
+                pending.append(capture.render(line))
+                if capture.response_id is not None:
+                    break
+        except httpx.HTTPError as exc:
+            await response.aclose()
+            return upstream_failed(exc, self.config, "stream failed")
+        upstream_s = time.perf_counter() - upstream_started
+        traj, headers = self._begin(session_id, recorded, None, version, task)
+        headers = self._sign(headers, caller, request_session(request), capture.response_id)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield "".join(pending)
+                await self._overhead("responses", True, started, upstream_s)
+                event: list[str] = []
+                async for line in lines:
+                    event.append(capture.render(line))
+                    if not line or len(event) >= MAX_LINES_PER_WRITE:
+                        yield "".join(event)
+                        event.clear()
+                if event:
+                    yield "".join(event)
+            finally:
+                await response.aclose()
+                tokens = capture.tokens()
+                if capture.final is not None and tokens is not None:
+                    self._finish(traj, recorded, response_message(capture.final), tokens.prompt_ids,
+                                 tokens.completion_ids, tokens.logprobs, responses_finish_reason(capture.final),
+                                 model, version)
+                elif capture.events:
+                    log.warning("streamed Responses call ended without its final event; not captured",
+                                trajectory_id=traj.trajectory_id)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def _stream(self, response: httpx.Response, body: dict[str, Any], asked: ClientAsked,
                       session_id: str | None, task: str | None, version: int, model: str, started: float,
@@ -553,6 +620,9 @@ class Gateway:
             response = await self.client.get(self.config.upstream_base + "/models")
         except httpx.HTTPError as exc:
             return upstream_failed(exc, self.config)
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, RecursionError):  # the served names, never the server's paths
+                return JSONResponse(public_models(response.json()))
         return Response(response.content, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
 
@@ -585,6 +655,11 @@ class Gateway:
             problems = validation_problems(exc.errors())
             text = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
             return openai_error(422, f"invalid feedback: {text}", problems=problems)
+        return self.accept_feedback(request, fb)
+
+    def accept_feedback(self, request: Request, fb: Feedback) -> Response:
+        """Publish the RewardEvent of a validated feedback (``/v1/feedback`` and the observability tools' shapes,
+        ``feedback_shapes.py``), under the same rules: the feedback token, or a key of the trajectory's tenant."""
         token = request.headers.get(FEEDBACK_TOKEN_HEADER) or fb.feedback_token or request.scope.get(
             BEARER_TOKEN_KEY)
         caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
@@ -663,6 +738,7 @@ class Gateway:
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app of ``gateway`` (its lifespan starts and stops the gateway)."""
     routes = []
+    shapes = FeedbackShapes(gateway)
     for prefix in ("", "/s/{session_id}"):
         routes += [Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
                    Route(prefix + "/v1/responses", gateway.responses, methods=["POST"]),
@@ -671,6 +747,10 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/sessions", gateway.new_session, methods=["POST"]),
         Route("/v1/sessions/{session_id}/end", gateway.end_session, methods=["POST"]),
         Route("/v1/feedback", gateway.feedback, methods=["POST"]),
+        Route("/api/public/scores", shapes.langfuse_score, methods=["POST"]),
+        Route("/feedback", shapes.langsmith_feedback, methods=["POST"]),
+        Route("/api/v1/feedback", shapes.langsmith_feedback, methods=["POST"]),
+        Route("/v1/logs", shapes.otlp_logs, methods=["POST"]),
         Route("/rlstream/stats", gateway.stats, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
     ]
@@ -691,4 +771,5 @@ def create_app(gateway: Gateway) -> Starlette:
     return Starlette(routes=routes, lifespan=gateway.lifespan,
                      middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats),
                                  Middleware(AuthMiddleware, keys=gateway.keys, count=gateway.limit_stats.count)],
-                     exception_handlers={RequestRejected: rejected, AuthRefusal: refused})
+                     exception_handlers={RequestRejected: rejected, AuthRefusal: refused, 404: not_served,
+                                         405: not_served})

