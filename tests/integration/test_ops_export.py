@@ -1,0 +1,257 @@
+"""``rlstream export`` / ``rlstream import`` on the real broker: Parquet that TRL trains on, ATIF that round-trips
+every token id, bad ATIF records dead-lettered with their reason, and slices chosen like replay's."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from nat.atif import Trajectory
+from typer.testing import CliRunner
+
+from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, export_trajectories, import_atif
+from rlstream.ops.replay import Position, parse_position, replay_group_id, replay_trajectory_id
+from rlstream.schemas.config import dump_config
+from rlstream.schemas.models import DeadLetter, TrajectoryEvent, TrajectorySource
+from tests.factories import make_trajectory
+from tests.ops_helpers import publish, read_all
+
+pytestmark = pytest.mark.integration
+
+
+def by_key(event: TrajectoryEvent) -> str:
+    return event.example_id
+
+
+def varied(run_id: str, tag: str, count: int, version: int = 0, task: str = "test") -> list[TrajectoryEvent]:
+    """Trajectories with one to three turns, tool calls on every other one, the given version and task."""
+    out = []
+    for i in range(count):
+        event = make_trajectory(run_id=run_id, example_id=f"{tag}-ex{i}", group_size=2, generation_index=i % 2,
+                                policy_version=version, turns=1 + i % 3, with_tool_call=i % 2 == 0,
+                                seed=sum(map(ord, tag)) * 100 + i, reward=None if i == 1 else i / 4)
+        event.metadata["task"] = task
+        out.append(event)
+    return out
+
+
+async def cli(rl_config, tmp_path: Path, *args: str) -> str:
+    """``rlstream ARGS`` (in a thread: the command runs its own event loop); exit code 0, or 3 after dead letters."""
+    from rlstream.cli.app import app
+
+    config = tmp_path / "rlstream.yaml"
+    config.write_text(dump_config(rl_config))
+    result = await asyncio.to_thread(CliRunner().invoke, app, [*args, "-c", str(config)], env={"COLUMNS": "250"})
+    assert result.exit_code in (0, 3), result.output
+    return result.stdout
+
+
+def position(text: str | None) -> Position | None:
+    return parse_position(text) if text is not None else None
+
+
+def parquet_ids(path: Path) -> set[str]:
+    return set(pq.read_table(path, columns=["trajectory_id"]).column("trajectory_id").to_pylist())
+
+
+async def test_parquet_loads_in_datasets_and_trains_one_trl_sft_step(rl_config, created_topics, tmp_path):
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+    from trl.data_utils import maybe_apply_chat_template
+
+    from tests.learner_helpers import tiny_model
+
+    events = varied(rl_config.run_id, "sft", 6)
+    placed = await publish(rl_config, created_topics.trajectories, events, by_key)
+    out = tmp_path / "slice.parquet"
+    report = await export_trajectories(rl_config, out, ExportFormat.parquet)
+    assert report.written == report.read == len(events) and report.filtered == report.undecodable == 0
+
+    dataset = load_dataset("parquet", data_files=str(out), split="train")
+    assert len(dataset) == len(events)
+    rows = {row["trajectory_id"]: row for row in dataset}
+    for event, (partition, offset) in zip(events, placed):
+        row = rows[event.trajectory_id]
+        assert [m["role"] for m in row["messages"]] == [m.role for m in event.messages]
+        assert [m["content"] for m in row["messages"]] == [m.content for m in event.messages]
+        assert row["prompt_token_ids"] == [t.prompt_token_ids for t in event.turns]
+        assert row["completion_token_ids"] == [t.completion_token_ids for t in event.turns]
+        assert row["completion_logprobs"] == [t.completion_logprobs for t in event.turns]
+        assert [t["message_index"] for t in row["turns"]] == [t.message_index for t in event.turns]
+        assert row["reward"] == event.reward and json.loads(row["reward_components"]) == event.reward_components
+        assert (row["run_id"], row["policy_version"], row["task"], row["source"]) == \
+            (event.run_id, event.policy_version, "test", "rollout")
+        assert (row["kafka_partition"], row["kafka_offset"]) == (partition, offset)
+        calls = [m["tool_calls"] for m in row["messages"] if m["tool_calls"]]
+        assert calls == ([[{"id": "call_1", "type": "function", "function": {"name": "lookup",
+                                                                          "arguments": '{"q": "x"}'}}]]
+                         if any(m.tool_calls for m in event.messages) else [])
+
+    # TRL's SFT input pipeline (chat template, tokenization, labels) and one optimizer step on the tiny model
+    model = tiny_model(tmp_path / "models")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                     use_cpu=True, save_strategy="no", logging_steps=1, dataloader_num_workers=0)
+    trainer = SFTTrainer(model=str(model), args=args, train_dataset=dataset, processing_class=tokenizer)
+    rendered = [tokenizer.decode(row["input_ids"]) for row in trainer.train_dataset]
+    assert len(rendered) == len(events) and any("<tool_call>lookup" in text for text in rendered)
+    result = trainer.train()
+    assert result.global_step == 1 and result.training_loss > 0
+
+    # the prompt-completion layout: GRPO's prompt formatting (generation prompt after the user turn)
+    split = tmp_path / "grpo.parquet"
+    await export_trajectories(rl_config, split, ExportFormat.parquet, layout=ParquetLayout.prompt_completion)
+    grpo = load_dataset("parquet", data_files=str(split), split="train")
+    assert "messages" not in grpo.column_names
+    for row in grpo:
+        assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["completion"][0]["role"] == "assistant"
+        prompt = maybe_apply_chat_template({"prompt": row["prompt"]}, tokenizer)["prompt"]
+        assert prompt.endswith("<|im_start|>assistant\n") and row["example_id"] in prompt
+
+
+async def test_atif_export_import_export_keeps_every_token_id(rl_config, created_topics, tmp_path):
+    events = varied(rl_config.run_id, "atif", 5, version=3)
+    await publish(rl_config, created_topics.trajectories, events, by_key)
+    first = tmp_path / "first.jsonl"
+    stdout = await cli(rl_config, tmp_path, "export", "--format", "atif", "--out", str(first), "--run", rl_config.run_id,
+                 "--report", "json")
+    assert json.loads(stdout)["written"] == len(events)
+    exported = [Trajectory.model_validate_json(line) for line in first.read_text().splitlines()]
+    assert {t.trajectory_id for t in exported} == {e.trajectory_id for e in events}
+    agent_steps = [s for t in exported for s in t.steps if s.metrics is not None]
+    assert sum(len(s.metrics.completion_token_ids) for s in agent_steps) > 0
+
+    stdout = await cli(rl_config, tmp_path, "import", str(first), "--format", "atif", "--run-id", "imported",
+                 "--report", "json")
+    imported = json.loads(stdout)
+    assert imported["published"] == len(events) and imported["dead_lettered"] == 0
+
+    on_topic = {e.trajectory_id: e for _, _, e in await read_all(rl_config, created_topics.trajectories,
+                                                                  TrajectoryEvent) if e.run_id == "imported"}
+    for original in events:
+        copy = on_topic[replay_trajectory_id("imported", original.trajectory_id)]
+        assert copy.source == TrajectorySource.replay and copy.group_id == replay_group_id("imported", original.group_id)
+        assert copy.metadata["replay_of_trajectory_id"] == original.trajectory_id
+        assert copy.messages == original.messages and copy.turns == original.turns
+        assert (copy.reward, copy.reward_components, copy.policy_version, copy.created_at) == \
+            (original.reward, original.reward_components, original.policy_version, original.created_at)
+
+    second = tmp_path / "second.jsonl"
+    await export_trajectories(rl_config, second, ExportFormat.atif, selection=ExportFilter(run_ids=frozenset({"imported"})))
+    again = {t.extra["rlstream"]["metadata"]["replay_of_trajectory_id"]: t
+             for t in (Trajectory.model_validate_json(line) for line in second.read_text().splitlines())}
+    assert set(again) == {t.trajectory_id for t in exported}
+    for before in exported:
+        after = again[before.trajectory_id]
+        # the steps (messages, tool calls, token ids, logprobs, turn fields) are equal, field for field
+        assert [s.model_dump() for s in after.steps] == [s.model_dump() for s in before.steps]
+        assert after.final_metrics == before.final_metrics and after.agent == before.agent
+        root_before, root_after = before.extra["rlstream"], after.extra["rlstream"]
+        changed = {"run_id", "group_id", "source", "metadata", "producer_id"}
+        assert {k: v for k, v in root_after.items() if k not in changed} == \
+            {k: v for k, v in root_before.items() if k not in changed}
+        assert after.extra["reward"] == before.extra["reward"] and after.extra["task"] == before.extra["task"]
+
+
+async def test_bad_atif_records_go_to_dlq_with_their_reason(rl_config, created_topics, tmp_path):
+    from rlstream.ops.atif import to_atif
+
+    good = to_atif(make_trajectory(run_id="src", example_id="good", turns=2, seed=1)).to_json_dict()
+    no_agent = {k: v for k, v in good.items() if k != "agent"}
+    skipped_step = json.loads(json.dumps(good))
+    skipped_step["steps"][1]["step_id"] = 7
+    agent_first = json.loads(json.dumps(good))
+    agent_first["steps"] = agent_first["steps"][2:]
+    for i, step in enumerate(agent_first["steps"]):
+        step["step_id"] = i + 1
+    agent_first["extra"]["rlstream"]["message_count"] -= 2
+    short_logprobs = json.loads(json.dumps(good))
+    metrics = next(s for s in short_logprobs["steps"] if "metrics" in s)["metrics"]
+    metrics["logprobs"] = metrics["logprobs"][:-1]
+    lines = [json.dumps(good), "{not json", json.dumps(no_agent), json.dumps(skipped_step), json.dumps(agent_first),
+             json.dumps(short_logprobs)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    report = await import_atif(rl_config, path, "mixed-import")
+    assert report.records == 6 and report.published == 1 and report.dead_lettered == 5
+
+    letters = [e for _, _, e in await read_all(rl_config, created_topics.dlq, DeadLetter)]
+    by_offset = {letter.source_offset: letter for letter in letters}
+    assert sorted(by_offset) == [1, 2, 3, 4, 5]
+    assert {letter.source_topic for letter in letters} == {f"file:{path}"}
+    assert {letter.service for letter in letters} == {"import"}
+    expected = {1: ("invalid_json", "line 2 is not JSON"), 2: ("invalid_atif", "agent: Field required"),
+                3: ("invalid_atif", "expected 2 (sequential from 1), got 7"),
+                4: ("bad_first_role", "first message has role 'assistant'"),
+                5: ("token_logprob_mismatch", "8 completion token ids but 7 logprobs")}
+    for offset, (error_type, text) in expected.items():
+        assert by_offset[offset].error_type == error_type, by_offset[offset]
+        assert text in by_offset[offset].error_message, by_offset[offset].error_message
+        assert by_offset[offset].value == lines[offset].encode()
+
+    published = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)]
+    assert [e.metadata["replay_of_trajectory_id"] for e in published] == [good["trajectory_id"]]
+    assert published[0].metadata["imported_from"] == "mixed.jsonl:0"
+
+    # the same import again publishes the same ids (the assembler's de-duplication holds) and the CLI says so
+    stdout = await cli(rl_config, tmp_path, "import", str(path), "--format", "atif", "--run-id", "mixed-import")
+    assert "published 1" in stdout and "dead-lettered 5" in stdout and "invalid_atif 2" in stdout
+    published = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)]
+    assert len({e.trajectory_id for e in published}) == 1 and len(published) == 2
+
+
+async def test_slices_by_offsets_time_run_version_task_and_source(rl_config, created_topics, tmp_path):
+    topic = created_topics.trajectories
+    before = varied(rl_config.run_id, "before", 4)
+    await publish(rl_config, topic, before, by_key)
+    time.sleep(0.05)
+    t_from = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    inside = [e for v in range(3) for e in varied(rl_config.run_id, f"v{v}", 4, version=v,
+                                                 task="math" if v == 1 else "code")]
+    other_run = varied("other-run", "other", 3, version=1, task="math")
+    placed = await publish(rl_config, topic, inside + other_run, by_key)
+    time.sleep(0.05)
+    t_to = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    after = varied(rl_config.run_id, "after", 4)
+    await publish(rl_config, topic, after, by_key)
+    everything = before + inside + other_run + after
+
+    async def exported(name: str, start: str | None = None, stop: str | None = None,
+                       selection: ExportFilter | None = None) -> set[str]:
+        out = tmp_path / f"{name}.parquet"
+        report = await export_trajectories(rl_config, out, ExportFormat.parquet, position(start), position(stop),
+                                           selection)
+        ids = parquet_ids(out)
+        assert report.written == len(ids) and report.read == report.written + report.filtered
+        return ids
+
+    assert await exported("all") == {e.trajectory_id for e in everything}
+    assert await exported("time", t_from.isoformat(), t_to.isoformat().replace("+00:00", "Z")) == \
+        {e.trajectory_id for e in inside + other_run}
+    # partition:offset bounds: [first offset of the window, its last offset] on the partition of inside[0]
+    partition = placed[0][0]
+    on_partition = [(o, e) for e, (p, o) in zip(inside + other_run, placed) if p == partition]
+    assert len(on_partition) >= 2
+    low, high = on_partition[0][0], on_partition[-1][0]
+    assert await exported("offsets", f"{partition}:{low}", f"{partition}:{high}") == \
+        {e.trajectory_id for o, e in on_partition if o < high}
+    assert await exported("run", selection=ExportFilter(run_ids=frozenset({"other-run"}))) == \
+        {e.trajectory_id for e in other_run}
+    assert await exported("versions", t_from.isoformat(), None, ExportFilter(min_policy_version=1,
+                                                                           max_policy_version=2)) == \
+        {e.trajectory_id for e in inside + other_run if e.policy_version >= 1}
+    assert await exported("task", selection=ExportFilter(tasks=frozenset({"math"}), run_ids=frozenset(
+        {rl_config.run_id}))) == {e.trajectory_id for e in inside if e.metadata["task"] == "math"}
+    assert await exported("source", selection=ExportFilter(sources=frozenset({"production"}))) == set()
+    # an empty slice is still a Parquet file with the schema (zero rows)
+    empty = tmp_path / "empty.parquet"
+    await export_trajectories(rl_config, empty, ExportFormat.parquet, selection=ExportFilter(tasks=frozenset({"none"})))
+    assert pq.read_table(empty).num_rows == 0 and "completion_token_ids" in pq.read_schema(empty).names
