@@ -80,6 +80,9 @@ class UpOptions:
     traffic: str = "synthetic"  # synthetic: the rollout runner's GRPO groups; production: gateway + simulated users
     feedback_delay_s: tuple[float, float] = (5.0, 60.0)
     gate: bool = True  # the promotion gate decides which version serves (rlstream gate, docs/gate.md)
+    # completions per held-out prompt for the gate: few enough that it decides before the next candidate replaces a
+    # full-weights server's version (the prompts and seeds are the same for every version)
+    gate_samples: int = 2
 
 
 @dataclass
@@ -661,7 +664,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             heldout_file = run_dir / "heldout.jsonl"
             heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))
             gate_dataset = [] if cfg.gate.dataset else ["-o", "gate.dataset", str(heldout_file)]
-            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, "-o", "gate.samples", str(opts.eval_samples),
+            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, "-o", "gate.samples", str(opts.gate_samples),
                                                "-o", "gate.examples", str(len(heldout))))
             figures.promotion.gate = True
         elif opts.gate:
