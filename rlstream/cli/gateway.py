@@ -21,7 +21,13 @@ def gateway_serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
     served_model: str = typer.Option("policy", help="the base model name at the upstream"),
-    session_idle_s: float = typer.Option(300.0, help="publish a session trajectory after this long idle"),
+    session_idle_s: float = typer.Option(300.0, help="with --session-stitching gateway: publish a session "
+                                         "trajectory after this long idle (streams: streams.session_idle_s)"),
+    session_stitching: str = typer.Option("streams", help="streams: each call of a session goes to the calls topic "
+                                          "and the stream app stitches sessions (any number of gateways behind any "
+                                          "load balancer); gateway: this gateway holds open sessions in memory"),
+    gateway_id: Optional[str] = typer.Option(None, help="this gateway's name on the calls it publishes "
+                                             "(default host:port)"),
     queue_size: int = typer.Option(10_000, help="events waiting in memory before new ones are dropped"),
     spool: bool = typer.Option(True, "--spool/--no-spool", help="keep events on disk while Kafka is slow or down "
                                "(re-sent in order once it answers, also after a restart); --no-spool drops them"),
@@ -86,8 +92,12 @@ def gateway_serve(
     if problem is not None:
         console.print(problem, highlight=False)
         raise typer.Exit(2)
+    if session_stitching not in ("streams", "gateway"):
+        console.print(f"--session-stitching is streams or gateway, not {session_stitching!r}", highlight=False)
+        raise typer.Exit(2)
     gw = GatewayConfig(host=host, port=port, upstream_url=upstream, run_id=cfg.run_id, policy=cfg.policy,
                        served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
+                       session_stitching=session_stitching, gateway_id=gateway_id or "",
                        spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
                        spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port,
                        request_logprobs=logprobs, metrics_host=metrics_host, max_body_bytes=max_body_bytes,
@@ -130,7 +140,7 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
 
     topics = TopicNames.from_config(cfg.topics)
     publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards,
-                                                codec=codec_for(cfg))  # its metrics go through it too
+                                                codec=codec_for(cfg), calls_topic=topics.calls)  # metrics too
     metrics = None
     if gw.prometheus_port is not None:  # its figures go to Prometheus only (see metric_names.GATEWAY_OVERHEAD_S)
         metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",

@@ -55,8 +55,10 @@ class TrajectoryPublisher:
         codec: AvroCodec | None = None,
         max_in_flight: int = 256,
         delivery_timeout_s: float = 120.0,
+        calls_topic: str = "",
     ) -> None:
         self.producer = producer
+        self.calls_topic = calls_topic  # the gateway's session calls (CallEvent, keyed by session id)
         self.delivery_timeout_s = delivery_timeout_s
         self.trajectories_topic = trajectories_topic
         self.rewards_topic = rewards_topic
@@ -73,13 +75,13 @@ class TrajectoryPublisher:
     @classmethod
     def from_config(cls, kafka: KafkaConfig, trajectories_topic: str, rewards_topic: str,
                     max_in_flight: int = 256, delivery_timeout_s: float = 120.0, codec: AvroCodec | None = None,
-                    **producer_options: object) -> "TrajectoryPublisher":
+                    calls_topic: str = "", **producer_options: object) -> "TrajectoryPublisher":
         """A publisher over a new idempotent producer built from the Kafka config (and its schema registry).
         Pass ``codec`` (``schemas.codec.codec_for(cfg)``) when the producer also writes other topics (metrics)."""
         codec = codec or AvroCodec.from_config(kafka, {TrajectoryEvent.avro_name: trajectories_topic,
                                                        RewardEvent.avro_name: rewards_topic})
         return cls(make_producer(kafka, **producer_options), trajectories_topic, rewards_topic, codec=codec,
-                   max_in_flight=max_in_flight, delivery_timeout_s=delivery_timeout_s)
+                   max_in_flight=max_in_flight, delivery_timeout_s=delivery_timeout_s, calls_topic=calls_topic)
 
     async def start(self) -> "TrajectoryPublisher":
         async with self._start_lock:  # the gateway's sender and spool drainer may both be first

@@ -44,7 +44,8 @@ from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.masking import mask_text
-from rlstream.schemas.models import RewardEvent, new_id
+from rlstream.schemas.models import CallEvent, CallKind, RewardEvent, new_id
+from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.transport.serving import parse_model_name
 
 log = get_logger(__name__)
@@ -131,6 +132,9 @@ class Gateway:
         self._own_client = client is None
         self._sweeper: asyncio.Task[None] | None = None
         self.request_token_data = config.request_token_data
+        #: a session's calls go to ``calls`` and the stream app stitches them (no session held here)
+        self.stitch_in_streams = config.session_stitching == "streams"
+        self.gateway_id = config.gateway_id or f"{config.host}:{config.port}"
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -195,6 +199,14 @@ class Gateway:
             return
         self.capture.put(event)
 
+    def publish_call(self, call: CallEvent) -> bool:
+        """Queue one record of a session for ``calls`` (the stream app stitches it); False when it was dropped."""
+        return self.capture.put(call)
+
+    def _tenant_of(self, scoped_session: str) -> str:
+        """The tenant of a scoped session id ('' for an open gateway, which keeps ids as sent)."""
+        return scoped_session.split(":", 1)[0] if self.keys.enabled else ""
+
     async def _route_pinned(self, model: str, session_id: str | None) -> tuple[str, int, str]:
         """(upstream model name, version, upstream base URL ending in /v1) of a call for ``model``: pinned to one
         version (the one ``policy@N`` names, the session's, or a new pick) on a replica that has it loaded.
@@ -225,6 +237,12 @@ class Gateway:
 
     def _begin(self, session_id: str | None, body: dict[str, Any], prompt_ids: list[int] | None, version: int,
                task: str | None) -> tuple[Trajectory, dict[str, str]]:
+        if session_id is not None and self.stitch_in_streams:  # the stitcher decides; the id is derived
+            traj = Trajectory(session_id=session_id, policy_version=version, task=task,
+                              trajectory_id=session_trajectory_id(session_id))
+            self.sessions.remember(traj)
+            return traj, {"x-rlstream-trajectory-id": traj.trajectory_id, "x-rlstream-policy-version": str(version),
+                          "x-rlstream-session-id": session_id}
         messages = []
         with contextlib.suppress(Exception):
             messages = [to_message(m) for m in body.get("messages", [])]
@@ -253,6 +271,14 @@ class Gateway:
                                  policy_version=version)
         except Exception as exc:
             log.error("call not captured", error=str(exc))
+            return
+        if traj.session_id is not None and self.stitch_in_streams:
+            self.publish_call(CallEvent(
+                session_id=traj.session_id, tenant=self._tenant_of(traj.session_id), task=traj.task,
+                run_id=self.config.run_id, policy=self.config.policy,
+                policy_version=version if version is not None else traj.policy_version,
+                request_messages=call.request_messages, response_message=call.response_message, turn=call.turn,
+                served_model=call.served_model, gateway_id=self.gateway_id))
             return
         if traj.closed and traj.session_id is not None:
             log.warning("call finished after its session trajectory closed; captured alone",
@@ -345,7 +371,10 @@ class Gateway:
         tokens = []
         for trajectory_id in trajectory_ids:
             self.feedback_index.own(caller.tenant, trajectory_id)
-            tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id))
+            if session_id is not None and not ids and self.stitch_in_streams:  # any gateway routes it to the stitcher
+                tokens.append(self.signer.issue(caller.tenant, "session", self._scoped(caller.tenant, session_id)))
+            else:
+                tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id))
         headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
         if ids:  # n > 1: the response id names the whole group, no one trajectory (not indexed)
             headers["x-rlstream-feedback-tokens"] = ",".join(tokens)
@@ -631,6 +660,11 @@ class Gateway:
         check_id(session_id, "session id", self.config.max_id_chars)
         caller: Principal = request.scope.get(PRINCIPAL_KEY) or OPEN
         scoped = self._scoped(caller.tenant, session_id)
+        if self.stitch_in_streams:  # the stitcher holds the session: the end goes where its calls went
+            queued = self.publish_call(CallEvent(session_id=scoped, kind=CallKind.end, tenant=caller.tenant,
+                                                 run_id=self.config.run_id, policy=self.config.policy,
+                                                 gateway_id=self.gateway_id))
+            return JSONResponse({"session_id": session_id, "published": queued}, status_code=202 if queued else 503)
         traj = self.sessions.close(scoped)
         if traj is None:
             known = self.sessions.lookup(session_id=scoped)
@@ -672,6 +706,8 @@ class Gateway:
             tenant = grant.tenant
             if grant.kind == "trajectory":
                 granted = grant.target_id
+            elif self.stitch_in_streams:  # a session token: the stitcher knows the session's latest trajectory
+                return self._session_feedback(grant.target_id, fb)
             else:  # a session token (its id already scoped): the session's latest trajectory
                 latest = self.sessions.lookup(session_id=grant.target_id)
                 granted = latest.trajectory_id if latest is not None else ""
@@ -684,6 +720,8 @@ class Gateway:
             problem = "name trajectory_id, response_id or session_id, or send the response's feedback token"
             return openai_error(422, f"invalid feedback: {problem}", problems=[{"field": "(body)",
                                                                                "problem": problem}])
+        if self.stitch_in_streams and granted is None and fb.session_id and not (fb.trajectory_id or fb.response_id):
+            return self._session_feedback(self._scoped(tenant, fb.session_id), fb)
         known = self._feedback_target(fb, tenant, granted)
         if known is None:
             what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
@@ -698,6 +736,16 @@ class Gateway:
         queued = self.capture.put(event)
         return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
                             status_code=202 if queued else 503)
+
+    def _session_feedback(self, scoped_session: str, fb: Feedback) -> Response:
+        """A reward for a session's latest trajectory, through ``calls``: the stream app's stitcher gives it to the
+        open trajectory, or publishes the RewardEvent of the last one, or keeps it for the first one."""
+        queued = self.publish_call(CallEvent(
+            session_id=scoped_session, kind=CallKind.feedback, tenant=self._tenant_of(scoped_session),
+            run_id=self.config.run_id, policy=self.config.policy, reward=fb.reward,
+            reward_components=dict(fb.components), feedback_id=fb.feedback_id, gateway_id=self.gateway_id))
+        client_session = scoped_session.split(":", 1)[1] if self.keys.enabled else scoped_session
+        return JSONResponse({"session_id": client_session, "queued": queued}, status_code=202 if queued else 503)
 
     def _feedback_target(self, fb: Feedback, tenant: str, granted: str | None) -> KnownTrajectory | None:
         """The trajectory ``fb`` rewards, when it exists and belongs to ``tenant`` (and is the one a token

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +27,13 @@ class GatewayConfig(BaseModel):
                               "for the policy name) are routed to the newest loaded version when a router is set")
     policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
     session_idle_s: float = Field(300.0, gt=0, description="an open session trajectory is published this long "
-                                  "after its last call")
+                                  "after its last call (stitching gateway; streams.session_idle_s otherwise)")
+    session_stitching: Literal["streams", "gateway"] = Field(
+        "gateway", description="streams (the default of `rlstream gateway serve`): each call of a session goes to "
+        "the calls topic as it completes and the stream app stitches sessions into trajectories (any number of "
+        "gateways behind any load balancer, a gateway may die mid-session); gateway: this gateway holds open "
+        "sessions in memory and publishes whole trajectories")
+    gateway_id: str = Field("", description="this gateway's name on the calls it publishes (default host:port)")
     queue_size: int = Field(10_000, ge=1, description="events waiting in memory to be sent (or spooled); past it "
                             "events are dropped (counted and logged), never the response")
     spool_dir: Path | None = Field(None, description="on-disk spool (append-only, fsync'd segments): while Kafka is "

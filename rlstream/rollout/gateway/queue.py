@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from rlstream.rollout.gateway.spool import Position, Spool, SpoolRecord
-from rlstream.schemas.models import RewardEvent, TrajectoryEvent, WireModel
+from rlstream.schemas.models import CallEvent, RewardEvent, TrajectoryEvent, WireModel
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -38,6 +38,7 @@ class Submitter(Protocol):
 
     trajectories_topic: str
     rewards_topic: str
+    calls_topic: str  # a session's calls, keyed by session id (stitched by the stream app)
 
     async def submit(self, topic: str, key: str, event: WireModel) -> "asyncio.Future[Any]": ...
 
@@ -176,7 +177,9 @@ class CaptureQueue:
             return self.publisher.trajectories_topic, event.example_id
         if isinstance(event, RewardEvent):
             return self.publisher.rewards_topic, event.example_id
-        raise TypeError(type(event))  # pragma: no cover - only these two are queued
+        if isinstance(event, CallEvent):
+            return self.publisher.calls_topic, event.session_id
+        raise TypeError(type(event))  # pragma: no cover - only these three are queued
 
     async def _submit(self, event: WireModel) -> None:
         topic, key = self._topic_key(event)
