@@ -20,6 +20,7 @@ become turns, ``extra["reward"]`` (or ``final_metrics.extra["reward"]``) the rew
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from rlstream.schemas.models import Message, ToolCall, TrajectoryEvent, Trajecto
 #: the key of the ``extra`` maps that holds what ATIF has no field for
 EXTRA_KEY = "rlstream"
 ATIF_AGENT_NAME = "rlstream"
+_CONTENT_NAMESPACE = uuid.UUID("0f5a2c61-7d3e-4b8a-9c1f-6e2d4a8b3c57")
 _SOURCE_OF_ROLE = {"system": "system", "user": "user", "assistant": "agent"}
 _ROLE_OF_SOURCE = {"system": "system", "user": "user", "agent": "assistant"}
 #: Turn fields ATIF's step metrics do not hold (the token arrays and the model have ATIF fields)
@@ -205,10 +207,8 @@ def from_atif(trajectory: Trajectory, *, default_policy: str, default_run_id: st
     reward = (trajectory.extra or {}).get("reward")
     if reward is None and trajectory.final_metrics is not None:
         reward = (trajectory.final_metrics.extra or {}).get("reward")
-    trajectory_id = trajectory.trajectory_id or root.get("trajectory_id")
+    trajectory_id = trajectory.trajectory_id or content_id(trajectory)
     example_id = root.get("example_id") or trajectory.session_id or trajectory_id
-    if not trajectory_id or not example_id:
-        raise AtifConversionError("the trajectory has neither trajectory_id nor session_id: nothing to name it by")
     run_id = root.get("run_id") or default_run_id
     metadata = dict(root.get("metadata") or {})
     task = (trajectory.extra or {}).get("task")
@@ -236,6 +236,13 @@ def from_atif(trajectory: Trajectory, *, default_policy: str, default_run_id: st
         raise AtifConversionError(f"the trajectory says it had {root['turn_count']} turns; its steps hold "
                                   f"{len(event.turns)}")
     return ImportedTrajectory(event=event, original_run_id=root.get("run_id"), original_source=root.get("source"))
+
+
+def content_id(trajectory: Trajectory) -> str:
+    """The id of a trajectory that names none (ATIF before v1.7 has only the run-scoped ``session_id``): a uuid5 of
+    its content, so importing the same file twice gives the same ids."""
+    canonical = json.dumps(trajectory.to_json_dict(), sort_keys=True, ensure_ascii=False)
+    return str(uuid.uuid5(_CONTENT_NAMESPACE, canonical))
 
 
 def _rlstream_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
