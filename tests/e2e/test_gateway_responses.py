@@ -111,6 +111,14 @@ async def test_responses_streamed_and_not_with_a_tool_round_trip_capture_vllms_e
             for session, stream in sessions.items():
                 client_answers[session] = await run_session(http, url, session, stream)
                 assert (await http.post(f"{url}/v1/sessions/{session}/end")).status_code == 200
+            # vLLM's model list names the model's directory; the gateway's names served models only
+            assert any(m.get("root", "").startswith("/") for m in (await http.get(f"{vllm.url}/v1/models")).json()[
+                "data"])
+            listed = (await http.get(f"{url}/v1/models")).json()["data"]
+            assert [m["id"] for m in listed] == [SERVED_MODEL] and all(m["root"] == m["id"] for m in listed)
+            for legacy in ("/v1/completions", "/v1/embeddings"):  # an OpenAI-style JSON error, not a text page
+                r = await http.post(f"{url}{legacy}", json={"model": SERVED_MODEL, "prompt": "a", "input": "a"})
+                assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
         vllm_answers = await direct(http, vllm, client_answers["responses-plain"])
     await publisher.close()
 

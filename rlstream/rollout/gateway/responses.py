@@ -235,8 +235,8 @@ class ResponsesStreamCapture:
         kind = event.get("type")
         response = event.get("response")
         if isinstance(response, dict):
-            if isinstance(response.get("id"), str):
-                self.response_id = response["id"]
+            if self.response_id is None and isinstance(response.get("id"), str):
+                self.response_id = response["id"]  # the first event's: the one the headers index
             if kind in FINAL_EVENTS:
                 self.final = json.loads(json.dumps(response))  # a copy: the client's is filtered
         if kind == "response.output_text.delta" and isinstance(event.get("logprobs"), list):

@@ -1,0 +1,170 @@
+"""The gateway's OpenAI surface beyond chat: JSON errors for unserved routes, the model list without server paths,
+the Responses API's token data taken in and filtered out, and vLLM's tool-calling options."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from typer.testing import CliRunner
+
+from rlstream.ops.toy import CHATML_TEMPLATE
+from rlstream.ops.vllm import tool_call_args, tool_call_parser_for
+from rlstream.rollout.gateway.app import Gateway, create_app
+from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.rollout.gateway.feedback_shapes import FeedbackShapeError, evaluation_records, reward_of
+from rlstream.rollout.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
+                                                response_tokens, responses_upstream_request)
+from tests.unit.test_gateway_sessions import FakePublisher
+
+HERMES_TEMPLATE = '{% for tool_call in message.tool_calls %}<tool_call>\n{"name": "{{ tool_call.name }}", ' \
+                  '"arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}'
+
+
+def model_dir(tmp_path: Path, model_type: str, template: str | None) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if template is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return tmp_path
+
+
+@pytest.mark.unit
+def test_vllm_starts_with_the_model_familys_tool_call_parser(tmp_path: Path) -> None:
+    assert tool_call_parser_for(model_dir(tmp_path / "q", "qwen2", HERMES_TEMPLATE)) == "hermes"
+    assert tool_call_parser_for(model_dir(tmp_path / "l", "llama", None)) == "llama3_json"
+    assert tool_call_parser_for(model_dir(tmp_path / "u", "unknown_family", None)) == "hermes"
+    toy = model_dir(tmp_path / "t", "qwen2", None)
+    (toy / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # tool calls written without JSON
+    assert tool_call_parser_for(toy) == "pythonic"
+    assert tool_call_args(toy, "auto", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    assert tool_call_args(toy, "mistral", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    assert tool_call_args(toy, "none", []) == [] and tool_call_args(toy, None, []) == []
+    assert tool_call_args(toy, "auto", ["--tool-call-parser=hermes"]) == ["--enable-auto-tool-choice"]
+    assert tool_call_args(toy, "auto", ["--enable-auto-tool-choice", "--tool-call-parser", "x"]) == []
+
+
+@pytest.mark.unit
+def test_inference_serve_passes_vllm_options_through(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import rlstream.ops.vllm as vllm
+    from rlstream.cli.app import app
+
+    seen: dict[str, Any] = {}
+
+    def start(model_dir: Path, served: str, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(vllm, "start_vllm_server", start)
+    result = CliRunner().invoke(app, ["inference", "serve", str(tmp_path), "--vllm-arg=--max-num-seqs=8",
+                                      "--tool-call-parser", "hermes", "--", "--enforce-eager", "--block-size", "32"])
+    assert isinstance(result.exception, RuntimeError), result.output
+    assert seen["extra_args"] == ["--max-num-seqs=8", "--enforce-eager", "--block-size", "32"]
+    assert seen["tool_call_parser"] == "hermes"
+
+
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [
+        {"id": "policy", "object": "model", "root": "/srv/models/qwen", "parent": None},
+        {"id": "policy-v3", "object": "model", "root": "/srv/versions/3", "parent": "policy"}]})
+
+
+@pytest.mark.unit
+async def test_unserved_routes_answer_json_errors_and_models_hide_server_paths() -> None:
+    upstream = Starlette(routes=[Route("/v1/models", models)])
+    gateway = Gateway(GatewayConfig(), FakePublisher(), client=httpx.AsyncClient(
+        transport=httpx.ASGITransport(upstream), base_url="http://up"))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            for path in ("/v1/completions", "/v1/embeddings", "/s/abc/v1/completions", "/v1/images/generations"):
+                r = await c.post(path, json={"model": "policy", "prompt": "a"})
+                assert r.status_code == 404 and r.headers["content-type"] == "application/json", (path, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "not_found_error" and error["code"] == 404 and error["message"]
+            assert "legacy Completions" in (await c.post("/v1/completions", json={})).json()["error"]["message"]
+            r = await c.get("/v1/chat/completions")
+            assert r.status_code == 405 and r.json()["error"]["code"] == 405
+            listed = (await c.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["root"], m["parent"]) for m in listed] == [("policy", "policy", None),
+                                                                           ("policy-v3", "policy-v3", "policy")]
+    finally:
+        await gateway.stop()
+
+
+VLLM_ANSWER = {"id": "resp_1", "model": "policy", "status": "completed", "output": [
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "cc", "logprobs": [
+        {"token": "c", "logprob": -0.5, "top_logprobs": []}, {"token": "c", "logprob": -0.25, "top_logprobs": []}]}]}],
+    "input_messages": [{"message": "<prompt>", "tokens": [1, 2, 3], "type": "raw_message_tokens"}],
+    "output_messages": [{"message": "cc", "tokens": [9, 9], "type": "raw_message_tokens"}]}
+
+
+@pytest.mark.unit
+def test_responses_token_data_is_asked_for_recorded_and_filtered_out() -> None:
+    sent = responses_upstream_request({"model": "m", "input": "x", "include": ["reasoning.encrypted_content"]},
+                                      True, True)
+    assert sent["enable_response_messages"] is True
+    assert sent["include"] == ["reasoning.encrypted_content", "message.output_text.logprobs"]
+    assert "include" not in responses_upstream_request({"input": "x"}, True, False)
+    assert responses_upstream_request({"input": "x"}, False, True) == {"input": "x"}
+    tokens = response_tokens(json.loads(json.dumps(VLLM_ANSWER)))
+    assert (tokens.prompt_ids, tokens.completion_ids, tokens.logprobs) == ([1, 2, 3], [9, 9], [-0.5, -0.25])
+    short = json.loads(json.dumps(VLLM_ANSWER))
+    short["output_messages"][0]["tokens"] = [9, 9, 2]  # logprobs that do not cover every token are dropped
+    assert response_tokens(short).logprobs is None and response_tokens(short).completion_ids == [9, 9, 2]
+    client = filter_response_payload(json.loads(json.dumps(VLLM_ANSWER)), ResponsesAsked())
+    assert client["input_messages"] is None and client["output_messages"] is None
+    assert client["output"][0]["content"][0]["logprobs"] is None
+    asked = filter_response_payload(json.loads(json.dumps(VLLM_ANSWER)), ResponsesAsked(messages=True, logprobs=True))
+    assert asked == VLLM_ANSWER
+
+
+@pytest.mark.unit
+def test_a_streamed_response_is_followed_and_filtered() -> None:
+    capture = ResponsesStreamCapture(ResponsesAsked(), "policy-v2", "policy")
+    created = {"type": "response.created", "response": {"id": "resp_9", "model": "policy-v2", "output": []}}
+    deltas = [{"type": "response.output_text.delta", "delta": "c", "logprobs": [{"token": "c", "logprob": -0.5}]},
+              {"type": "response.output_text.delta", "delta": "c", "logprobs": [{"token": "c", "logprob": -0.25}]}]
+    final = {**VLLM_ANSWER, "model": "policy-v2"}
+    final["output"] = [{"type": "message", "content": [{"type": "output_text", "text": "cc", "logprobs": None}]}]
+    lines = ["event: response.created", "data: " + json.dumps(created), ""]
+    for delta in deltas:
+        lines += ["data: " + json.dumps(delta), ""]
+    lines += ["data: " + json.dumps({"type": "response.completed", "response": final}), "", "data: not json"]
+    out = [capture.render(line) for line in lines]
+    assert out[0] == "event: response.created\n" and out[-1] == "data: not json\n"
+    events = [json.loads(line[5:]) for line in out if line.startswith("data: {")]
+    assert all(not e.get("logprobs") for e in events)
+    assert events[0]["response"]["model"] == "policy" and events[-1]["response"]["input_messages"] is None
+    assert capture.response_id == "resp_9"
+    tokens = capture.tokens()
+    assert tokens is not None and (tokens.prompt_ids, tokens.completion_ids, tokens.logprobs) == (
+        [1, 2, 3], [9, 9], [-0.5, -0.25])
+
+
+@pytest.mark.unit
+def test_feedback_shapes_rewards_and_otlp_records() -> None:
+    table = {"Thumbs_Up": 1.0, "thumbs_down": -1.0}
+    assert reward_of(True, table) == 1.0 and reward_of(False, table) == 0.0 and reward_of(3, table) == 3.0
+    assert reward_of("THUMBS_UP", table) == 1.0 and reward_of(" thumbs_down ", table) == -1.0
+    for bad in ("great", None, [1], float("nan")):
+        with pytest.raises(FeedbackShapeError):
+            reward_of(bad, table)
+    body = {"resourceLogs": [{"scopeLogs": [{"logRecords": [
+        {"eventName": "gen_ai.evaluation.result", "attributes": [
+            {"key": "gen_ai.response.id", "value": {"stringValue": "chatcmpl-1"}},
+            {"key": "gen_ai.evaluation.score.value", "value": {"doubleValue": 0.5}}]},
+        {"attributes": [{"key": "event.name", "value": {"stringValue": "gen_ai.evaluation.result"}},
+                        {"key": "n", "value": {"intValue": "7"}}]},
+        {"eventName": "other"}, "garbage"]}]}]}
+    assert evaluation_records(body) == [{"gen_ai.response.id": "chatcmpl-1", "gen_ai.evaluation.score.value": 0.5},
+                                        {"event.name": "gen_ai.evaluation.result", "n": 7}]
+    for bad_body in ({}, {"resourceLogs": {}}, [], "x"):
+        with pytest.raises(FeedbackShapeError):
+            evaluation_records(bad_body)
