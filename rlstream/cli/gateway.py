@@ -149,7 +149,8 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
     control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
     # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
     # a replica that acknowledged loading it (docs/promotion.md)
-    fleet = FleetRouter(control, cfg.policy, gw.served_model) if control is not None else None
+    fleet = FleetRouter(control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s) \
+        if control is not None else None
     try:
         await publisher.start()
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures

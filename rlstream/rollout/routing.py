@@ -88,23 +88,30 @@ class VersionNotLoaded(LookupError):
 class FleetRouter:
     """The gateway's router: one version per request and per session, sent only to replicas that acknowledged it.
 
-    :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session started
-    on, else picks for a new session: the canary for its share of sessions (by a hash of the session id, so a
-    session keeps its pick), else the serving version (:func:`production_version`). Among the replicas that
+    :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session is
+    pinned to, else picks: the canary for its share of sessions (by a hash of the session id), else the serving
+    version (:func:`production_version`). A session's version is pinned in Redis
+    (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends a
+    session's calls to the version it started on, while a replica has it loaded. Among the replicas that
     acknowledged the version it goes round robin. The pointer and acknowledgements are cached for ``ttl_s``.
     """
 
-    def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5) -> None:
+    def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5,
+                 session_ttl_s: float = 3600.0) -> None:
         self.serving = ServingControl(control)
-        self.policy, self.base_model, self.ttl_s = policy, base_model, ttl_s
+        self.policy, self.base_model, self.ttl_s, self.session_ttl_s = policy, base_model, ttl_s, session_ttl_s
         self._snapshot: tuple[float, ServingPointer | None, list[ReplicaAck]] | None = None
         self._turn = itertools.count()
+        self._latest = 0
 
     async def _state(self) -> tuple[ServingPointer | None, list[ReplicaAck]]:
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
             replicas = await self.serving.replicas(self.policy)
-            self._snapshot = (now, await self.serving.serving(self.policy), replicas)
+            pointer = await self.serving.serving(self.policy)
+            if pointer is None and not replicas:  # nothing acknowledged yet: the learner's latest, as VersionRouter
+                self._latest = max(0, await self.serving.control.latest_version(self.policy))
+            self._snapshot = (now, pointer, replicas)
         return self._snapshot[1], self._snapshot[2]
 
     def _on(self, version: int, replicas: list[ReplicaAck]) -> Route | None:
@@ -116,7 +123,9 @@ class FleetRouter:
 
     async def route(self, pinned: int | None = None, session_version: int | None = None,
                     session_id: str | None = None) -> Route:
-        """The route of one request; raises :class:`VersionNotLoaded` for a pinned version no replica has."""
+        """The route of one request (``session_id``: the gateway's scoped session id; ``session_version``: a
+        version the caller already knows the session is on); raises :class:`VersionNotLoaded` for a pinned version
+        no replica has."""
         pointer, replicas = await self._state()
         if pinned is not None:
             route = self._on(pinned, replicas)
@@ -127,8 +136,20 @@ class FleetRouter:
             route = self._on(session_version, replicas)
             if route is not None:
                 return route
+        fresh = self._pick(pointer, replicas, session_id)
+        if session_id is None:
+            return fresh
+        held = await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s)
+        route = self._on(held, replicas) if held != fresh.version else fresh
+        if route is None:  # its version is loaded nowhere any more: the session moves on, pinned anew
+            await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s, replace=True)
+            return fresh
+        return route
+
+    def _pick(self, pointer: ServingPointer | None, replicas: list[ReplicaAck], session_id: str | None) -> Route:
+        """The route of a request that no version or session pins."""
         if pointer is not None and pointer.canary_version is not None and pointer.canary_share > 0 \
-                and session_id is not None and session_version is None:
+                and session_id is not None:
             if zlib.crc32(session_id.encode()) / 2 ** 32 < pointer.canary_share:
                 route = self._on(pointer.canary_version, replicas)
                 if route is not None:
@@ -143,6 +164,4 @@ class FleetRouter:
                 route = self._on(older[0], replicas)
                 assert route is not None
                 return route
-        if version is None:  # nothing acknowledged yet: the learner's latest version, as VersionRouter does
-            version = max(0, await self.serving.control.latest_version(self.policy))
-        return Route(self.base_model, version)
+        return Route(self.base_model, version if version is not None else self._latest)

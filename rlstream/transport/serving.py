@@ -52,6 +52,11 @@ def serving_fencing_key(policy: str) -> str:
     return f"rlstream:{policy}:serving:fencing"
 
 
+def session_pin_key(policy: str, session_id: str) -> str:
+    """The version a gateway session is pinned to (string; expires ``session_ttl_s`` after the session's last call)."""
+    return f"rlstream:{policy}:session:{session_id}"
+
+
 def parse_model_name(model: str, policy: str) -> tuple[bool, int | None]:
     """(whether ``model`` names ``policy``, the version it pins or None for the serving version).
 
@@ -246,6 +251,13 @@ redis.call('HSET', KEYS[1], 'version', ARGV[2], 'uri', ARGV[5], 'sha256', ARGV[6
 if redis.call('HGET', KEYS[1], 'pending_version') == ARGV[2] then redis.call('HDEL', KEYS[1], 'pending_version') end
 return 1
 """
+# KEYS: session pin. ARGV: the version to pin when none is, ttl seconds. The pinned version (TTL refreshed).
+_PIN_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held then redis.call('EXPIRE', KEYS[1], ARGV[2]) return held end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return ARGV[1]
+"""
 # KEYS: serving, fencing counter. ARGV: token, then field/value pairs ('' value = delete the field). 1 or -1 fenced.
 _FIELDS_LUA = """
 local token = tonumber(ARGV[1])
@@ -350,6 +362,18 @@ class ServingControl:
             raise ValueError(f"canary share {share} is not within [0, 1]")
         await self._set_fields(policy, token, {"canary_version": "" if version is None else str(version),
                                                "canary_share": "" if version is None else repr(share)})
+
+    # -- sessions ----------------------------------------------------------------------
+    async def pin_session(self, policy: str, session_id: str, version: int, ttl_s: float,
+                          replace: bool = False) -> int:
+        """The version ``session_id`` is pinned to: the one pinned before (its expiry renewed), else ``version``
+        (pinned now). ``replace`` pins ``version`` whatever was pinned. Shared by every gateway."""
+        key, ttl = session_pin_key(policy, session_id), str(max(1, int(ttl_s)))
+        if replace:
+            await self.control._retry("pin_session", lambda: self.redis.set(key, str(version), ex=int(ttl)))
+            return version
+        held = await self.control._retry("pin_session", lambda: self.redis.eval(_PIN_LUA, 1, key, str(version), ttl))
+        return int(held)
 
     # -- the fleet ---------------------------------------------------------------------
     async def record_replica(self, policy: str, ack: ReplicaAck, ttl_s: float) -> None:

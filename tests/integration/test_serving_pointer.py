@@ -152,7 +152,20 @@ def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamCon
             again = {sid: (await fleet.route(session_id=sid)).version for sid in list(picks)[:20]}
             assert again == {sid: picks[sid] for sid in again}  # a session id keeps its pick
             await serving.set_canary(policy, None, 0.0, await serving.issue_token(policy))
-            assert {(await fleet.route(session_id=f"s{i}")).version for i in range(50)} == {2}
+            assert {(await fleet.route(session_id=f"t{i}")).version for i in range(50)} == {2}
+
+            # sessions are pinned in Redis: another gateway sends a session's calls to the version it started on
+            other_gateway = FleetRouter(control, policy, "base", ttl_s=0, session_ttl_s=60)
+            assert (await fleet.route(session_id="long")).version == 2
+            await serving.promote(policy, 3, token=await serving.issue_token(policy), reason="x", decided_by="t")
+            assert (await other_gateway.route(session_id="long")).version == 2
+            assert (await other_gateway.route(session_id="started-after")).version == 3
+            assert (await other_gateway.route()).version == 3
+            for wid, url in (("a", "http://a:1"), ("b", "http://b:1")):  # version 2 unloaded everywhere
+                await serving.record_replica(policy, ReplicaAck(wid, 3, "p-v3", url=url, loaded={0: "b", 3: "p-v3"}),
+                                             30)
+            assert (await other_gateway.route(session_id="long")).version == 3  # the session moves on
+            assert (await fleet.route(session_id="long")).version == 3
         finally:
             await control.close()
 
