@@ -37,9 +37,10 @@ from rlstream.ops.replay import (Position, ReplayError, ReplayFilter, replay_gro
                                  resolve_slice)
 from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource
+from rlstream.schemas.models import Message, MetricEvent, TrajectoryEvent, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.validation import validate_trajectory
+from rlstream.transport import metric_names
 from rlstream.transport.deadletter import dead_letter, send_dead_letter
 from rlstream.transport.kafka import make_producer
 from rlstream.transport.log import get_logger
@@ -389,6 +390,11 @@ async def import_atif(cfg: RlstreamConfig, path: Path, new_run_id: str) -> Impor
             report.published += 1
             report.trajectory_ids.append(event.trajectory_id)
         await producer.flush()
+        for name, value in ((metric_names.IMPORT_PUBLISHED, report.published),
+                            (metric_names.IMPORT_DEAD_LETTERED, report.dead_lettered)):
+            metric = MetricEvent(source=SERVICE, run_id=new_run_id, name=name, value=float(value),
+                                 tags={"format": ExportFormat.atif.value})
+            await producer.send_and_wait(names.metrics, codec.encode(metric), key=SERVICE.encode())
     finally:
         await producer.stop()
     log.info("import done", path=str(path), new_run_id=new_run_id, records=report.records,

@@ -44,6 +44,10 @@ CURRICULUM_PERCENTILE = "curriculum/percentile"
 LEARNER_LOSS = "learner/loss"
 #: Trajectories re-published by ``rlstream replay`` (source ``replay``).
 REPLAY_PUBLISHED = "replay/published"
+#: Trajectories published by ``rlstream import`` (source ``replay``); tag ``format``.
+IMPORT_PUBLISHED = "import/published"
+#: Records of an ``rlstream import`` file sent to ``dlq``; tag ``format``.
+IMPORT_DEAD_LETTERED = "import/dead_lettered"
 
 # --- rollout runner (source ``rollout``) -----------------------------------------------------------------------
 #: 1 per trajectory published (tag ``policy_version``).
@@ -195,7 +199,7 @@ GATE_VERSION_REFUSED = "gate/version_refused"
 PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE)
 #: The names the operator tools give a meaning to.
 TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE, LEARNER_LOSS,
-         REPLAY_PUBLISHED)
+         REPLAY_PUBLISHED, IMPORT_PUBLISHED, IMPORT_DEAD_LETTERED)
 ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S)
 INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED,
              INFERENCE_FLEET_LOAD_FAILED)
@@ -305,6 +309,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _gauge(LEARNER_LOSS, "rlstream_learner_loss", _VERSIONED, "GRPO loss of the last learner step or finetune epoch"),
     _total(REPLAY_PUBLISHED, "rlstream_replay_published_total", ("from_topic",), "Trajectories re-published by "
            "rlstream replay"),
+    _total(IMPORT_PUBLISHED, "rlstream_import_published_total", ("format",), "Trajectories published by "
+           "rlstream import"),
+    _total(IMPORT_DEAD_LETTERED, "rlstream_import_dead_lettered_total", ("format",), "Records of an rlstream import "
+           "file sent to the dead-letter topic"),
     # rollout runner
     _counter(ROLLOUT_PUBLISHED, "rlstream_rollout_published_total", (), "Trajectories published by the rollout "
              "runner"),

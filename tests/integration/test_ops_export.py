@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, export_trajectories, import_atif
 from rlstream.ops.replay import Position, parse_position, replay_group_id, replay_trajectory_id
 from rlstream.schemas.config import dump_config
-from rlstream.schemas.models import DeadLetter, TrajectoryEvent, TrajectorySource
+from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
 from tests.factories import make_trajectory
 from tests.ops_helpers import publish, read_all
 
@@ -198,6 +198,10 @@ async def test_bad_atif_records_go_to_dlq_with_their_reason(rl_config, created_t
     published = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)]
     assert [e.metadata["replay_of_trajectory_id"] for e in published] == [good["trajectory_id"]]
     assert published[0].metadata["imported_from"] == "mixed.jsonl:0"
+    metrics = [e for _, _, e in await read_all(rl_config, created_topics.metrics, MetricEvent)]
+    assert [(m.source, m.run_id, m.name, m.value, m.tags) for m in metrics] == [
+        ("import", "mixed-import", "import/published", 1.0, {"format": "atif"}),
+        ("import", "mixed-import", "import/dead_lettered", 5.0, {"format": "atif"})]
 
     # the same import again publishes the same ids (the assembler's de-duplication holds) and the CLI says so
     stdout = await cli(rl_config, tmp_path, "import", str(path), "--format", "atif", "--run-id", "mixed-import")
