@@ -6,10 +6,14 @@ replica acknowledged. ``policy@N`` is version N, on a replica that acknowledged 
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 import zlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+import httpx
 
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer, parse_model_name
@@ -81,6 +85,84 @@ class VersionRouter:
         return route, from_worker
 
 
+def replica_origin(url: str) -> str:
+    """``scheme://host:port`` of a replica URL: the key requests in flight are counted under."""
+    parsed = httpx.URL(url)
+    return f"{parsed.scheme}://{parsed.host}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
+class Outstanding:
+    """Requests in flight per replica (by :func:`replica_origin`), as one gateway sees them."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def started(self, origin: str) -> None:
+        self.counts[origin] = self.counts.get(origin, 0) + 1
+
+    def finished(self, origin: str) -> None:
+        self.counts[origin] = max(0, self.counts.get(origin, 0) - 1)
+
+    def of(self, url: str) -> int:
+        return self.counts.get(replica_origin(url), 0) if url else 0
+
+
+class _CountedStream(httpx.AsyncByteStream):
+    """A response body that reports its end (closed, read whole or failed) once."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, done: Callable[[], None]) -> None:
+        self.inner, self._done = inner, done
+        self._reported = False
+
+    def _report(self) -> None:
+        if not self._reported:
+            self._reported = True
+            self._done()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        finally:
+            self._report()
+
+
+class OutstandingTransport(httpx.AsyncBaseTransport):
+    """The gateway's upstream transport: counts each replica's requests from sending to the end of the answer's
+    body (streamed answers included), for :class:`FleetRouter`'s least-outstanding choice."""
+
+    def __init__(self, outstanding: Outstanding, inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self.outstanding = outstanding
+        self.inner = inner or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        origin = replica_origin(str(request.url))
+        self.outstanding.started(origin)
+        try:
+            response = await self.inner.handle_async_request(request)
+        except BaseException:
+            self.outstanding.finished(origin)
+            raise
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        return httpx.Response(status_code=response.status_code, headers=response.headers,
+                              stream=_CountedStream(response.stream, lambda: self.outstanding.finished(origin)),
+                              extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def session_replica(session_id: str, replicas: list[ReplicaAck]) -> ReplicaAck:
+    """The replica a session's calls go to among ``replicas`` (rendezvous hashing): every gateway picks the same
+    one without sharing state, and a replica joining or leaving moves only the sessions it gains or had."""
+    def weight(replica: ReplicaAck) -> bytes:
+        return hashlib.blake2b(f"{session_id}\x00{replica.worker_id}".encode(), digest_size=8).digest()
+    return max(replicas, key=weight)
+
+
 class VersionNotLoaded(LookupError):
     """No alive replica acknowledged loading the version a request names."""
 
@@ -93,7 +175,9 @@ class FleetRouter:
     version (:func:`production_version`). A session's version is pinned in Redis
     (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends a
     session's calls to the version it started on, while a replica has it loaded. Among the replicas that
-    acknowledged the version it goes round robin. The pointer and acknowledgements are cached for ``ttl_s``.
+    acknowledged the version, a session's calls go to one replica (:func:`session_replica`: its prefix cache) and
+    other requests to the one with the fewest requests in flight from this gateway (:attr:`outstanding`, counted by
+    :class:`OutstandingTransport`; ties round robin). The pointer and acknowledgements are cached for ``ttl_s``.
     """
 
     def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5,
@@ -103,6 +187,7 @@ class FleetRouter:
         self._snapshot: tuple[float, ServingPointer | None, list[ReplicaAck]] | None = None
         self._turn = itertools.count()
         self._latest = 0
+        self.outstanding = Outstanding()
 
     async def _state(self) -> tuple[ServingPointer | None, list[ReplicaAck]]:
         now = time.monotonic()
@@ -114,11 +199,15 @@ class FleetRouter:
             self._snapshot = (now, pointer, replicas)
         return self._snapshot[1], self._snapshot[2]
 
-    def _on(self, version: int, replicas: list[ReplicaAck]) -> Route | None:
+    def _on(self, version: int, replicas: list[ReplicaAck], session_id: str | None = None) -> Route | None:
         having = [r for r in replicas if version in r.loaded]
         if not having:
             return None
-        replica = having[next(self._turn) % len(having)]
+        if session_id is not None:
+            replica = session_replica(session_id, having)
+        else:
+            start = next(self._turn) % len(having)
+            replica = min(having[start:] + having[:start], key=lambda r: self.outstanding.of(r.url))
         return Route(replica.loaded[version] or self.base_model, version, replica.worker_id, replica.url)
 
     async def route(self, pinned: int | None = None, session_version: int | None = None,
@@ -133,14 +222,14 @@ class FleetRouter:
                 raise VersionNotLoaded(f"version {pinned} of {self.policy!r} is not loaded on any replica")
             return route
         if session_version is not None:  # a session stays on its version while a replica has it
-            route = self._on(session_version, replicas)
+            route = self._on(session_version, replicas, session_id)
             if route is not None:
                 return route
         fresh = self._pick(pointer, replicas, session_id)
         if session_id is None:
             return fresh
         held = await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s)
-        route = self._on(held, replicas) if held != fresh.version else fresh
+        route = self._on(held, replicas, session_id) if held != fresh.version else fresh
         if route is None:  # its version is loaded nowhere any more: the session moves on, pinned anew
             await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s, replace=True)
             return fresh
@@ -151,17 +240,17 @@ class FleetRouter:
         if pointer is not None and pointer.canary_version is not None and pointer.canary_share > 0 \
                 and session_id is not None:
             if zlib.crc32(session_id.encode()) / 2 ** 32 < pointer.canary_share:
-                route = self._on(pointer.canary_version, replicas)
+                route = self._on(pointer.canary_version, replicas, session_id)
                 if route is not None:
                     return route
         version = production_version(pointer, replicas)
         if version is not None:
-            route = self._on(version, replicas)
+            route = self._on(version, replicas, session_id)
             if route is not None:
                 return route
             older = sorted({v for r in replicas for v in r.loaded if v <= version}, reverse=True)
             if older:  # the serving version on no alive replica: the newest loaded below it
-                route = self._on(older[0], replicas)
+                route = self._on(older[0], replicas, session_id)
                 assert route is not None
                 return route
         return Route(self.base_model, version if version is not None else self._latest)

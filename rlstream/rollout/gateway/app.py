@@ -38,7 +38,7 @@ from rlstream.rollout.gateway.spool import Spool
 from rlstream.rollout.gateway.unserved import not_served, public_models
 from rlstream.rollout.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
-from rlstream.rollout.routing import FleetRouter, VersionNotLoaded
+from rlstream.rollout.routing import FleetRouter, OutstandingTransport, VersionNotLoaded
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
@@ -141,7 +141,10 @@ class Gateway:
         if self._client is None:
             key = self.config.upstream_key
             headers = {"authorization": f"Bearer {key}"} if key else {}
-            self._client = httpx.AsyncClient(timeout=self.config.upstream_timeout_s, headers=headers)
+            # with a fleet, each replica's requests in flight are counted (least outstanding routing)
+            transport = OutstandingTransport(self.fleet.outstanding) if self.fleet is not None else None
+            self._client = httpx.AsyncClient(timeout=self.config.upstream_timeout_s, headers=headers,
+                                             transport=transport)
         if self.config.spool_dir is not None and self.capture.spool is None:
             self.capture.use_spool(await asyncio.to_thread(
                 Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes))

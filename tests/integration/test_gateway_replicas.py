@@ -1,0 +1,80 @@
+"""One gateway in front of two replicas that acknowledged their versions in Redis (the sync workers' heartbeats):
+requests outside sessions spread over both, the one with fewer requests in flight first; a session's calls all go
+to one replica; a request pinned to a version one replica has not loaded never reaches it."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from rlstream.rollout.gateway.app import Gateway
+from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.rollout.gateway.server import serving
+from rlstream.rollout.routing import FleetRouter
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.serving import ReplicaAck, ServingControl
+from tests.fleet_support import canned_replica
+
+
+class Discard:
+    """A publisher that takes every event at once (what is captured is not under test here)."""
+
+    trajectories_topic, rewards_topic, calls_topic = "trajectories", "rewards", "calls"
+
+    async def submit(self, topic: str, key: str, event: Any) -> "asyncio.Future[Any]":
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+async def test_spread_sticky_sessions_and_pinned_versions(rl_config: RlstreamConfig) -> None:
+    policy = rl_config.policy
+    control = ControlPlane(str(rl_config.redis.url))
+    serving_control = ServingControl(control)
+    try:
+        async with canned_replica(delay_s=0.3) as slow, canned_replica() as fast:
+            await serving_control.record_replica(policy, ReplicaAck("slow", 3, "p-v3", url=slow.url, loaded={
+                2: "p-v2", 3: "p-v3"}), 60)
+            await serving_control.record_replica(policy, ReplicaAck("fast", 2, "p-v2", url=fast.url, loaded={
+                2: "p-v2"}), 60)
+            await serving_control.promote(policy, 2, token=await serving_control.issue_token(policy), reason="t",
+                                          decided_by="test")
+            gateway = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+                              Discard(), fleet=FleetRouter(control, policy, "base", ttl_s=0.2))
+            async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:
+                async def ask(model: str, user: str, session: str | None = None) -> None:
+                    headers = {"x-session-id": session} if session else {}
+                    answer = await http.post(f"{url}/v1/chat/completions", headers=headers, json={
+                        "model": model, "messages": [{"role": "user", "content": user}]})
+                    assert answer.status_code == 200, answer.text
+
+                # outside sessions, 4 clients one call after another: both replicas serve, the fast one (fewer
+                # requests in flight whenever a call is routed) most
+                async def client(c: int) -> None:
+                    for i in range(6):
+                        await ask(policy, f"free-{c}-{i}")
+
+                await asyncio.gather(*(client(c) for c in range(4)))
+                free = Counter("slow" if (m, u) in slow.requests else "fast" for m, u in
+                               slow.requests + fast.requests if u.startswith("free-"))
+                assert free["slow"] >= 1 and free["fast"] > free["slow"], free
+
+                # sessions: every call of one session on one replica (its prefix cache), sessions on both
+                for turn in range(3):
+                    for s in range(8):
+                        await ask(policy, f"session-{s}", session=f"sticky-{s}")
+                where = {u: {name for name, log in (("slow", slow), ("fast", fast))
+                             if any(q == u for _, q in log.requests)} for u in (f"session-{s}" for s in range(8))}
+                assert all(len(replicas) == 1 for replicas in where.values()), where
+                assert set().union(*where.values()) == {"slow", "fast"}, where
+
+                # policy@3: only the replica that acknowledged version 3
+                await asyncio.gather(*(ask(f"{policy}@3", f"pinned-{i}") for i in range(6)))
+                assert sum(1 for _, u in fast.requests if u.startswith("pinned-")) == 0
+                assert [m for m, u in slow.requests if u.startswith("pinned-")] == ["p-v3"] * 6
+                assert all(m == "p-v2" for m, u in fast.requests)
+    finally:
+        await control.close()
