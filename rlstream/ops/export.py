@@ -19,8 +19,9 @@ JSON object) to ``trajectories`` as a new run with ``source = replay``: ids are 
 (uuid5 of new run + original id; ``group_id = "<new run>:<original group>"``), so importing a file twice gives the
 same ids, and ``metadata`` keeps ``replay_of_trajectory_id`` / ``replay_of_run_id`` / ``replay_of_group_id`` /
 ``replay_of_source`` and ``imported_from`` (``file:record``). A record that is not JSON, not valid ATIF, has no
-faithful trajectory, or breaks the ingest rules (:func:`rlstream.streams.validation.validate_trajectory`) goes to
-``dlq`` with the reason (source ``file:<path>``, offset = its record number, value = its JSON).
+faithful trajectory, or breaks the ingest rules (:func:`rlstream.streams.validation.validate_trajectory`, with the
+config's group-size and reward bounds) goes to ``dlq`` with the reason (source ``file:<path>``, offset = its record
+number: the line number from 0 in JSON Lines, the element index in an array; value = its JSON text).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import Message, MetricEvent, TrajectoryEvent, TrajectorySource
 from rlstream.schemas.topics import TopicNames
-from rlstream.streams.validation import validate_trajectory
+from rlstream.streams.validation import RewardRange, validate_trajectory
 from rlstream.transport import metric_names
 from rlstream.transport.deadletter import dead_letter, send_dead_letter
 from rlstream.transport.kafka import make_producer
@@ -265,26 +266,39 @@ class FileRecord:
 
 
 def read_records(path: Path) -> Iterator[FileRecord]:
-    """The records of an ATIF file: a JSON array, one JSON object, or JSON Lines (blank lines skipped)."""
-    text = path.read_text(encoding="utf-8")
+    """The records of an ATIF file, read as they come: JSON Lines (blank lines skipped), or a file that is one JSON
+    array or one JSON object (a file starting with ``[``, or a ``{`` whose first line is not a whole object)."""
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16).lstrip()
+    if head.startswith(b"[") or (head.startswith(b"{") and _parse(head.split(b"\n", 1)[0])[1] is not None):
+        raw = path.read_bytes()
+        value, error = _parse(raw)
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                yield FileRecord(index, json.dumps(item).encode(), item)
+            return
+        if isinstance(value, dict):
+            yield FileRecord(0, raw, value)
+            return
+        if head.startswith(b"["):
+            yield FileRecord(0, raw, None, f"the file is not a JSON array: {error or type(value).__name__}")
+            return
+        # not one JSON object either: JSON Lines whose first line is broken
+    with path.open("rb") as handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            value, error = _parse(line.rstrip(b"\r\n"))
+            yield FileRecord(index, line.rstrip(b"\r\n"), value,
+                             None if error is None else f"line {index + 1} is not JSON: {error}")
+
+
+def _parse(raw: bytes) -> tuple[Any, str | None]:
+    """``(value, None)``, or ``(None, why)`` for text that is not UTF-8 JSON (too deep a nesting included)."""
     try:
-        whole = json.loads(text)
-    except ValueError:
-        whole = None
-    if isinstance(whole, list):
-        for index, value in enumerate(whole):
-            yield FileRecord(index, json.dumps(value).encode(), value)
-        return
-    if isinstance(whole, dict):
-        yield FileRecord(0, text.encode(), whole)
-        return
-    for index, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            yield FileRecord(index, line.encode(), json.loads(line))
-        except ValueError as exc:
-            yield FileRecord(index, line.encode(), None, f"line {index + 1} is not JSON: {exc}")
+        return json.loads(raw.decode("utf-8")), None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return None, str(exc) or type(exc).__name__
 
 
 @dataclass
@@ -326,8 +340,9 @@ class RejectedRecord(Exception):
         self.error_type = error_type
 
 
-def atif_event(record: FileRecord, new_run_id: str, policy: str, origin: str) -> TrajectoryEvent:
-    """The event an import publishes for ``record``; raises :class:`RejectedRecord` with the reason."""
+def atif_event(record: FileRecord, new_run_id: str, cfg: RlstreamConfig, origin: str) -> TrajectoryEvent:
+    """The event an import publishes for ``record``, checked by the stream app's ingest rules with this config's
+    bounds; raises :class:`RejectedRecord` with the reason."""
     from nat.atif import Trajectory
 
     from rlstream.ops.atif import AtifConversionError, from_atif
@@ -339,14 +354,15 @@ def atif_event(record: FileRecord, new_run_id: str, policy: str, origin: str) ->
     except ValidationError as exc:
         raise RejectedRecord("invalid_atif", f"not a valid ATIF trajectory: {_short(exc)}") from None
     try:
-        imported = from_atif(trajectory, default_policy=policy, default_run_id=new_run_id)
+        imported = from_atif(trajectory, default_policy=cfg.policy, default_run_id=new_run_id)
     except ValidationError as exc:
         raise RejectedRecord("invalid_atif", f"ATIF trajectory has no valid rlstream trajectory: {_short(exc)}") \
             from None
-    except AtifConversionError as exc:
-        raise RejectedRecord("invalid_atif", str(exc)) from None
+    except (AtifConversionError, RecursionError) as exc:
+        raise RejectedRecord("invalid_atif", str(exc) or type(exc).__name__) from None
     event = imported_copy(imported.event, new_run_id, origin)
-    invalid = validate_trajectory(event)
+    invalid = validate_trajectory(event, cfg.streams.min_allowed_group_size, cfg.streams.max_allowed_group_size,
+                                  reward_range=RewardRange(*cfg.streams.reward_range))
     if invalid is not None:
         raise RejectedRecord(invalid.reason, invalid.message)
     return event
@@ -366,15 +382,16 @@ async def import_atif(cfg: RlstreamConfig, path: Path, new_run_id: str) -> Impor
     names = TopicNames.from_config(cfg.topics)
     codec = codec_for(cfg)
     report = ImportReport(path=str(path), new_run_id=new_run_id, topic=names.trajectories)
-    records = list(read_records(path))  # a file that cannot be read fails here, before anything is published
+    with path.open("rb"):
+        pass  # a file that cannot be opened fails here, before anything is published
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        for record in records:
+        for record in read_records(path):
             report.records += 1
             origin = f"{path.name}:{record.index}"
             try:
-                event = atif_event(record, new_run_id, cfg.policy, origin)
+                event = atif_event(record, new_run_id, cfg, origin)
                 encoded = codec.encode(event)
             except (RejectedRecord, CodecError) as exc:
                 error_type = exc.error_type if isinstance(exc, RejectedRecord) else type(exc).__name__

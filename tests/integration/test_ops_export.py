@@ -173,27 +173,32 @@ async def test_bad_atif_records_go_to_dlq_with_their_reason(rl_config, created_t
     short_logprobs = json.loads(json.dumps(good))
     metrics = next(s for s in short_logprobs["steps"] if "metrics" in s)["metrics"]
     metrics["logprobs"] = metrics["logprobs"][:-1]
-    lines = [json.dumps(good), "{not json", json.dumps(no_agent), json.dumps(skipped_step), json.dumps(agent_first),
-             json.dumps(short_logprobs)]
+    too_large_id = json.loads(json.dumps(good))
+    next(s for s in too_large_id["steps"] if "metrics" in s)["metrics"]["prompt_token_ids"][0] = 2**70
+    lines = [json.dumps(good).encode(), b"{not json", json.dumps(no_agent).encode(), json.dumps(skipped_step).encode(),
+             json.dumps(agent_first).encode(), json.dumps(short_logprobs).encode(), b'{"steps": "\xff\xfe"}',
+             b"[" * 100_000, json.dumps(too_large_id).encode()]
     path = tmp_path / "mixed.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_bytes(b"\n".join(lines) + b"\n\n")
 
     report = await import_atif(rl_config, path, "mixed-import")
-    assert report.records == 6 and report.published == 1 and report.dead_lettered == 5
+    assert report.records == 9 and report.published == 1 and report.dead_lettered == 8
 
     letters = [e for _, _, e in await read_all(rl_config, created_topics.dlq, DeadLetter)]
     by_offset = {letter.source_offset: letter for letter in letters}
-    assert sorted(by_offset) == [1, 2, 3, 4, 5]
+    assert sorted(by_offset) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert {letter.source_topic for letter in letters} == {f"file:{path}"}
     assert {letter.service for letter in letters} == {"import"}
     expected = {1: ("invalid_json", "line 2 is not JSON"), 2: ("invalid_atif", "agent: Field required"),
                 3: ("invalid_atif", "expected 2 (sequential from 1), got 7"),
                 4: ("bad_first_role", "first message has role 'assistant'"),
-                5: ("token_logprob_mismatch", "8 completion token ids but 7 logprobs")}
+                5: ("token_logprob_mismatch", "8 completion token ids but 7 logprobs"),
+                6: ("invalid_json", "line 7 is not JSON: 'utf-8' codec can't decode"),
+                7: ("invalid_json", "line 8 is not JSON"), 8: ("CorruptPayloadError", "")}
     for offset, (error_type, text) in expected.items():
         assert by_offset[offset].error_type == error_type, by_offset[offset]
         assert text in by_offset[offset].error_message, by_offset[offset].error_message
-        assert by_offset[offset].value == lines[offset].encode()
+        assert by_offset[offset].value == lines[offset]
 
     published = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)]
     assert [e.metadata["replay_of_trajectory_id"] for e in published] == [good["trajectory_id"]]
@@ -201,11 +206,11 @@ async def test_bad_atif_records_go_to_dlq_with_their_reason(rl_config, created_t
     metrics = [e for _, _, e in await read_all(rl_config, created_topics.metrics, MetricEvent)]
     assert [(m.source, m.run_id, m.name, m.value, m.tags) for m in metrics] == [
         ("import", "mixed-import", "import/published", 1.0, {"format": "atif"}),
-        ("import", "mixed-import", "import/dead_lettered", 5.0, {"format": "atif"})]
+        ("import", "mixed-import", "import/dead_lettered", 8.0, {"format": "atif"})]
 
     # the same import again publishes the same ids (the assembler's de-duplication holds) and the CLI says so
     stdout = await cli(rl_config, tmp_path, "import", str(path), "--format", "atif", "--run-id", "mixed-import")
-    assert "published 1" in stdout and "dead-lettered 5" in stdout and "invalid_atif 2" in stdout
+    assert "published 1" in stdout and "dead-lettered 8" in stdout and "invalid_atif 2" in stdout
     published = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)]
     assert len({e.trajectory_id for e in published}) == 1 and len(published) == 2
 

@@ -130,3 +130,24 @@ def test_cli_choices_are_the_export_formats_and_layouts() -> None:
 
     assert [f.value for f in ExportFormatOption] == [f.value for f in ExportFormat]
     assert [layout.value for layout in LayoutOption] == [layout.value for layout in ParquetLayout]
+
+
+def test_import_files_are_json_lines_an_array_or_one_object(tmp_path) -> None:
+    from rlstream.ops.export import read_records
+
+    one = to_atif(make_trajectory(seed=1)).to_json_dict()
+    two = to_atif(make_trajectory(seed=2)).to_json_dict()
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([one, two], indent=2))
+    assert [(r.index, r.value) for r in read_records(array)] == [(0, one), (1, two)]
+    pretty = tmp_path / "o.json"
+    pretty.write_text(json.dumps(one, indent=2))
+    assert [(r.index, r.value, r.error) for r in read_records(pretty)] == [(0, one, None)]
+    broken_first = tmp_path / "b.jsonl"
+    broken_first.write_text("{oops\n\n" + json.dumps(two) + "\n")
+    records = list(read_records(broken_first))
+    assert [(r.index, r.value) for r in records] == [(0, None), (2, two)]
+    assert records[0].error.startswith("line 1 is not JSON") and records[0].raw == b"{oops"
+    bad_array = tmp_path / "c.json"
+    bad_array.write_text("[1, 2")
+    assert [r.error.startswith("the file is not a JSON array") for r in read_records(bad_array)] == [True]
