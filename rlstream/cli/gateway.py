@@ -68,6 +68,10 @@ def gateway_serve(
                                                          "response (default: streams.reward_window_s)"),
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="serve a non-loopback address without "
                                           "API keys (anyone who reaches it can steer training)"),
+    feedback_category: Optional[list[str]] = typer.Option(
+        None, "--feedback-category", help="NAME=REWARD: the reward of a categorical feedback value (Langfuse, "
+        "LangSmith, OpenTelemetry labels; repeatable; replaces the default table: thumbs_up/good/correct/positive/"
+        "pass = 1, their opposites 0)"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
     from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
@@ -92,6 +96,11 @@ def gateway_serve(
     if problem is not None:
         console.print(problem, highlight=False)
         raise typer.Exit(2)
+    try:
+        categories = _categories(feedback_category or [])
+    except ValueError as exc:
+        console.print(f"--feedback-category: {exc}", highlight=False)
+        raise typer.Exit(2)
     if session_stitching not in ("streams", "gateway"):
         console.print(f"--session-stitching is streams or gateway, not {session_stitching!r}", highlight=False)
         raise typer.Exit(2)
@@ -103,7 +112,8 @@ def gateway_serve(
                        request_logprobs=logprobs, metrics_host=metrics_host, max_body_bytes=max_body_bytes,
                        max_concurrent_requests=max_concurrent_requests, body_read_timeout_s=body_read_timeout_s,
                        max_open_sessions=max_open_sessions, max_choices=cfg.streams.max_allowed_group_size,
-                       upstream_api_key=upstream_api_key or secret_value(cfg.inference.api_key))
+                       upstream_api_key=upstream_api_key or secret_value(cfg.inference.api_key),
+                       **({"feedback_categories": categories} if categories else {}))
     spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
     console.print(f"gateway on http://{host}:{port} -> {gw.upstream_shown} (policy {cfg.policy}, {spooled})",
                   highlight=False)
@@ -118,6 +128,23 @@ def gateway_serve(
         console.print("no API keys: serving loopback only, every caller trusted (--api-key or --api-keys-file "
                       "to authenticate clients)", highlight=False)
     run(_serve(cfg, gw, route_versions, access))
+
+
+def _categories(pairs: list[str]) -> dict[str, float]:
+    """``NAME=REWARD`` pairs as the categories table (ValueError naming the bad pair)."""
+    import math
+
+    table: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        try:
+            reward = float(value)
+        except ValueError:
+            reward = math.nan
+        if not sep or not name.strip() or not math.isfinite(reward):
+            raise ValueError(f"{pair!r} is not NAME=REWARD with a finite reward")
+        table[name.strip()] = reward
+    return table
 
 
 def _field_errors(exc: Exception) -> str:

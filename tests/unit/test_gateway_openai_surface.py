@@ -168,3 +168,25 @@ def test_feedback_shapes_rewards_and_otlp_records() -> None:
     for bad_body in ({}, {"resourceLogs": {}}, [], "x"):
         with pytest.raises(FeedbackShapeError):
             evaluation_records(bad_body)
+
+
+@pytest.mark.unit
+def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlstream.cli.gateway as cli_gateway
+    import rlstream.rollout.gateway.server as server
+    from rlstream.cli.app import app
+
+    served: list[GatewayConfig] = []
+
+    async def serve(cfg: Any, gw: GatewayConfig, *args: Any) -> None:
+        served.append(gw)
+
+    monkeypatch.setattr(cli_gateway, "_serve", serve)
+    monkeypatch.setattr(server, "run", lambda coro: __import__("asyncio").run(coro))
+    env = {"RLSTREAM_GATEWAY_API_KEYS": ""}
+    bad = CliRunner().invoke(app, ["gateway", "serve", "--feedback-category", "great"], env=env)
+    assert bad.exit_code == 2 and "NAME=REWARD" in bad.output, bad.output
+    ok = CliRunner().invoke(app, ["gateway", "serve", "--no-spool", "--feedback-category", "great=1",
+                                  "--feedback-category", "awful=-1"], env=env)
+    assert ok.exit_code == 0, ok.output
+    assert served[0].feedback_categories == {"great": 1.0, "awful": -1.0}
