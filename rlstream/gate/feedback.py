@@ -146,6 +146,11 @@ class FeedbackClock:
             bisect.insort(self.samples, value)
         return new
 
+    @property
+    def waiting(self) -> int:
+        """Trained trajectories whose version (or a later one) does not serve yet."""
+        return sum(len(items) for items in self.pending.values())
+
     def quantiles(self) -> tuple[float, float]:
         """(p50, p90) of every sample so far (NaN before the first)."""
         return percentile(self.samples, 0.5), percentile(self.samples, 0.9)

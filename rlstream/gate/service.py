@@ -219,6 +219,8 @@ class PromotionGate:
                 await asyncio.sleep(1.0)
         self.known[event.version] = event
         self.clock.on_version(event.version, await self._trained_on(event))
+        await self.metrics.emit(mn.GATE_FEEDBACK_WAITING, float(self.clock.waiting), step=event.version,
+                                tags={"policy": self.policy})
 
     async def _trained_on(self, event: PolicyVersion) -> list[Any]:
         """The rewarded trajectories of the groups ``event`` trained on (its ``trained_on`` ranges of ``groups``)."""
@@ -268,6 +270,8 @@ class PromotionGate:
         for value in samples:
             await self.metrics.emit(mn.GATE_FEEDBACK_TO_SERVING_S, value, step=pointer.version,
                                     tags={"policy": self.policy})
+        await self.metrics.emit(mn.GATE_FEEDBACK_WAITING, float(self.clock.waiting), step=pointer.version,
+                                tags={"policy": self.policy})
         if samples:
             p50, p90 = self.clock.quantiles()
             await self.metrics.emit_many({mn.GATE_FEEDBACK_TO_SERVING_P50_S: p50,

@@ -226,6 +226,7 @@ class PromotionFigures:
     marks: list[tuple[str, int]] = field(default_factory=list)  # (decision, version) of every decision
     feedback_to_serving_p50_s: float | None = None
     feedback_to_serving_p90_s: float | None = None
+    feedback_waiting: int | None = None  # trained trajectories whose version does not serve yet
 
     def summary(self) -> dict[str, Any]:
         """The ``promotion`` section of summary.json."""
@@ -236,7 +237,8 @@ class PromotionFigures:
                 "last_decision": ({"decision": self.last[0], "version": self.last[1], "reason": self.last[2]}
                                   if self.last else None),
                 "feedback_to_serving_s": {"p50": self.feedback_to_serving_p50_s,
-                                          "p90": self.feedback_to_serving_p90_s}}
+                                          "p90": self.feedback_to_serving_p90_s},
+                "trained_not_serving": self.feedback_waiting}
 
 
 @dataclass
@@ -292,7 +294,8 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
         table.add_row("gate decisions", ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items())) or "-")
         p50, p90 = p.feedback_to_serving_p50_s, p.feedback_to_serving_p90_s
         table.add_row("feedback to serving", "-" if p50 is None else
-                      f"p50 {p50:.1f}s" + (f", p90 {p90:.1f}s" if p90 is not None else ""))
+                      f"p50 {p50:.1f}s" + (f", p90 {p90:.1f}s" if p90 is not None else "")
+                      + (f"; {p.feedback_waiting} trained, not serving yet" if p.feedback_waiting else ""))
     heldout = "  ".join(f"v{s.version}: {s.reward_mean:.2f}" for s in figures.heldout[-8:])
     table.add_row("held-out reward per version", heldout or "-")
     if figures.constant_answer is not None:
@@ -387,6 +390,8 @@ class Watcher:
             self.figures.promotion.feedback_to_serving_p50_s = event.value
         elif event.name == mn.GATE_FEEDBACK_TO_SERVING_P90_S:
             self.figures.promotion.feedback_to_serving_p90_s = event.value
+        elif event.name == mn.GATE_FEEDBACK_WAITING:
+            self.figures.promotion.feedback_waiting = int(event.value)
         if event.name != mn.STREAMS_GROUPS_FILTERED:
             return
         # every streams worker reports its own count since start: keep each worker's latest, sum per reason

@@ -189,6 +189,8 @@ GATE_FEEDBACK_TO_SERVING_S = "gate/feedback_to_serving_s"
 #: Median and 90th percentile of every feedback-to-serving sample the gate measured.
 GATE_FEEDBACK_TO_SERVING_P50_S = "gate/feedback_to_serving_p50_s"
 GATE_FEEDBACK_TO_SERVING_P90_S = "gate/feedback_to_serving_p90_s"
+#: Rewarded trajectories trained into a version that does not serve yet (no version at or above it promoted).
+GATE_FEEDBACK_WAITING = "gate/feedback_waiting"
 #: Seconds from a canary's start to its rollback by the sequential test.
 GATE_CANARY_ROLLBACK_S = "gate/canary_rollback_s"
 #: 1 per policy-versions record the gate refused as untrusted (tag ``reason``); it never evaluates it.
@@ -225,7 +227,7 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
-        GATE_FEEDBACK_TO_SERVING_P90_S, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED)
+        GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED)
 #: Every name rlstream emits (a name in several groups appears once).
 ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY + GATE))
 
@@ -458,6 +460,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "feedback-to-serving time over every trajectory the gate measured"),
     _gauge(GATE_FEEDBACK_TO_SERVING_P90_S, "rlstream_gate_feedback_to_serving_p90_seconds", ("policy",), "90th "
            "percentile of the feedback-to-serving time over every trajectory the gate measured"),
+    _gauge(GATE_FEEDBACK_WAITING, "rlstream_gate_feedback_waiting", ("policy",), "Rewarded trajectories trained "
+           "into a version that does not serve yet"),
     _histogram(GATE_CANARY_ROLLBACK_S, "rlstream_gate_canary_rollback_seconds", ("policy",), "Time from a canary's "
                "start to its automatic rollback"),
     _counter(GATE_VERSION_REFUSED, "rlstream_gate_version_refused_total", ("policy", "reason"), "policy-versions "
