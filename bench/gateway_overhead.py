@@ -362,9 +362,20 @@ def main() -> None:
                         help="the gateway asks the upstream for token ids only (rlstream gateway serve --no-logprobs)")
     parser.add_argument("--keys", action="store_true",
                         help="also a gateway that authenticates its clients with an API key, in the same rounds")
+    parser.add_argument("--gateways", type=int, default=0,
+                        help="with --upstreams: the fleet run of bench/gateway_fleet.py (N gateways behind a "
+                             "round-robin balancer over M canned upstreams, against one gateway; and the time from a "
+                             "session's end to its trajectory with stitching in the stream app and in the gateway)")
+    parser.add_argument("--upstreams", type=int, default=1, help="canned upstreams of the fleet run")
+    parser.add_argument("--sessions", type=int, default=50, help="sessions timed end -> trajectory (fleet run)")
     parser.add_argument("--keys-in-process-only", action="store_true",
                         help="only the in-process A/B of an open and a keyed gateway (no broker, no processes)")
     args = parser.parse_args()
+    if args.gateways:
+        from gateway_fleet import run_fleet
+
+        asyncio.run(run_fleet(args))
+        return
     if args.keys_in_process_only:
         print(asyncio.run(keys_ab_in_process(args.requests)))
         print(f"alone, per call: {auth_costs_us()}")
