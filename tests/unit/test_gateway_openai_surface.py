@@ -190,3 +190,25 @@ def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.M
                                   "--feedback-category", "awful=-1"], env=env)
     assert ok.exit_code == 0, ok.output
     assert served[0].feedback_categories == {"great": 1.0, "awful": -1.0}
+
+
+@pytest.mark.unit
+def test_malformed_responses_token_data_is_recorded_without_it_never_raised() -> None:
+    from rlstream.rollout.gateway.responses import finish_reason, response_message
+
+    for payload in ({"output": 5, "input_messages": [{"tokens": ["x"]}]},
+                    {"output": [{"type": "message", "content": [{"type": "output_text", "logprobs": [{"no": 1}]}]}],
+                     "output_messages": [{"tokens": [1]}]},
+                    {"output": [{"type": "message", "content": 7}], "input_messages": {"tokens": [1]}}):
+        tokens = response_tokens(payload)
+        assert tokens.logprobs is None and (tokens.prompt_ids is None or tokens.completion_ids is None)
+        response_message(payload), finish_reason(payload), filter_response_payload(payload, ResponsesAsked())
+    capture = ResponsesStreamCapture(ResponsesAsked(), "m", "m")
+    bad_delta = {"type": "response.output_text.delta", "logprobs": [{"logprob": "high"}]}
+    assert capture.render("data: " + json.dumps(bad_delta)).startswith("data: ")  # handed on
+    final = {**VLLM_ANSWER, "output": [{"type": "message", "content": [{"type": "output_text", "text": "cc"}]}]}
+    capture.render("data: " + json.dumps({"type": "response.completed", "response": final}))
+    tokens = capture.tokens()
+    assert tokens is not None and tokens.completion_ids == [9, 9] and tokens.logprobs is None
+    with pytest.raises(FeedbackShapeError):
+        reward_of(10 ** 400, {})

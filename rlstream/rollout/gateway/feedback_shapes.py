@@ -64,9 +64,13 @@ def reward_of(value: Any, categories: dict[str, float]) -> float:
     if isinstance(value, bool):
         return 1.0 if value else 0.0
     if isinstance(value, (int, float)):
-        if not math.isfinite(float(value)):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
             raise FeedbackShapeError("a score must be a finite number")
-        return float(value)
+        return number
     if isinstance(value, str):
         return category_reward(value, categories)
     raise FeedbackShapeError("a score is a number, a boolean or a category")

@@ -16,6 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
 #: the ``include`` value that asks for the sampled tokens' logprobs of output text
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: vLLM's request field that returns the prompt and completion token ids
@@ -24,11 +28,16 @@ MESSAGES_FIELD = "enable_response_messages"
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
+def _list(value: Any) -> list[Any]:
+    """``value`` when it is a list, else nothing (an upstream's malformed field is not iterated)."""
+    return value if isinstance(value, list) else []
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
     return ""
 
 
@@ -62,7 +71,7 @@ def response_message(payload: dict[str, Any]) -> dict[str, Any]:
     """The assistant message of a Responses result."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for item in payload.get("output") or []:
+    for item in _list(payload.get("output")):
         if not isinstance(item, dict):
             continue
         if item.get("type") == "message":
@@ -124,10 +133,10 @@ def _raw_tokens(entries: Any) -> list[int] | None:
 def output_logprobs(payload: dict[str, Any]) -> list[float] | None:
     """The logprobs of a response's output text, in order; None when it carries none."""
     values: list[float] = []
-    for item in payload.get("output") or []:
+    for item in _list(payload.get("output")):
         if not isinstance(item, dict) or item.get("type") != "message":
             continue
-        for part in item.get("content") or []:
+        for part in _list(item.get("content")):
             if isinstance(part, dict) and isinstance(part.get("logprobs"), list):
                 values.extend(float(lp["logprob"]) for lp in part["logprobs"])
     return values or None
@@ -145,7 +154,16 @@ class ResponseTokens:
 def response_tokens(payload: dict[str, Any], logprobs: list[float] | None = None) -> ResponseTokens:
     """The exact prompt and completion token ids of a Responses result (vLLM's ``input_messages`` /
     ``output_messages``), and the completion's logprobs when they cover every completion token (``logprobs``: those
-    gathered from a stream, else the output text's own)."""
+    gathered from a stream, else the output text's own). An answer whose token data is malformed is recorded
+    without it."""
+    try:
+        return _response_tokens(payload, logprobs)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        log.warning("upstream Responses token data unreadable; captured without it", error=str(exc)[:200])
+        return ResponseTokens(None, None, None)
+
+
+def _response_tokens(payload: dict[str, Any], logprobs: list[float] | None) -> ResponseTokens:
     prompt_ids = _raw_tokens(payload.get("input_messages"))
     completion_ids = _raw_tokens(payload.get("output_messages"))
     values = logprobs if logprobs is not None else output_logprobs(payload)
@@ -158,7 +176,7 @@ def finish_reason(payload: dict[str, Any]) -> str:
     """A chat-style finish reason of a Responses result."""
     status = payload.get("status")
     if status in (None, "completed"):
-        calls = any(isinstance(i, dict) and i.get("type") == "function_call" for i in payload.get("output") or [])
+        calls = any(isinstance(i, dict) and i.get("type") == "function_call" for i in _list(payload.get("output")))
         return "tool_calls" if calls else "stop"
     details = payload.get("incomplete_details")
     if status == "incomplete" and isinstance(details, dict) and details.get("reason") == "max_output_tokens":
@@ -186,7 +204,7 @@ def _strip_part_logprobs(part: Any) -> None:
 
 def _strip_item_logprobs(item: Any) -> None:
     if isinstance(item, dict) and item.get("type") == "message":
-        for part in item.get("content") or []:
+        for part in _list(item.get("content")):
             _strip_part_logprobs(part)
 
 
@@ -197,7 +215,7 @@ def filter_response_payload(payload: dict[str, Any], asked: ResponsesAsked) -> d
             if name in payload:
                 payload[name] = None
     if not asked.logprobs:
-        for item in payload.get("output") or []:
+        for item in _list(payload.get("output")):
             _strip_item_logprobs(item)
     return payload
 
@@ -214,6 +232,7 @@ class ResponsesStreamCapture:
     final: dict[str, Any] | None = None
     response_id: str | None = None
     events: int = 0
+    malformed: bool = False  # an event's token data could not be read: the call is recorded without logprobs
 
     def render(self, line: str) -> str:
         """One line of the stream as it goes to the client (``data:`` lines filtered, others as they came)."""
@@ -227,7 +246,11 @@ class ResponsesStreamCapture:
         if not isinstance(event, dict):
             return line + "\n"
         self.events += 1
-        self._take(event)
+        try:
+            self._take(event)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:  # handed on, not captured
+            self.malformed = True
+            log.warning("malformed upstream Responses stream event not captured", error=str(exc)[:200])
         self._filter(event)
         return "data: " + json.dumps(event, separators=(",", ":")) + "\n"
 
@@ -259,4 +282,4 @@ class ResponsesStreamCapture:
         """The call's token data, once the final event came (None before)."""
         if self.final is None:
             return None
-        return response_tokens(self.final, self.logprobs or None)
+        return response_tokens(self.final, None if self.malformed else self.logprobs or None)
