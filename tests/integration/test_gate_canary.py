@@ -97,6 +97,7 @@ def test_worse_canary_is_rolled_back_automatically(rl_config: RlstreamConfig, cr
     cfg = canary_config(rl_config)
     gate, seconds = asyncio.run(run_canary(cfg, created_topics, canary_p=0.2, serving_p=0.8, per_arm=60))
     last = gate.decisions[-1]
+    print(f"canary rolled back {last.candidate_metrics.get('canary_seconds', float('nan')):.2f}s after its start")
     assert last.decision == DecisionKind.rollback and last.version == 1, last.reason
     assert last.candidate_metrics["canary_version"] == 2
     assert last.candidate_metrics["canary_reward_mean"] < last.candidate_metrics["serving_reward_mean"]
