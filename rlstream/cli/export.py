@@ -21,6 +21,21 @@ class ImportFormatOption(str, Enum):
     atif = "atif"
 
 
+def require_export_extra(*modules: str) -> None:
+    """Exit with the install line when a module of the ``[export]`` extra is missing."""
+    from importlib.util import find_spec
+
+    for module in modules:
+        try:
+            found = find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package (``nat``) is missing
+            found = False
+        if not found:
+            err_console.print(f"[red]this command needs the [export] extra ({module} is not installed): "
+                              f"pip install 'rlstream[export]'[/red]", highlight=False)
+            raise typer.Exit(code=1)
+
+
 class LayoutOption(str, Enum):
     messages = "messages"
     prompt_completion = "prompt-completion"
@@ -50,6 +65,7 @@ def export_command(
     from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, export_trajectories
     from rlstream.ops.replay import ReplayError, parse_position
 
+    require_export_extra("pyarrow" if export_format == ExportFormatOption.parquet else "nat.atif")
     cfg = load_or_exit(config, override)
     try:
         selection = ExportFilter(sources=frozenset(source or ()), example_ids=frozenset(example or ()),
@@ -82,6 +98,7 @@ def import_command(
     not valid go to `dlq` with the reason."""
     from rlstream.ops.export import import_atif
 
+    require_export_extra("nat.atif")
     cfg = load_or_exit(config, override)
     report = run_or_exit(import_atif(cfg, path, run_id))
     if fmt == OutputFormat.json:

@@ -151,3 +151,19 @@ def test_import_files_are_json_lines_an_array_or_one_object(tmp_path) -> None:
     bad_array = tmp_path / "c.json"
     bad_array.write_text("[1, 2")
     assert [r.error.startswith("the file is not a JSON array") for r in read_records(bad_array)] == [True]
+
+
+def test_a_missing_export_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import typer
+
+    from rlstream.cli.export import require_export_extra
+
+    require_export_extra("pyarrow", "nat.atif")  # installed: nothing happens
+    monkeypatch.setitem(sys.modules, "nat", None)  # as if nvidia-nat-atif were not installed
+    monkeypatch.setitem(sys.modules, "nat.atif", None)
+    with pytest.raises(typer.Exit):
+        require_export_extra("nat.atif")
+    with pytest.raises(typer.Exit):
+        require_export_extra("no_such_module_here")
