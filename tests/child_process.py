@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Self
 
-from rlstream.ops.infra import stop_pid
+from rlstream.ops.processes import stop_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 

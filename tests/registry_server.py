@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 
 JSON_TYPE = "application/vnd.schemaregistry.v1+json"
 

@@ -20,7 +20,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlstream.ops.infra import free_port, port_open, redis_binary, spawn, stop_pid
+from rlstream.ops.children import spawn
+from rlstream.ops.infra import redis_binary
+from rlstream.ops.ports import free_port, port_open
+from rlstream.ops.processes import stop_pid
 
 LOOPBACK = "127.0.0.1"
 _METADATA, _FIND_COORDINATOR = 3, 10  # Kafka API keys whose answers carry broker addresses

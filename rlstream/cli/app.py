@@ -81,7 +81,8 @@ def infra_up(
 
     A small supervisor process owns them (they die with it, however it ends); it lives until `infra down`.
     Interrupted before the services answer, `infra up` takes them down with it."""
-    from rlstream.ops.infra import STATE_FILE, InfraError, LocalStack, start_background
+    from rlstream.ops.infra import STATE_FILE, InfraError, LocalStack
+    from rlstream.ops.infra_daemon import start_background
 
     state_file = state_dir / STATE_FILE
     if state_file.exists():

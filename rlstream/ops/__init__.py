@@ -1,1 +1,16 @@
-"""Operations: the CLI, the local infrastructure, Kafka admin and clients, the Redis control plane, logging."""
+"""Operations: operator tools, the local stack and its processes, ``rlstream up`` and the vLLM launcher.
+
+Operator tools (one command each): ``tail.py``, ``status.py``, ``replay.py``, ``plot.py``, ``lineage.py``,
+``promotion.py`` (rollback / promote), ``export.py`` with ``atif.py`` (export / import).
+
+Processes and the local stack:
+
+* ``ports.py``: free loopback ports, is a port open.
+* ``processes.py``: process identity (alive, same start time and boot) and stopping a process group, via psutil.
+* ``children.py``: starting children that die with their parent (PDEATHSIG and the group reaper, ``reaper.py``).
+* ``interrupts.py``: SIGTERM / SIGHUP as Ctrl-C for launchers.
+* ``infra.py``: the local broker (noida-db) and Redis; ``infra_daemon.py``: the ``rlstream infra up`` daemon.
+
+Running things: ``up.py`` (``rlstream up``), ``vllm.py`` (vLLM's own virtualenv and server), ``toy.py`` and
+``tool_task.py`` (tiny model and tasks). Assets: ``alerts.yml``, ``prometheus.yml``, ``grafana/``, ``RUNBOOK.md``.
+"""

@@ -1,4 +1,4 @@
-"""The process-group reaper of :class:`rlstream.ops.infra.GroupReaper`, run as a script by an interpreter of its
+"""The process-group reaper of :class:`rlstream.ops.children.GroupReaper`, run as a script by an interpreter of its
 own (``python -I -S reaper.py GRACE_S``); standard library only, nothing of rlstream is imported.
 
 It reads ``+ PGID PDEATHSIG`` / ``- PGID`` lines from stdin, the pipe its parent holds. When the pipe closes

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from rlstream.ops.infra import LOOPBACK, InfraError, free_port, pid_alive, spawn, stop_pid
+from rlstream.ops.children import spawn
+from rlstream.ops.infra import InfraError
+from rlstream.ops.ports import LOOPBACK, free_port
+from rlstream.ops.processes import pid_alive, stop_pid
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)

@@ -9,8 +9,8 @@ offsets (exactly_once, the only processing guarantee).
 
 Recovery: a ``progress`` table holds, per source partition, the offset of the last applied record,
 written in that record's transaction; after every rebalance the tables are rebuilt from the committed
-changelogs (streams/state_reset.py) and records are admitted only from marker + 1 on
-(streams/progress.py), so the state, its outputs and the input position always move together.
+changelogs (streams/exactly_once/state_reset.py) and records are admitted only from marker + 1 on
+(streams/exactly_once/progress.py), so the state, its outputs and the input position always move together.
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ class StreamsApp:
         # "<topic>:<partition>" -> last applied offset, in the same transaction as the record's effects
         self.progress_table = self.app.Table("progress", default=None, partitions=parts, schema=json_schema)
         # ticks carry no data (a lost or repeated tick only moves a timeout check): only the inputs are gated
-        # recovered state == one committed snapshot (see streams/state_reset.py)
+        # recovered state == one committed snapshot (see streams/exactly_once/state_reset.py)
         self.settled = SettledTransactions(lambda iso: make_consumer(self.cfg.kafka, group_id=None, isolation_level=iso))
         install_full_recovery(self.app, self.settled, BulkChangelogLoader(
             self.app, lambda: make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")))

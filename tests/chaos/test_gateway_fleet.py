@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.sessions import session_trajectory_id

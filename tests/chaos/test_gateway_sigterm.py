@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rlstream.ops.infra import ServiceProcess, free_port, start_kafka
+from rlstream.ops.infra import ServiceProcess, start_kafka
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlstream.learner.service import Learner
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig, dump_config
 from rlstream.schemas.models import PolicyVersion

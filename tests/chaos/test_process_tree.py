@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlstream.cli.app import app
-from rlstream.ops.infra import (STATE_FILE, LocalStack, ServiceProcess, boot_id, pid_alive, process_start_time,
-                                stop_pid)
+from rlstream.ops.infra import STATE_FILE, LocalStack, ServiceProcess
+from rlstream.ops.processes import boot_id, pid_alive, process_start_time, stop_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PARENT = r"""
 import signal, sys, time
 from pathlib import Path
-from rlstream.ops import infra
+from rlstream.ops import children, infra
 from rlstream.ops.up import Supervisor
-infra.REAPER_GRACE_S = 1.0  # the stubborn child is SIGKILLed after this
+children.REAPER_GRACE_S = 1.0  # the stubborn child is SIGKILLed after this
 log_dir, with_stack = Path(sys.argv[1]), sys.argv[2] == "stack"
 pids = []
 if with_stack:
@@ -188,7 +188,7 @@ def test_infra_down_stops_the_pid_when_its_start_time_matches(tmp_path: Path) ->
 
 # --- the `infra up` supervisor ------------------------------------------------------------------------------
 def _serve(state_dir: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", "from rlstream.ops.infra import main; main()", "serve",
+    return subprocess.Popen([sys.executable, "-c", "from rlstream.ops.infra_daemon import main; main()", "serve",
                              "--state-dir", str(state_dir)], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
 

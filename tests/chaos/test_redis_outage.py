@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlstream.ops.infra import start_redis, stop_pid
+from rlstream.ops.infra import start_redis
+from rlstream.ops.processes import stop_pid
 from rlstream.schemas.config import RlstreamConfig, dump_config
 from rlstream.schemas.models import MetricEvent, PolicyVersion
 from rlstream.transport import metric_names as mn

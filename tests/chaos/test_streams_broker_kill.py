@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from rlstream.ops.infra import free_port, start_kafka
+from rlstream.ops.infra import start_kafka
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics

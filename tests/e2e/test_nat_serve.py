@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.ops.vllm import VllmServer
 from rlstream.rollout.gateway.app import Gateway
 from rlstream.rollout.gateway.config import GatewayConfig

@@ -15,7 +15,8 @@ from pathlib import Path
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from rlstream.ops.infra import free_port, start_kafka
+from rlstream.ops.infra import start_kafka
+from rlstream.ops.ports import free_port
 from rlstream.streams.exactly_once.broker_watch import BrokerConnectionWatch, first_bootstrap_address
 from rlstream.schemas.config import KafkaConfig
 from rlstream.transport.kafka import make_consumer

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from rlstream.ops.infra import pid_alive, stop_pid
+from rlstream.ops.processes import pid_alive, stop_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from tests.chaos.test_gateway_sigterm import CANNED, read_message

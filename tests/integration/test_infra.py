@@ -149,7 +149,7 @@ def test_services_die_with_a_killed_parent(tmp_path) -> None:  # type: ignore[no
     import time
     from pathlib import Path
 
-    from rlstream.ops.infra import pid_alive
+    from rlstream.ops.processes import pid_alive
 
     script = ("import sys, time; from rlstream.ops.infra import LocalStack; s = LocalStack.start(sys.argv[1]); "
               "print('PIDS', s.kafka.pid, s.redis.pid, flush=True); time.sleep(120)")

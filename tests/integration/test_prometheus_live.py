@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from rlstream.ops.infra import free_port
+from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics

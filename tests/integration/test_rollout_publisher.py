@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlstream.ops.infra import free_port, start_kafka
+from rlstream.ops.infra import start_kafka
+from rlstream.ops.ports import free_port
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.topic_reader import open_reader, read_to_end
 from rlstream.rollout.publisher import PublishError, TrajectoryPublisher
