@@ -7,10 +7,11 @@ Public API (what :mod:`rlstream.nat` builds on): :class:`EpochEngine` with :clas
 """
 from rlstream.finetune.engine import (CandidateGroup, EngineSettings, EpochEngine, EpochGenerator, Generation,
                                       OutcomeStatus, Rejection, TrainingOutcome, checked_groups, trajectory_problem)
-from rlstream.finetune.runtime import FinetuneContext, FinetuneError, Infrastructure, fresh_run_id, prepare
+from rlstream.finetune.runtime import (FinetuneContext, FinetuneError, Infrastructure, fresh_run_id, prepare,
+                                       server_root, wait_endpoint)
 
 __all__ = [
     "CandidateGroup", "EngineSettings", "EpochEngine", "EpochGenerator", "FinetuneContext", "FinetuneError",
     "Generation", "Infrastructure", "OutcomeStatus", "Rejection", "TrainingOutcome", "fresh_run_id", "prepare",
-    "checked_groups", "trajectory_problem",
+    "checked_groups", "trajectory_problem", "server_root", "wait_endpoint",
 ]

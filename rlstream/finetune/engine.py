@@ -124,6 +124,7 @@ class EngineSettings:
     dead_letter_service: str = "finetune"
     curriculum_seed: int = 0
     plot_title: str = "rlstream finetune"
+    stop_on_failure: bool = False  # a failed epoch (its version not trained or not served) ends the run
 
 
 def trajectory_problem(event: TrajectoryEvent) -> str | None:
@@ -257,6 +258,10 @@ class EpochEngine:
                 self.outcomes.append(outcome)
                 if "loss" in outcome.figures:
                     await self._emit(LEARNER_LOSS, outcome.figures["loss"], epoch)
+                if outcome.status == OutcomeStatus.FAILED and self.settings.stop_on_failure:
+                    self.plot()
+                    raise FinetuneError(f"epoch {epoch} failed: {outcome.message} (the run stops at a failed "
+                                        "epoch; continue_on_failure: true goes on)")
             if self.context.lease_lost:
                 raise FinetuneError(f"learner lease lost: {self.context.lease_lost}")
         if generator.validates:
@@ -375,8 +380,10 @@ class EpochEngine:
             report(90.0, f"version {version} published; vLLM loading it")
             if self.settings.wait_for_load and not await self.context.wait_loaded(
                     version, self.cfg.finetuning.load_timeout_s):
-                return TrainingOutcome(OutcomeStatus.FAILED, f"version {version} published but vLLM did not load it "
-                                       f"within {self.cfg.finetuning.load_timeout_s:.0f} s", version=version,
+                failure = self.context.load_failure(version)
+                why = f": {failure}" if failure else f" within {self.cfg.finetuning.load_timeout_s:.0f} s"
+                return TrainingOutcome(OutcomeStatus.FAILED, f"version {version} published but vLLM did not load it"
+                                       f"{why}", version=version,
                                        figures=trained.figures, groups_trained=len(groups))
             return TrainingOutcome(OutcomeStatus.COMPLETED, f"version {version} trained and served", version=version,
                                    figures=trained.figures, groups_trained=len(groups))

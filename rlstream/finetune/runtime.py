@@ -256,6 +256,7 @@ class FinetuneContext:
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _sync_backend: Any = None
+    _sync_worker: Any = None
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.cfg.finetuning.output_dir).resolve()
@@ -296,6 +297,7 @@ class FinetuneContext:
             log.warning("policy already has versions; this run continues their numbering and vLLM serves the "
                         "newest one until this run publishes", policy=cfg.policy, latest=latest)
         self._start_sync_worker()
+        await self._refuse_foreign_adapters(latest)
         await self.wait_loaded(max(0, latest), timeout_s=cfg.finetuning.load_timeout_s)
         self.collector = GroupCollector(cfg, self.codec, self.producer)
         await self.collector.start()
@@ -313,7 +315,35 @@ class FinetuneContext:
                                          key.get_secret_value() if key is not None else None)
         assert self.control is not None
         worker = InferenceSyncWorker(sync_cfg, self._sync_backend, self.control)
+        self._sync_worker = worker
         self._tasks.append(asyncio.create_task(worker.run(self._stop)))
+
+    async def _refuse_foreign_adapters(self, latest: int) -> None:
+        """Stop at once when the vLLM server already holds adapters of this policy that this control plane did not
+        publish (another run with the same policy name and another Redis): vLLM would refuse this run's
+        versions under the same names."""
+        from rlstream.inference.sync import adapter_version
+
+        try:
+            names = await self._sync_backend.models()
+        except Exception as exc:  # a server that does not list its models: the loads will tell
+            log.warning("could not list the vLLM server's models", error=str(exc))
+            return
+        foreign = sorted(v for v in (adapter_version(self.cfg.policy, n) for n in names) if v is not None and v > latest)
+        if foreign:
+            raise FinetuneError(
+                f"the vLLM server {self.server_url} already serves adapters {self.cfg.policy}-v{foreign[0]}.. of policy "
+                f"{self.cfg.policy!r} that this run's Redis does not know (another run used the same policy name): "
+                "vLLM would refuse this run's versions under those names; use another policy name, or the Redis of "
+                "that run")
+
+    def load_failure(self, version: int) -> str | None:
+        """Why this run's sync worker could not load ``version`` (vLLM's own answer included), None if it did not
+        fail."""
+        if self._sync_worker is None:
+            return None
+        failed = self._sync_worker.failed.get(version)
+        return failed[1] if failed else None
 
     async def _keep_lease(self) -> None:
         assert self.control is not None and self.lease is not None
@@ -357,6 +387,10 @@ class FinetuneContext:
             self.check_alive()
             if await self.loaded_version() >= version:
                 return True
+            failure = self.load_failure(version)
+            if failure is not None:
+                log.error("vLLM did not load the version", version=version, error=failure)
+                return False
             await asyncio.sleep(0.2)
         log.error("vLLM did not load the version in time", version=version, timeout_s=timeout_s,
                   loaded=await self.loaded_version())

@@ -23,7 +23,8 @@ from nat.data_models.finetuning import (EpisodeItemRole, FinetuneConfig, Trainin
 from nat.finetuning.interfaces.trainer_adapter import TrainerAdapter
 
 from rlstream.finetune import (CandidateGroup, EngineSettings, EpochEngine, FinetuneContext, Generation,
-                               Infrastructure, TrainingOutcome, fresh_run_id, prepare)
+                               Infrastructure, TrainingOutcome, fresh_run_id, prepare, server_root, wait_endpoint)
+from rlstream.nat.base_model import resolve_base_model
 from rlstream.nat.builder import CONVERSATION_KEY
 from rlstream.nat.config import RlstreamTrainerAdapterConfig
 from rlstream.nat.nat_config import NatConfigError, llm_field, resolved_config, target_llm_name
@@ -101,6 +102,17 @@ class RlstreamTrainerAdapter(TrainerAdapter):
         self.engine: EpochEngine | None = None
         self.curriculum_seed = 0  # set by rlstream_trainer before initialize
         self.jobs: dict[str, Job] = {}
+        #: makes the default policy (and so the LoRA names vLLM keeps) unique to this run
+        self.run_tag = uuid.uuid4().hex[:6]
+
+    def policy_name(self) -> str | None:
+        """``backend.policy``; else ``<project>-<run tag>`` when the rlstream config file does not name one."""
+        backend = self.config.backend
+        if backend.policy:
+            return backend.policy
+        if backend.config_file is not None and not backend.project:
+            return None  # the file's policy
+        return f"{backend.project or 'policy'}-{self.run_tag}"
 
     # -- set-up --
     def rlstream_config(self, run_config: FinetuneConfig) -> tuple[RlstreamConfig, str]:
@@ -114,9 +126,17 @@ class RlstreamTrainerAdapter(TrainerAdapter):
         if not url:
             raise NatConfigError("rlstream_trainer_adapter: no vLLM server: set backend.inference_url, or "
                                  "finetuning.target_model to an LLM with a base_url")
+        file_model = load_config(backend.config_file, []).learner.model if backend.config_file else ""
+        chosen = backend.base_model or backend.settings.get("learner.model") or file_model or None
+        if chosen is None:  # the model vLLM serves: ask it once it answers
+            wait_endpoint(server_root(url), self.config.start_timeout_s)
+        model = resolve_base_model(chosen, server_root(url))
         pairs: list[tuple[str, str]] = []
         for key, value in (("kafka.bootstrap_servers", backend.bootstrap_servers), ("redis.url", backend.redis_url),
-                           ("policy", backend.policy), ("run_id", backend.name), ("learner.model", backend.base_model),
+                           ("policy", self.policy_name()),
+                           ("run_id", f"{backend.name}-{self.run_tag}" if backend.name else None), ("learner.model", model),
+                           ("learner.learning_rate", backend.learning_rate),
+                           ("learner.micro_batch_size", backend.batch_size),
                            ("rollout.model", served), ("inference.served_model", served)):
             if value:
                 pairs.append((key, str(value)))
@@ -131,7 +151,7 @@ class RlstreamTrainerAdapter(TrainerAdapter):
 
     async def initialize(self, run_config: FinetuneConfig) -> None:
         await super().initialize(run_config)
-        cfg, url = self.rlstream_config(run_config)
+        cfg, url = await asyncio.to_thread(self.rlstream_config, run_config)
         self.infra = await asyncio.to_thread(prepare, cfg, url, self.config.start_timeout_s)
         self.cfg = self.infra.cfg
         self.context = FinetuneContext(self.cfg, self.infra.server_url)
@@ -141,7 +161,8 @@ class RlstreamTrainerAdapter(TrainerAdapter):
         self.engine = EpochEngine(self.context, curriculum, EngineSettings(
             collect_grace_s=self.config.collect_timeout_s, first_submission_grace_s=0.0,
             wait_for_load=self.config.wait_for_load, dead_letter_service=DEAD_LETTER_SERVICE,
-            curriculum_seed=self.curriculum_seed, plot_title="rlstream (NAT)"))
+            curriculum_seed=self.curriculum_seed, plot_title="rlstream (NAT)",
+            stop_on_failure=not self.config.continue_on_failure))
         await self.engine.open()
         log.info("rlstream backend ready", run_id=self.cfg.run_id, policy=self.cfg.policy, vllm=self.infra.server_url)
 

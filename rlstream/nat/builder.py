@@ -48,6 +48,8 @@ class BuildStats:
     turns_with_token_data: int = 0  # token ids and logprobs from the LLM response (the rest are re-rendered)
     trajectories: int = 0
     by_run: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: per builder run: why its generations failed or produced nothing (the first few reasons)
+    problems: dict[str, list[str]] = field(default_factory=dict)
 
 
 def episode_of(conv: Conversation) -> list[EpisodeItem]:
@@ -110,7 +112,8 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
         from nat.utils.io.supress_logs import suppress_logs
 
         rc = self.run_config.run_configuration
-        eval_cfg = EvaluationRunConfig(config_file=config, dataset=str(dataset) if dataset else rc.dataset,
+        chosen = dataset or rc.dataset  # --dataset arrives as a Path; NAT's evaluation takes a str
+        eval_cfg = EvaluationRunConfig(config_file=config, dataset=str(chosen) if chosen else None,
                                        result_json_path=rc.result_json_path, endpoint=rc.endpoint,
                                        endpoint_timeout=rc.endpoint_timeout, override=())
         async with suppress_logs(prefix="nat.eval", level=logging.WARNING):
@@ -143,15 +146,19 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
         outputs = await asyncio.gather(*(g.task for g in generations), return_exceptions=True)
         by_example: dict[str, list[Trajectory]] = {}
         counts = {"generations_failed": 0, "items_without_turns": 0, "trajectories": 0}
+        problems = self.stats.problems.setdefault(run_id, [])
         for index, (gen, output) in enumerate(zip(generations, outputs)):
             if isinstance(output, BaseException):
                 counts["generations_failed"] += 1
+                problems.append(f"evaluation run failed: {type(output).__name__}: {output}")
                 log.error("evaluation run failed; its generation is lost, the epoch goes on", run_id=run_id,
                           generation=index, error=f"{type(output).__name__}: {output}")
                 continue
             rewards = self.rewards_of(output)
             if not rewards:
                 counts["generations_failed"] += 1
+                reward_name = self.run_config.reward_function.name if self.run_config.reward_function else None
+                problems.append(f"the reward evaluator {reward_name!r} produced nothing")
                 log.error("the reward evaluator produced nothing", run_id=run_id, generation=index,
                           reward_function=self.run_config.reward_function.name if self.run_config.reward_function
                           else None)
@@ -160,6 +167,8 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
                 trajectory = await self._trajectory(item, rewards.get(item.id), gen, index, run_id, meta)
                 if trajectory is None:
                     counts["items_without_turns"] += 1
+                    if len(problems) < 5:
+                        problems.append(f"item {item.id}: no scored call of the target model in the target functions")
                     continue
                 counts["trajectories"] += 1
                 by_example.setdefault(str(item.id), []).append(trajectory)
@@ -183,6 +192,10 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
         self.stats.replaced_turns += conv.replaced_turns
         self.stats.turns += len(conv.turns)
         self.stats.turns_with_token_data += conv.turns_with_token_data
+        if len(conv.messages) < self.config.min_episode_length:
+            log.warning("episode shorter than min_episode_length; item not trained on", item=item.id,
+                        messages=len(conv.messages), min_episode_length=self.config.min_episode_length)
+            return None
         if not conv.turns:
             log.warning("no call of the target model in the target functions; item not trained on", item=item.id,
                         target_functions=self.run_config.target_functions, target_model=self.run_config.target_model)
