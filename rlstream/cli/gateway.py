@@ -17,7 +17,10 @@ gateway_app = typer.Typer(help="The capture gateway: an OpenAI-compatible server
 def gateway_serve(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
-    upstream: str = typer.Option("http://127.0.0.1:8000", help="OpenAI-compatible upstream (vLLM), e.g. http://host:8000"),
+    upstream: Optional[list[str]] = typer.Option(None, help="OpenAI-compatible upstream (vLLM), e.g. http://host:8000 "
+                                                 "(default http://127.0.0.1:8000); repeatable: replicas of the policy "
+                                                 "(without Redis routing; with it the sync workers' heartbeats name "
+                                                 "the replicas)"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
     served_model: str = typer.Option("policy", help="the base model name at the upstream"),
@@ -104,7 +107,8 @@ def gateway_serve(
     if session_stitching not in ("streams", "gateway"):
         console.print(f"--session-stitching is streams or gateway, not {session_stitching!r}", highlight=False)
         raise typer.Exit(2)
-    gw = GatewayConfig(host=host, port=port, upstream_url=upstream, run_id=cfg.run_id, policy=cfg.policy,
+    upstreams = upstream or ["http://127.0.0.1:8000"]
+    gw = GatewayConfig(host=host, port=port, upstream_url=upstreams[0], run_id=cfg.run_id, policy=cfg.policy,
                        served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
                        session_stitching=session_stitching, gateway_id=gateway_id or "",
                        spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
@@ -127,7 +131,7 @@ def gateway_serve(
     else:
         console.print("no API keys: serving loopback only, every caller trusted (--api-key or --api-keys-file "
                       "to authenticate clients)", highlight=False)
-    run(_serve(cfg, gw, route_versions, access))
+    run(_serve(cfg, gw, route_versions, access, upstreams))
 
 
 def _categories(pairs: list[str]) -> dict[str, float]:
@@ -155,11 +159,11 @@ def _field_errors(exc: Exception) -> str:
     return type(exc).__name__ if not isinstance(exc, OSError) else str(exc)
 
 
-async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore[no-untyped-def]
+async def _serve(cfg, gw, route_versions: bool, access, upstreams: list[str]) -> None:  # type: ignore[no-untyped-def]
     from rlstream.rollout.gateway.app import Gateway
     from rlstream.rollout.gateway.server import serve_forever
     from rlstream.rollout.publisher import TrajectoryPublisher
-    from rlstream.rollout.routing import FleetRouter
+    from rlstream.rollout.routing import FleetRouter, StaticFleet
     from rlstream.schemas.codec import codec_for
     from rlstream.schemas.topics import TopicNames
     from rlstream.transport.control import ControlPlane
@@ -176,8 +180,10 @@ async def _serve(cfg, gw, route_versions: bool, access) -> None:  # type: ignore
     control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
     # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
     # a replica that acknowledged loading it (docs/promotion.md)
-    fleet = FleetRouter(control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s) \
-        if control is not None else None
+    fleet: FleetRouter | StaticFleet | None = FleetRouter(
+        control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s) if control is not None else None
+    if fleet is None and len(upstreams) > 1:  # replicas named here: each serves the configured version
+        fleet = StaticFleet(upstreams, cfg.policy, gw.served_model, gw.policy_version)
     try:
         await publisher.start()
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures

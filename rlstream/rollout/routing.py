@@ -254,3 +254,30 @@ class FleetRouter:
                 assert route is not None
                 return route
         return Route(self.base_model, version if version is not None else self._latest)
+
+
+class StaticFleet:
+    """Replicas named on the command line (``rlstream gateway serve --upstream A --upstream B``), without Redis: each
+    serves ``version`` under ``model``. The same choices as :class:`FleetRouter`: a session's calls on one replica
+    (:func:`session_replica`), other requests on the one with the fewest in flight; ``policy@N`` for another version
+    than ``version`` is loaded nowhere."""
+
+    def __init__(self, urls: list[str], policy: str, model: str, version: int) -> None:
+        self.replicas = [ReplicaAck(worker_id=url, version=version, name=model, url=url, loaded={version: model})
+                         for url in urls]
+        self.policy, self.version = policy, version
+        self.outstanding = Outstanding()
+        self._turn = itertools.count()
+
+    async def route(self, pinned: int | None = None, session_version: int | None = None,
+                    session_id: str | None = None) -> Route:
+        """The route of one request (the arguments as :meth:`FleetRouter.route`)."""
+        if pinned is not None and pinned != self.version:
+            raise VersionNotLoaded(f"version {pinned} of {self.policy!r} is not loaded on any replica")
+        if session_id is not None:
+            replica = session_replica(session_id, self.replicas)
+        else:
+            start = next(self._turn) % len(self.replicas)
+            ordered = self.replicas[start:] + self.replicas[:start]
+            replica = min(ordered, key=lambda r: self.outstanding.of(r.url))
+        return Route(replica.name, self.version, replica.worker_id, replica.url)

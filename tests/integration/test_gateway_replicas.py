@@ -78,3 +78,28 @@ async def test_spread_sticky_sessions_and_pinned_versions(rl_config: RlstreamCon
                 assert all(m == "p-v2" for m, u in fast.requests)
     finally:
         await control.close()
+
+
+async def test_upstreams_named_without_redis_spread_keep_sessions_and_refuse_other_versions() -> None:
+    from rlstream.rollout.routing import StaticFleet
+
+    async with canned_replica() as a, canned_replica() as b:
+        fleet = StaticFleet([a.url, b.url], "policy", "base", version=4)
+        gateway = Gateway(GatewayConfig(port=0, policy="policy", served_model="base", policy_version=4), Discard(),
+                          fleet=fleet)
+        async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:
+            async def ask(model: str, user: str, session: str | None = None) -> int:
+                headers = {"x-session-id": session} if session else {}
+                answer = await http.post(f"{url}/v1/chat/completions", headers=headers, json={
+                    "model": model, "messages": [{"role": "user", "content": user}]})
+                return answer.status_code
+
+            assert {await ask("policy", f"free-{i}") for i in range(6)} == {200}
+            for _ in range(2):
+                assert {await ask("policy", f"s-{s}", session=f"sid-{s}") for s in range(6)} == {200}
+            assert await ask("policy@3", "other-version") == 404
+        assert sum(u.startswith("free-") for _, u in a.requests) == 3  # one at a time: round robin
+        for s in range(6):
+            assert {r.url for r in (a, b) if any(u == f"s-{s}" for _, u in r.requests)} in ({a.url}, {b.url})
+        assert {m for r in (a, b) for m, _ in r.requests} == {"base"}
+        assert not any(u == "other-version" for r in (a, b) for _, u in r.requests)

@@ -38,7 +38,7 @@ from rlstream.rollout.gateway.spool import Spool
 from rlstream.rollout.gateway.unserved import not_served, public_models
 from rlstream.rollout.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
-from rlstream.rollout.routing import FleetRouter, OutstandingTransport, VersionNotLoaded
+from rlstream.rollout.routing import FleetRouter, OutstandingTransport, StaticFleet, VersionNotLoaded
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
@@ -111,7 +111,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, publisher: Submitter, route: RouteSource | None = None,
                  client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None,
-                 access: AccessConfig | None = None, fleet: FleetRouter | None = None) -> None:
+                 access: AccessConfig | None = None, fleet: FleetRouter | StaticFleet | None = None) -> None:
         self.config = config
         self.fleet = fleet
         self.access = access if access is not None else AccessConfig()
