@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -146,11 +147,17 @@ async def export_trajectories(
     topic = TopicNames.from_config(cfg.topics).trajectories
     report = ExportReport(path=str(path), format=fmt.value, topic=topic)
     path.parent.mkdir(parents=True, exist_ok=True)
-    events = selected_trajectories(cfg, report, start, stop, selection)
-    if fmt == ExportFormat.parquet:
-        report.written = await _write_parquet(events, path, layout)
-    else:
-        report.written = await _write_atif(events, path)
+    # written beside the target and renamed when complete: a failed export never leaves a file that looks whole
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        async with aclosing(selected_trajectories(cfg, report, start, stop, selection)) as events:
+            if fmt == ExportFormat.parquet:
+                report.written = await _write_parquet(events, partial, layout)
+            else:
+                report.written = await _write_atif(events, partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
     log.info("export done", **{k: v for k, v in report.to_dict().items() if k != "ranges"})
     return report
 

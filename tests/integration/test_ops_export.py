@@ -17,6 +17,7 @@ from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, expor
 from rlstream.ops.replay import Position, parse_position, replay_group_id, replay_trajectory_id
 from rlstream.schemas.config import dump_config
 from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
+from rlstream.transport.topic_reader import TopicMissingError
 from tests.factories import make_trajectory
 from tests.ops_helpers import publish, read_all
 
@@ -264,3 +265,8 @@ async def test_slices_by_offsets_time_run_version_task_and_source(rl_config, cre
     empty = tmp_path / "empty.parquet"
     await export_trajectories(rl_config, empty, ExportFormat.parquet, selection=ExportFilter(tasks=frozenset({"none"})))
     assert pq.read_table(empty).num_rows == 0 and "completion_token_ids" in pq.read_schema(empty).names
+    # a failed export leaves no file behind (nor a partial one)
+    missing = rl_config.model_copy(update={"topics": rl_config.topics.model_copy(update={"prefix": "missing."})})
+    with pytest.raises(TopicMissingError):
+        await export_trajectories(missing, tmp_path / "failed.parquet", ExportFormat.parquet)
+    assert not [p for p in tmp_path.iterdir() if "failed" in p.name]
