@@ -365,8 +365,9 @@ def atif_event(record: FileRecord, new_run_id: str, cfg: RlstreamConfig, origin:
     except ValidationError as exc:
         raise RejectedRecord("invalid_atif", f"ATIF trajectory has no valid rlstream trajectory: {_short(exc)}") \
             from None
-    except (AtifConversionError, RecursionError) as exc:
-        raise RejectedRecord("invalid_atif", str(exc) or type(exc).__name__) from None
+    except (AtifConversionError, RecursionError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        # the ``extra`` maps are free-form: a producer may put anything there
+        raise RejectedRecord("invalid_atif", f"{type(exc).__name__}: {exc}") from None
     event = imported_copy(imported.event, new_run_id, origin)
     invalid = validate_trajectory(event, cfg.streams.min_allowed_group_size, cfg.streams.max_allowed_group_size,
                                   reward_range=RewardRange(*cfg.streams.reward_range))

@@ -167,3 +167,17 @@ def test_a_missing_export_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
         require_export_extra("nat.atif")
     with pytest.raises(typer.Exit):
         require_export_extra("no_such_module_here")
+
+
+@pytest.mark.parametrize("extra", [{"rlstream": "abc"}, {"rlstream": {"unattached_turns": 5}},
+                                   {"rlstream": {"unattached_turns": [7]}}, {"rlstream": {"turn_count": "x"}},
+                                   {"rlstream": {"group_size": "many"}}, {"reward": "high"}, {"reward": float("nan")}])
+def test_hostile_extras_are_rejected_with_a_reason(extra: dict) -> None:
+    from rlstream.ops.export import FileRecord, RejectedRecord, atif_event
+    from rlstream.schemas.config import load_config
+
+    record = to_atif(make_trajectory(seed=1)).to_json_dict()
+    record["extra"] = {**record["extra"], **extra}
+    with pytest.raises(RejectedRecord) as rejected:
+        atif_event(FileRecord(0, b"", record), "new", load_config(None, []), "f:0")
+    assert rejected.value.error_type in {"invalid_atif", "non_finite_reward"} and str(rejected.value)
