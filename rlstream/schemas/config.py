@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (BaseSettings, EnvSettingsSource, InitSettingsSource, PydanticBaseSettingsSource,
+                               SettingsConfigDict)
 
 from rlstream.schemas.masking import Secret, SecretUrl
 
@@ -487,9 +488,21 @@ class RlstreamConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # load_config passes the YAML (lowest) and the overrides (highest) itself;
-        # environment sits between them.
-        return (_OverridesSource(settings_cls), _ShortcutEnvSource(settings_cls), env_settings, init_settings)
+        # keyword arguments are the lowest layer (load_config's YAML file); the environment sits above them
+        return (_ShortcutEnvSource(settings_cls), env_settings, init_settings)
+
+    @classmethod
+    def from_layers(cls, file_data: dict[str, Any], overrides: dict[str, Any]) -> "RlstreamConfig":
+        """defaults < ``file_data`` < environment < ``overrides``: the constructor gets this call's sources
+        (pydantic-settings' ``_build_sources``), so nothing is held between calls."""
+        partial = cls.model_config.get("nested_model_default_partial_update")
+        sources: tuple[PydanticBaseSettingsSource, ...] = (
+            InitSettingsSource(cls, init_kwargs=overrides, nested_model_default_partial_update=partial),
+            _ShortcutEnvSource(cls),
+            EnvSettingsSource(cls),
+            InitSettingsSource(cls, init_kwargs=file_data, nested_model_default_partial_update=partial),
+        )
+        return cls(_build_sources=(sources, {}))
 
 
 class _ShortcutEnvSource(PydanticBaseSettingsSource):
@@ -502,17 +515,6 @@ class _ShortcutEnvSource(PydanticBaseSettingsSource):
             if os.environ.get(var):
                 out.setdefault(section, {})[key] = os.environ[var]
         return out
-
-
-_PENDING_OVERRIDES: list[dict[str, Any]] = [{}]
-
-
-class _OverridesSource(PydanticBaseSettingsSource):
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return _PENDING_OVERRIDES[-1]
 
 
 _YAML_NULLS = ("", "~", "null", "Null", "NULL")
@@ -616,13 +618,10 @@ def load_config(path: Path | str | None = None, overrides: list[tuple[str, str]]
     """Load the effective configuration; raises :class:`ConfigError` listing every problem."""
     file_data = read_yaml(Path(path)) if path else {}
     override_tree = overrides_to_dict(overrides or [])
-    _PENDING_OVERRIDES.append(override_tree)
     try:
-        return RlstreamConfig(**file_data)
+        return RlstreamConfig.from_layers(file_data, override_tree)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, path, override_tree)) from None
-    finally:
-        _PENDING_OVERRIDES.pop()
 
 
 def format_validation_error(exc: ValidationError, path: Path | str | None, overrides: dict[str, Any]) -> str:
