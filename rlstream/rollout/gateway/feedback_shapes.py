@@ -18,6 +18,7 @@ category is refused (422, or a rejected OTLP record) rather than guessed.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rlstream.rollout.gateway.feedback import MAX_ID_CHARS, MAX_NAME_CHARS, RANGE_CONTEXT, Feedback, \
-    validation_problems
+from rlstream.rollout.gateway.feedback import (MAX_ID_CHARS, MAX_NAME_CHARS, RANGE_CONTEXT, Feedback,
+                                               validation_problems)
 from rlstream.rollout.gateway.limits import parse_json
 from rlstream.transport.log import get_logger
 
@@ -226,6 +227,7 @@ class FeedbackShapes:
                 rejected.append(problem)
         answer: dict[str, Any] = {}
         if rejected:
+            log.info("OTLP evaluation records rejected", count=len(rejected), first=rejected[0][:200])
             answer["partialSuccess"] = {"rejectedLogRecords": len(rejected), "errorMessage": "; ".join(rejected)[:2000]}
         return JSONResponse(answer, status_code=200)
 
@@ -255,8 +257,6 @@ class FeedbackShapes:
 
 def _accepted(answer: Response) -> Any:
     """The gateway's own answer (trajectory id, queued) inside a shape's answer."""
-    import json
-
     try:
         return json.loads(bytes(answer.body))
     except ValueError:
