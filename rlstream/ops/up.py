@@ -62,6 +62,10 @@ SMOLLM2_DEFAULTS: dict[str, Any] = {
 #: within streams.max_policy_lag (measured: 0.34 -> 0.63 in 35 versions, against a dip to 0.20 and 0.48 at 8).
 PRODUCTION_TRAFFIC_DEFAULTS: dict[str, Any] = {"learner": {"groups_per_step": 32}}
 HELDOUT_SEED = 1_000
+#: reward components shown per version when the task's reward function reports them: (name, label, format)
+HELDOUT_COMPONENT_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("success", "task success", ".2f"), ("tool_call_parsed", "tool-call parse rate", ".2f"),
+    ("answer_words", "answer length (words)", ".1f"))
 
 
 @dataclass
@@ -80,6 +84,7 @@ class UpOptions:
     traffic: str = "synthetic"  # synthetic: the rollout runner's GRPO groups; production: gateway + simulated users
     feedback_delay_s: tuple[float, float] = (5.0, 60.0)
     gate: bool = True  # the promotion gate decides which version serves (rlstream gate, docs/gate.md)
+    task: str = "toy"  # toy | tool-agent (rlstream/ops/tool_task.py)
     # completions per held-out prompt for the gate: few enough that it decides before the next candidate replaces a
     # full-weights server's version (the prompts and seeds are the same for every version)
     gate_samples: int = 2
@@ -150,6 +155,10 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
     base = deep_merge(TOY_DEFAULTS, SMOLLM2_DEFAULTS if opts.model == "smollm2" else {}) if toy else {}
     if toy and opts.traffic == "production":
         base = deep_merge(base, PRODUCTION_TRAFFIC_DEFAULTS)
+    if toy and opts.task == "tool-agent":
+        from rlstream.ops.tool_task import TOOL_AGENT_DEFAULTS
+
+        base = deep_merge(base, TOOL_AGENT_DEFAULTS)
     plumbing: dict[str, Any] = {
         "run_id": run_id,
         "kafka": {"bootstrap_servers": stack.bootstrap},
@@ -185,13 +194,16 @@ class VersionScore:
     reward_mean: float
     samples: int
     at: float
+    components: dict[str, float] = field(default_factory=dict)  # the reward function's components, averaged
 
 
 async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workflow: Workflow, reward_fn: Any,
                            samples: int, sampling: SamplingSettings,
-                           api_key: str | None = None) -> tuple[float, int]:
+                           api_key: str | None = None,
+                           components: dict[str, float] | None = None) -> tuple[float, int]:
     """Mean reward of ``samples`` runs of ``workflow`` per held-out example, sampled with ``sampling``
-    (whose ``model`` names the version served by vLLM).
+    (whose ``model`` names the version served by vLLM). ``components``, when given, receives the mean of each of the
+    reward function's components (e.g. the tool task's success and tool-call parse rate).
 
     The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
     """
@@ -202,13 +214,17 @@ async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workfl
     check_workflow(workflow)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=60.0)
     try:
-        async def one(example: dict[str, Any]) -> float:
+        async def one(example: dict[str, Any]) -> tuple[float, dict[str, float]]:
             output = await workflow(example, client, sampling)
-            return score(reward_fn(example, output))[0]
+            return score(reward_fn(example, output))
 
-        scores = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
+        scored = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
     finally:
         await client.close()
+    scores = [reward for reward, _ in scored]
+    if components is not None and scored:
+        names = {name for _, parts in scored for name in parts}
+        components.update({name: sum(parts.get(name, 0.0) for _, parts in scored) / len(scored) for name in names})
     return (sum(scores) / len(scores) if scores else 0.0), len(scores)
 
 
@@ -260,6 +276,7 @@ class LiveFigures:
     baseline_groups: int = 0  # single responses scored against a keyed baseline (production traffic)
     users: dict[str, str] = field(default_factory=dict)  # the simulated users' figures (production traffic)
     constant_answer: tuple[str, float] | None = None  # the toy task's best instruction-blind answer and its reward
+    task_baselines: dict[str, float] = field(default_factory=dict)  # what a task's no-skill answers earn (tool task)
     promotion: PromotionFigures = field(default_factory=lambda: PromotionFigures())
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
@@ -298,6 +315,12 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
                       + (f"; {p.feedback_waiting} trained, not serving yet" if p.feedback_waiting else ""))
     heldout = "  ".join(f"v{s.version}: {s.reward_mean:.2f}" for s in figures.heldout[-8:])
     table.add_row("held-out reward per version", heldout or "-")
+    for name, label, form in HELDOUT_COMPONENT_ROWS:
+        if any(name in s.components for s in figures.heldout):
+            table.add_row(f"held-out {label} per version", "  ".join(
+                f"v{s.version}: {s.components[name]:{form}}" for s in figures.heldout[-8:] if name in s.components))
+    if figures.task_baselines:
+        table.add_row("without the tool (held-out)", ", ".join(f"{k} {v:.2f}" for k, v in figures.task_baselines.items()))
     if figures.constant_answer is not None:
         answer, reward = figures.constant_answer
         table.add_row("best constant answer (format only)", f"{answer!r} for every prompt earns {reward:.2f}")
@@ -471,15 +494,16 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, figures:
         route = await newest_loaded()
         if route is not None and route.version not in done:
             done.add(route.version)
+            parts: dict[str, float] = {}
             try:
                 mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
                                                  sampling.with_model(route.model),
-                                                 api_key=secret_value(cfg.inference.api_key))
+                                                 api_key=secret_value(cfg.inference.api_key), components=parts)
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
                 done.discard(route.version)
             else:
-                score = VersionScore(route.version, route.model, mean, n, time.time())
+                score = VersionScore(route.version, route.model, mean, n, time.time(), parts)
                 figures.heldout.append(score)
                 await on_score(score)
         await _sleep_or_stop(stop, 1.0)
@@ -503,6 +527,7 @@ def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
     if figures.constant_answer is not None:
         answer, reward = figures.constant_answer
         ax.axhline(reward, color="grey", linestyle=":", label=f"best constant answer {answer!r} (format only)")
+    _plot_components(ax, figures)
     marks = {"promote": ("tab:green", "promoted"), "finish_canary": ("tab:green", "promoted"),
              "force_promote": ("tab:green", "promoted"), "rollback": ("tab:red", "rolled back")}
     labelled: set[str] = set()
@@ -524,6 +549,25 @@ def write_plot(figures: LiveFigures, out: Path, run_id: str) -> Path:
     return out
 
 
+def _plot_components(ax: Any, figures: LiveFigures) -> None:
+    """The held-out reward components per version (task success, tool-call parse rate; answer length on a second
+    axis) and what the task's no-skill answers earn, where the task reports them."""
+    styles = {"success": ("tab:green", "held-out task success"),
+              "tool_call_parsed": ("tab:purple", "held-out tool-call parse rate")}
+    for name, (color, label) in styles.items():
+        points = [(s.version, s.components[name]) for s in figures.heldout if name in s.components]
+        if points:
+            ax.plot([v for v, _ in points], [c for _, c in points], "^-", color=color, alpha=0.8, label=label)
+    for (name, value), style in zip(figures.task_baselines.items(), (":", "-.", "--")):
+        ax.axhline(value, color="grey", linestyle=style, alpha=0.8, label=f"{name} (held-out)")
+    words = [(s.version, s.components["answer_words"]) for s in figures.heldout if "answer_words" in s.components]
+    if words:
+        twin = ax.twinx()
+        twin.plot([v for v, _ in words], [w for _, w in words], "x:", color="tab:brown", alpha=0.6)
+        twin.set_ylabel("held-out answer length (words, x)", color="tab:brown")
+        twin.set_ylim(0, max(w for _, w in words) * 1.2 + 1)
+
+
 def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Path, plot: Path | None,
               topic_ends: dict[str, int] | None = None) -> dict[str, Any]:
     scores = figures.heldout
@@ -541,11 +585,14 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
         "users": figures.users,
         "dlq": figures.dlq_count,
         "filtered": figures.filtered,
-        "heldout": [{"version": s.version, "model": s.model, "reward_mean": s.reward_mean, "samples": s.samples}
-                    for s in scores],
+        "heldout": [{"version": s.version, "model": s.model, "reward_mean": s.reward_mean, "samples": s.samples,
+                     **({"components": s.components} if s.components else {})} for s in scores],
         "heldout_first": first,
         "heldout_last": best_last,
         "heldout_gain": (best_last - first) if scores else None,
+        "heldout_components_first": scores[0].components if scores else None,
+        "heldout_components_last": scores[-1].components if scores else None,
+        "task_baselines": figures.task_baselines,
         "best_constant_answer": ({"answer": figures.constant_answer[0], "reward_mean": figures.constant_answer[1]}
                                  if figures.constant_answer is not None else None),
         "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
@@ -650,12 +697,17 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         wanted = (user_cfg or RlstreamConfig()).inference.api_key
         vllm_key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
         remember_secret(vllm_key)
-        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm", api_key=vllm_key)
+        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm", api_key=vllm_key,
+                                 extra_args=_task_vllm_args(opts, run_dir))
         sup.extra_pids["vllm"] = vllm.pid
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset, vllm_api_key=vllm_key)
         sup.env.update(secret_env(cfg))
-        if user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
+        if user_cfg is None and heldout and opts.task == "tool-agent":  # what no tool use earns on the same prompts
+            from rlstream.ops.tool_task import baseline_scores
+
+            figures.task_baselines = baseline_scores(heldout).figures()
+        elif user_cfg is None and heldout:  # the toy task: what ignoring the instruction earns on the same prompts
             from rlstream.ops.toy import best_constant_answer
             from rlstream.rollout.loading import load_callable
 
@@ -687,8 +739,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
                                                   "--session-idle-s", "30", "--spool-dir", str(run_dir / "spool")))
             low, high = opts.feedback_delay_s
             sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
-                                                "--task", "toy", "--feedback-min-s", str(low), "--feedback-max-s",
-                                                str(high)))
+                                                "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s",
+                                                str(high), *_task_users_args(opts)))
         else:
             sup.spawn("rollout", rlstream_command("rollout", "run", *c))
         try:
@@ -747,8 +799,36 @@ def _task(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tu
     models = (opts.runs_dir / "models").resolve()
     if opts.model == "smollm2":
         model_dir = smollm2_model_dir(models / "smollm2")
+    elif opts.model != "tiny":  # a local transformers directory (untied embeddings)
+        model_dir = Path(opts.model).resolve()
+        if not (model_dir / "config.json").exists():
+            raise ConfigError(f"--model {opts.model}: not a transformers model directory (no config.json)")
+    elif opts.task == "tool-agent":
+        raise ConfigError("--task tool-agent needs a pretrained instruct model: --model smollm2 or a local directory")
     else:  # a random tiny model given a generic copy skill first (rlstream/ops/toy.py), never the task's answers
         model_dir = build_tiny_model(models / "tiny", pretrain_steps=COPY_PRETRAIN_STEPS)
+    if opts.task == "tool-agent":
+        from rlstream.ops.tool_task import TRAIN_EXAMPLES, tool_dataset
+
+        dataset = run_dir / "train.jsonl"
+        dataset.write_text("".join(json.dumps(e) + "\n" for e in tool_dataset(TRAIN_EXAMPLES, "train")))
+        return model_dir, dataset, tool_dataset(opts.heldout_examples, "heldout", seed=HELDOUT_SEED)
     dataset = run_dir / "train.jsonl"
     dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
     return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)
+
+
+def _task_vllm_args(opts: UpOptions, run_dir: Path) -> list[str]:
+    """vLLM options the task needs: the tool task's chat template and tool-call parser."""
+    if opts.config is not None or opts.task != "tool-agent":
+        return []
+    from rlstream.ops.tool_task import CHAT_TEMPLATE, TOOL_CALL_PARSER
+
+    template = run_dir / "tool_chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    return ["--chat-template", str(template), "--tool-call-parser", TOOL_CALL_PARSER]
+
+
+def _task_users_args(opts: UpOptions) -> list[str]:
+    """``rlstream rollout users`` options the task needs: the tool task's users run its agent."""
+    return ["--agent", "rlstream.ops.tool_task:tool_agent"] if opts.task == "tool-agent" else []

@@ -5,6 +5,10 @@ streamed) and, when installed, LangChain's ``ChatOpenAI``; some conversations ha
 conversation is one gateway session (``X-Session-Id``) with the task header; it is ended right after its last
 turn, and ``feedback_share`` of them get a reward (the task's reward function on the answer) after a random
 delay in ``feedback_delay_s``; the others never do.
+
+With an ``agent`` (an async ``(example, client, sampling, headers) -> output``, e.g. the OpenAI Agents SDK agent of
+``rlstream.ops.tool_task:tool_agent``) each conversation is one run of that agent instead, its model calls in the
+conversation's session, and the reward function scores the agent's output.
 """
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import httpx
 
+from rlstream.rollout.sampling import SamplingSettings
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -24,6 +29,8 @@ SESSION_HEADER = "X-Session-Id"
 TASK_HEADER = "X-Rlstream-Task"
 #: environment variable with the gateway's client key (``rlstream up`` sets it for the simulated users)
 USERS_API_KEY_ENV = "RLSTREAM_GATEWAY_API_KEY"
+#: ``async (example, client, sampling, headers) -> output``: an agent a simulated user runs through the gateway
+Agent = Callable[[dict[str, Any], Any, SamplingSettings, dict[str, str]], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,8 @@ class UserStats:
 class UserPopulation:
     """Runs ``population.concurrency`` users until ``stop`` is set."""
 
-    def __init__(self, gateway_url: str, examples: list[dict[str, Any]], reward_fn: Callable[[dict[str, Any], str], float],
-                 population: Population, api_key: str | None = None) -> None:
+    def __init__(self, gateway_url: str, examples: list[dict[str, Any]], reward_fn: Callable[[dict[str, Any], Any], Any],
+                 population: Population, api_key: str | None = None, agent: Agent | None = None) -> None:
         if not examples:
             raise ValueError("the user population needs examples (a dataset)")
         self.base = gateway_url.rstrip("/")
@@ -77,6 +84,7 @@ class UserPopulation:
         self.rng = random.Random(population.seed)
         self._feedback: set[asyncio.Task[None]] = set()
         self._langchain_ok = _langchain_available()
+        self.agent = agent
 
     async def run(self, stop: asyncio.Event) -> UserStats:
         from openai import AsyncOpenAI
@@ -107,13 +115,32 @@ class UserPopulation:
         headers = {SESSION_HEADER: session, TASK_HEADER: self.pop.task}
         messages: list[dict[str, Any]] = list(example.get("messages") or [{"role": "user", "content": example["prompt"]}])
         self.stats.conversations += 1
+        if self.agent is not None:
+            await self._agent_conversation(example, client, http, session, headers)
+            return
         answer = await self._ask(client, messages, headers)
         if self.rng.random() < self.pop.second_turn_share:
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Again, please."}]
             answer = await self._ask(client, messages, headers)
         await http.post(f"{self.base}/v1/sessions/{session}/end")
+        self._maybe_feedback(http, session, example, answer)
+
+    async def _agent_conversation(self, example: dict[str, Any], client: Any, http: httpx.AsyncClient, session: str,
+                                  headers: dict[str, str]) -> None:
+        assert self.agent is not None
+        sampling = SamplingSettings(model=self.pop.model, temperature=self.pop.temperature,
+                                    max_tokens=self.pop.max_tokens)
+        self.stats.requests += 1
+        output = await self.agent(example, client, sampling, headers)
+        await http.post(f"{self.base}/v1/sessions/{session}/end")
+        self._maybe_feedback(http, session, example, output)
+
+    def _maybe_feedback(self, http: httpx.AsyncClient, session: str, example: dict[str, Any], output: Any) -> None:
+        """Score ``output`` now and send it ``feedback_delay_s`` later, for ``feedback_share`` of the sessions."""
+        from rlstream.rollout.runner import score
+
         if self.rng.random() < self.pop.feedback_share:
-            reward = float(self.reward_fn(example, answer))
+            reward = score(self.reward_fn(example, output))[0]
             delay = self.rng.uniform(*self.pop.feedback_delay_s)
             task = asyncio.create_task(self._send_feedback(http, session, reward, delay))
             self._feedback.add(task)

@@ -1,0 +1,303 @@
+"""The tool-agent task of ``rlstream up --task tool-agent``: a multi-turn agent that must call a tool to answer.
+
+A table of made-up entities (generated names such as "Velmora") with three attributes (color, city, animal) that no
+model has seen. The user asks "What is the <attribute> of <entity>?"; the agent (the OpenAI Agents SDK,
+:func:`tool_agent`) has one function tool, ``lookup(entity, attribute)``, which reads the table. The model writes the
+call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (:data:`CHAT_TEMPLATE`, vLLM's ``hermes``
+parser turns it into a tool call), the SDK runs the tool and sends its result back, and the model answers.
+
+:func:`verify` checks the episode: a parsed ``lookup`` call (0.2), with the example's entity and attribute (0.3), and a
+final answer naming the value the tool returns for them and no other value of that attribute (0.5). Task success is
+all three. Training and held-out prompts ask about disjoint entities, so what is learned is the tool use, not the
+table. :func:`baseline_scores` measures what answering without the tool, and the best constant episode, earn.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlstream.rollout.sampling import SamplingSettings
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+TASK_NAME = "tool-agent"
+TOOL_NAME = "lookup"
+#: vLLM's tool-call parser for :data:`CHAT_TEMPLATE` (``<tool_call>{json}</tool_call>``, no special tokens needed)
+TOOL_CALL_PARSER = "hermes"
+ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
+    "color": ("red", "blue", "green", "yellow", "purple", "orange", "black", "white"),
+    "city": ("Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Rome", "Delhi", "Sydney"),
+    "animal": ("cat", "dog", "horse", "owl", "fox", "bear", "wolf", "eagle"),
+}
+TRAIN_ENTITIES = 48
+HELDOUT_ENTITIES = 16
+TABLE_SEED = 7
+HELDOUT_SEED = 1_000
+#: what the tool returns for an entity or attribute the table does not hold
+UNKNOWN = "unknown"
+#: weights of the verifier's three checks (they sum to 1)
+PARSED_CREDIT, CALL_CREDIT, ANSWER_CREDIT = 0.2, 0.3, 0.5
+
+#: training questions ``rlstream up --task tool-agent`` writes (each training (entity, attribute) about once)
+TRAIN_EXAMPLES = 144
+#: ``rlstream up --task tool-agent`` on top of the toy, SmolLM2 and production-traffic defaults: the agent and its
+#: verifier; multi-turn episodes of 2-3 model calls of up to 48 tokens; a LoRA adapter at a rate that moves a 135M
+#: model within minutes; 16 single episodes per step (each a multi-turn trajectory of a few hundred tokens)
+TOOL_AGENT_DEFAULTS: dict[str, Any] = {
+    "rollout": {"workflow": "rlstream.ops.tool_task:tool_agent", "reward_function": "rlstream.ops.tool_task:tool_reward",
+                "max_tokens": 48, "temperature": 1.0, "group_size": 4, "concurrency": 4},
+    "learner": {"lora": {"enabled": True}, "learning_rate": 5e-4, "groups_per_step": 16},
+}
+
+INSTRUCTIONS = (
+    "Answer with the lookup tool. First reply only with\n"
+    '<tool_call>{"name": "lookup", "arguments": {"entity": "NAME", "attribute": "ATTRIBUTE"}}</tool_call>\n'
+    "Then answer with the value the tool returned.")
+#: one worked exchange before the question (an entity outside the table): how a call, its result and the answer look
+DEMONSTRATION: list[dict[str, Any]] = [
+    item for n, (entity, attribute, value) in enumerate((("Mirabo", "color", "green"), ("Tukosa", "city", "Lima")))
+    for item in (
+        {"role": "user", "content": f"What is the {attribute} of {entity}?"},
+        {"type": "function_call", "call_id": f"call_demo_{n}", "name": TOOL_NAME,
+         "arguments": json.dumps({"entity": entity, "attribute": attribute})},
+        {"type": "function_call_output", "call_id": f"call_demo_{n}", "output": value},
+        {"role": "assistant", "content": f"The {attribute} of {entity} is {value}."})
+]
+#: ChatML that writes assistant tool calls back as ``<tool_call>{json}</tool_call>`` and tool results as the ``tool``
+#: role; tools are described by the agent's instructions, not listed (a short prompt is a cheap one to train on)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part.get('text', '') }}{% endfor %}"
+    "{% endif %}"
+    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor -%}\n"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}\n"
+)
+_SYLLABLES = ("vel", "mor", "ka", "tri", "zen", "lo", "qua", "rim", "dor", "sa", "phi", "bex", "nu", "tor", "gal",
+              "wen", "ost", "ri", "yam", "cel", "dra", "fin", "ju", "pek")
+_QUESTION_FORMS = ("What is the {attribute} of {entity}?", "Which {attribute} does {entity} have?",
+                   "Tell me the {attribute} of {entity}.")
+
+
+# --- the table --------------------------------------------------------------------------------------------
+def entity_names(count: int, seed: int = TABLE_SEED) -> list[str]:
+    """``count`` distinct made-up names of 2-3 syllables, capitalised."""
+    rng = random.Random(seed)
+    names: list[str] = []
+    seen: set[str] = set()
+    while len(names) < count:
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    return names
+
+
+def _entities() -> tuple[list[str], list[str]]:
+    """(training entities, held-out entities): disjoint."""
+    names = entity_names(TRAIN_ENTITIES + HELDOUT_ENTITIES)
+    return names[:TRAIN_ENTITIES], names[TRAIN_ENTITIES:]
+
+
+def fact_table(seed: int = TABLE_SEED) -> dict[tuple[str, str], str]:
+    """(entity, attribute) -> value for every entity, training and held-out."""
+    rng = random.Random(seed + 1)
+    train, heldout = _entities()
+    return {(entity, attribute): rng.choice(values)
+            for entity in train + heldout for attribute, values in ATTRIBUTE_VALUES.items()}
+
+
+_TABLE = fact_table()
+_BY_LOWER = {(e.lower(), a): v for (e, a), v in _TABLE.items()}
+
+
+def lookup_value(entity: str, attribute: str) -> str:
+    """What the ``lookup`` tool returns: the table's value (names compared without case and outer spaces), else
+    :data:`UNKNOWN`."""
+    return _BY_LOWER.get((str(entity).strip().lower(), str(attribute).strip().lower()), UNKNOWN)
+
+
+def tool_dataset(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` questions about the ``split``'s entities ("train" or "heldout"), each (entity, attribute) once before
+    any repeats: {"id", "prompt", "messages", "entity", "attribute", "value"}."""
+    train, heldout = _entities()
+    entities = train if split == "train" else heldout if split == "heldout" else None
+    if entities is None:
+        raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+    rng = random.Random(seed)
+    pairs = [(entity, attribute) for entity in entities for attribute in sorted(ATTRIBUTE_VALUES)]
+    rng.shuffle(pairs)  # every (entity, attribute) once before any repeats
+    examples = []
+    for i in range(n):
+        entity, attribute = pairs[i % len(pairs)]
+        prompt = rng.choice(_QUESTION_FORMS).format(attribute=attribute, entity=entity)
+        examples.append({"id": f"tool-{split}-{seed}-{i}", "prompt": prompt,
+                         "messages": [{"role": "user", "content": prompt}],
+                         "entity": entity, "attribute": attribute, "value": _TABLE[(entity, attribute)]})
+    return examples
+
+
+# --- an episode and its verifier ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolCallRecord:
+    """One tool call as the model wrote it (after vLLM's parser): the tool's name and its JSON arguments."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolEpisode:
+    """What one run of the agent did: its tool calls, what the tools returned, its final answer."""
+
+    calls: list[ToolCallRecord] = field(default_factory=list)
+    tool_results: list[str] = field(default_factory=list)
+    final_answer: str = ""
+    error: str | None = None  # the agent run ended with this error (a tool that does not exist, too many turns)
+
+
+@dataclass(frozen=True)
+class ToolVerdict:
+    """The verifier's checks of one episode and the reward they make."""
+
+    parsed: bool  # the first call is a parsed lookup call whose arguments are a JSON object with both fields
+    right_call: bool  # some lookup call asked for the example's entity and attribute
+    right_answer: bool  # the final answer names the value and no other value of the attribute
+    answer_words: int
+
+    @property
+    def reward(self) -> float:
+        return PARSED_CREDIT * self.parsed + CALL_CREDIT * self.right_call + ANSWER_CREDIT * self.right_answer
+
+    @property
+    def success(self) -> bool:
+        return self.parsed and self.right_call and self.right_answer
+
+
+def _call_arguments(call: ToolCallRecord) -> dict[str, Any] | None:
+    try:
+        args = json.loads(call.arguments)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(args, dict) or not all(isinstance(args.get(k), str) for k in ("entity", "attribute")):
+        return None
+    return args
+
+
+def _mentions(text: str, value: str) -> bool:
+    return re.search(rf"(?<![A-Za-z]){re.escape(value)}(?![A-Za-z])", text, flags=re.IGNORECASE) is not None
+
+
+def verify(example: dict[str, Any], episode: ToolEpisode) -> ToolVerdict:
+    """Check ``episode`` against ``example`` (its entity, attribute and the value the tool returns for them)."""
+    entity, attribute = str(example["entity"]), str(example["attribute"])
+    value = lookup_value(entity, attribute)
+    first = episode.calls[0] if episode.calls else None
+    parsed = first is not None and first.name == TOOL_NAME and _call_arguments(first) is not None
+    right_call = any(
+        call.name == TOOL_NAME and (args := _call_arguments(call)) is not None
+        and args["entity"].strip().lower() == entity.lower() and args["attribute"].strip().lower() == attribute.lower()
+        for call in episode.calls)
+    answer = episode.final_answer or ""
+    others = [v for v in ATTRIBUTE_VALUES.get(attribute, ()) if v != value]
+    right_answer = value != UNKNOWN and _mentions(answer, value) and not any(_mentions(answer, v) for v in others)
+    return ToolVerdict(parsed=parsed, right_call=right_call, right_answer=right_answer,
+                       answer_words=len(answer.split()))
+
+
+def tool_reward(example: dict[str, Any], output: Any) -> dict[str, float]:
+    """The reward function (``rollout.reward_function``): the verifier's reward as ``reward``, and as components the
+    task success, whether the tool call parsed, and the answer length in words (what the held-out view averages).
+
+    ``output``: a :class:`ToolEpisode`, or a plain answer text (no tool called)."""
+    episode = output if isinstance(output, ToolEpisode) else ToolEpisode(final_answer=str(output or ""))
+    verdict = verify(example, episode)
+    return {"reward": verdict.reward, "success": float(verdict.success), "tool_call_parsed": float(verdict.parsed),
+            "answer_words": float(verdict.answer_words)}
+
+
+# --- the agent ------------------------------------------------------------------------------------------------
+async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSettings,
+                     headers: dict[str, str] | None = None) -> ToolEpisode:
+    """Run the OpenAI Agents SDK agent with the ``lookup`` tool on ``example``'s question through ``client`` (an
+    ``AsyncOpenAI`` on vLLM or the gateway; ``headers`` go with every model call, e.g. a gateway session), at most
+    three model calls. A workflow (``rollout.workflow``) as well as what the simulated users run."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from agents.items import ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
+    episode = ToolEpisode()
+
+    @function_tool(name_override=TOOL_NAME, strict_mode=False)
+    def lookup(entity: str, attribute: str) -> str:
+        """Look up the attribute (color, city or animal) of an entity."""
+        return lookup_value(entity, attribute)
+
+    agent = Agent(name="lookup-agent", instructions=INSTRUCTIONS, tools=[lookup],
+                  model=OpenAIChatCompletionsModel(model=sampling.model, openai_client=client),
+                  model_settings=ModelSettings(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
+                                               tool_choice="auto", extra_headers=headers or None))
+    question = str(example.get("prompt") or example["messages"][-1]["content"])
+    items: list[Any] = []
+    try:
+        result = await Runner.run(agent, [*DEMONSTRATION, {"role": "user", "content": question}], max_turns=3)
+        items = list(result.new_items)
+        episode.final_answer = str(result.final_output or "")
+    except Exception as exc:  # the model's own failures (an unknown tool, no answer in 3 calls) score as such
+        episode.error = f"{type(exc).__name__}: {exc}"
+        run_data = getattr(exc, "run_data", None)
+        items = list(getattr(run_data, "new_items", None) or [])
+    for item in items:
+        if isinstance(item, ToolCallItem):
+            raw = item.raw_item
+            episode.calls.append(ToolCallRecord(str(getattr(raw, "name", "")), str(getattr(raw, "arguments", ""))))
+        elif isinstance(item, ToolCallOutputItem):
+            episode.tool_results.append(str(item.output))
+    return episode
+
+
+# --- what no tool use earns -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BaselineScores:
+    """What the held-out prompts give an agent that ignores the tool, and the best constant episode."""
+
+    tool_free_reward: float  # no call; answers the most frequent value of the asked attribute
+    constant_reward: float  # the same call and the same answer for every prompt, the best such pair
+    constant_success: float
+    constant: str
+
+    def figures(self) -> dict[str, float]:
+        """Named figures for the live view, the summary and the plot."""
+        return {"best tool-free answer, reward": self.tool_free_reward,
+                "best constant episode, reward": self.constant_reward,
+                "best constant episode, task success": self.constant_success}
+
+
+def baseline_scores(examples: list[dict[str, Any]]) -> BaselineScores:
+    """Score the best tool-free answer and the best constant episode on ``examples`` with :func:`verify`."""
+    by_attribute = Counter((e["attribute"], e["value"]) for e in examples)
+    best_value = {a: max(ATTRIBUTE_VALUES[a], key=lambda v: by_attribute[(a, v)]) for a in ATTRIBUTE_VALUES}
+    tool_free = [verify(e, ToolEpisode(final_answer=best_value[e["attribute"]])).reward for e in examples]
+    best: tuple[float, float, str] = (-1.0, 0.0, "")
+    pairs = sorted({(e["entity"], e["attribute"]) for e in examples})
+    for entity, attribute in pairs:
+        call = ToolCallRecord(TOOL_NAME, json.dumps({"entity": entity, "attribute": attribute}))
+        for value in {v for values in ATTRIBUTE_VALUES.values() for v in values}:
+            verdicts = [verify(e, ToolEpisode(calls=[call], final_answer=value)) for e in examples]
+            reward = sum(v.reward for v in verdicts) / len(verdicts)
+            if reward > best[0]:
+                best = (reward, sum(v.success for v in verdicts) / len(verdicts), f"lookup({entity}, {attribute}) -> {value}")
+    return BaselineScores(tool_free_reward=sum(tool_free) / max(1, len(tool_free)), constant_reward=max(0.0, best[0]),
+                          constant_success=best[1], constant=best[2])
