@@ -103,6 +103,10 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
         "correction": {"answer": "ccc"}})).status_code == 200
     assert (await c.post("/feedback", headers=ls, json={"run_id": answered, "key": "c",
                                                         "correction": "x"})).status_code == 422
+    r = await c.patch("/feedback/ls-1", headers=ls, json={"score": 0.5})  # Client.update_feedback
+    assert r.status_code == 200 and r.json()["run_id"] == answered, r.text
+    assert (await c.patch("/feedback/ls-unknown", headers=ls, json={"score": 0.5})).status_code == 404
+    assert (await c.patch("/feedback/ls-1", json={"score": 0.5})).status_code == 401
 
     # OpenTelemetry: gen_ai.evaluation.result matched by gen_ai.response.id; the same evaluator again corrects
     r = await c.post("/v1/logs", headers=key, json=otlp(
@@ -128,7 +132,7 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
     assert (await c.post("/api/public/scores", headers=basic("pk", token), json={
         "traceId": single, "name": "token", "value": 0.1})).status_code == 200
 
-    expected = 9
+    expected = 10
     rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=expected)
     got = [(r.trajectory_id, r.reward, r.components, r.feedback_id) for r in rewards]
     assert got == [
@@ -136,6 +140,7 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
         (answered, 1.0, {"verdict": 1.0}, "score-2"),
         (open_tid, 1.0, {"resolved": 1.0}, "early-1"),
         (answered, 0.0, {"correctness": 0.0}, "ls-1"), (answered, 1.0, {"correctness": 1.0}, "ls-1"),
+        (answered, 0.5, {"correctness": 0.5}, "ls-1"),
         (answered, 0.5, {"relevance": 0.5}, f"otel:{response_id}:relevance"),
         (answered, 0.0, {"relevance": 0.0}, f"otel:{response_id}:relevance"),
         (single, 0.1, {"token": 0.1}, None)], got

@@ -801,6 +801,8 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/api/public/scores", shapes.langfuse_score, methods=["POST"]),
         Route("/feedback", shapes.langsmith_feedback, methods=["POST"]),
         Route("/api/v1/feedback", shapes.langsmith_feedback, methods=["POST"]),
+        Route("/feedback/{feedback_id}", shapes.langsmith_update, methods=["PATCH"]),
+        Route("/api/v1/feedback/{feedback_id}", shapes.langsmith_update, methods=["PATCH"]),
         Route("/v1/logs", shapes.otlp_logs, methods=["POST"]),
         Route("/rlstream/stats", gateway.stats, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

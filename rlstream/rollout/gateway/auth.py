@@ -342,6 +342,13 @@ def inline_keys_from_env(environ: MutableMapping[str, str] | None = None) -> lis
 
 #: paths that take feedback: rlstream's own, and the shapes observability tools send (feedback_shapes.py)
 FEEDBACK_PATHS = frozenset({"/v1/feedback", "/api/public/scores", "/feedback", "/api/v1/feedback", "/v1/logs"})
+#: LangSmith's feedback updates: PATCH /feedback/{id}
+FEEDBACK_UPDATE_PREFIXES = ("/feedback/", "/api/v1/feedback/")
+
+
+def is_feedback_path(path: str) -> bool:
+    """True for the paths that take feedback (the feedback scope, or a feedback token)."""
+    return path in FEEDBACK_PATHS or path.startswith(FEEDBACK_UPDATE_PREFIXES)
 
 
 def required_scope(path: str) -> str | None:
@@ -350,7 +357,7 @@ def required_scope(path: str) -> str | None:
         return None
     if path.startswith("/s/"):  # /s/{session}/v1/...
         return "inference"
-    if path in FEEDBACK_PATHS:
+    if is_feedback_path(path):
         return "feedback"
     if path.startswith("/v1/"):
         return "inference"
@@ -428,7 +435,7 @@ async def send_refusal(refusal: AuthRefusal, send: Callable[[Any], Awaitable[Non
 def _bearer(scope: MutableMapping[str, Any]) -> str | None:
     """The caller's credential: ``Authorization: Bearer <key>``; on the feedback paths also Basic ``public:<key>``
     (Langfuse's clients) and ``x-api-key: <key>`` (LangSmith's)."""
-    feedback = scope.get("path") in FEEDBACK_PATHS
+    feedback = is_feedback_path(str(scope.get("path", "")))
     api_key: str | None = None
     for name, value in scope.get("headers") or ():
         if name == b"authorization":

@@ -6,7 +6,8 @@
   Langfuse's clients authenticate with Basic ``public:secret``: the secret is the gateway key (or a feedback token).
 * LangSmith's feedback, ``POST /feedback`` (also ``/api/v1/feedback``): ``run_id`` (a trajectory id or a response
   id), ``key`` (the component), ``score`` (number or boolean) or a categorical ``value``, ``correction``, ``comment``,
-  ``id`` / ``feedback_id`` (the feedback id). LangSmith's clients send their key as ``x-api-key``.
+  ``id`` / ``feedback_id`` (the feedback id); ``PATCH /feedback/{id}`` (``Client.update_feedback``) corrects it.
+  LangSmith's clients send their key as ``x-api-key``.
 * OpenTelemetry's ``gen_ai.evaluation.result`` events over OTLP/HTTP JSON, ``POST /v1/logs``: each log record with
   that event name and a ``gen_ai.response.id`` attribute (the response id the gateway returned, ``chatcmpl-...`` /
   ``resp_...``) is a reward: ``gen_ai.evaluation.score.value``, else ``gen_ai.evaluation.score.label`` through the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -131,12 +133,24 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **ext
                         status_code=status)
 
 
+class LangSmithUpdate(BaseModel):
+    """Body of LangSmith's ``PATCH /feedback/{feedback_id}`` (``Client.update_feedback``)."""
+
+    model_config = ConfigDict(extra="allow")
+    score: float | bool | None = None
+    value: float | bool | str | None = None
+    correction: Any = None
+    comment: str | None = None
+
+
 class FeedbackShapes:
     """The observability tools' feedback routes of one gateway (``gateway`` has ``accept_feedback``, ``config``,
-    ``access``)."""
+    ``access``). LangSmith's updates name only the feedback id: the run and key of each recent feedback id are kept
+    (bounded, oldest out first) to address them."""
 
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
+        self._langsmith: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @property
     def categories(self) -> dict[str, float]:
@@ -205,7 +219,37 @@ class FeedbackShapes:
         answer = self._submit(request, Target(feedback.run_id), reward, feedback.key, feedback_id)
         if answer.status_code >= 400:
             return answer
+        if feedback_id is not None:
+            self._langsmith[feedback_id] = (feedback.run_id, feedback.key)
+            self._langsmith.move_to_end(feedback_id)
+            while len(self._langsmith) > self.gateway.config.remembered_trajectories:
+                self._langsmith.popitem(last=False)
         return JSONResponse({"id": feedback_id, "run_id": feedback.run_id, "key": feedback.key, "score": reward,
+                             "rlstream": _accepted(answer)}, status_code=200)
+
+    async def langsmith_update(self, request: Request) -> Response:
+        """``PATCH /feedback/{feedback_id}``: a LangSmith feedback's new score, a correction of its reward."""
+        feedback_id = request.path_params["feedback_id"]
+        known = self._langsmith.get(feedback_id)
+        if known is None:
+            return _error(404, f"unknown feedback {feedback_id[:MAX_ID_CHARS]!r}", "not_found")
+        try:
+            update = LangSmithUpdate.model_validate(await self._body(request))
+            given = update.score if update.score is not None else update.value
+            if given is None:
+                raise FeedbackShapeError("an update without score or value changes no reward")
+            reward = reward_of(given, self.categories)
+        except ValidationError as exc:
+            problems = validation_problems(exc.errors())
+            return _error(422, "invalid feedback: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
+                          problems=problems)
+        except FeedbackShapeError as exc:
+            return _error(422, f"invalid feedback: {exc}")
+        run_id, key = known
+        answer = self._submit(request, Target(run_id), reward, key, feedback_id)
+        if answer.status_code >= 400:
+            return answer
+        return JSONResponse({"id": feedback_id, "run_id": run_id, "key": key, "score": reward,
                              "rlstream": _accepted(answer)}, status_code=200)
 
     async def otlp_logs(self, request: Request) -> Response:
