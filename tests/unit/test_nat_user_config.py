@@ -2,6 +2,7 @@
 datasets and ``--endpoint`` (NAT's own config loading; no services)."""
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,28 @@ def test_doc_yaml_round_trip_keeps_learning_rate_text() -> None:
     assert block["training"]["learning_rate"] == "1e-6"
     config = RlstreamTrainerAdapterConfig.model_validate({"training": block["training"]})
     assert config.training is not None and config.training.learning_rate == 1e-6
+
+
+class ListingServer:
+    """What a vLLM server answers to ``/v1/models`` (the one call the check makes)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    async def models(self) -> list[str]:
+        return self.names
+
+
+@pytest.mark.parametrize("latest, refused", [(0, True), (2, False)])
+def test_adapters_of_the_policy_that_redis_does_not_know_are_refused_at_start(latest: int, refused: bool) -> None:
+    from rlstream.finetune import FinetuneContext, FinetuneError
+    from rlstream.schemas.config import RlstreamConfig
+
+    context = FinetuneContext(RlstreamConfig(policy="my_project"), "http://127.0.0.1:9")
+    context._sync_backend = ListingServer(["base", "my_project-v1", "my_project-v2", "other-v7"])
+    check = context._refuse_foreign_adapters(latest)
+    if refused:  # a fresh Redis (latest 0) on a server holding my_project-v1..: vLLM would refuse those names
+        with pytest.raises(FinetuneError, match=r"already serves adapters my_project-v1\.\. of policy 'my_project'"):
+            asyncio.run(check)
+    else:  # the same control plane published them: the run continues their numbering
+        asyncio.run(check)
