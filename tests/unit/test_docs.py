@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def _path_exists(candidate: str) -> bool:
 NOT_MODULES = re.compile(r"\.(?:ya?ml|json|md|toml|py)$|^rlstream\.v\d+$")
 
 
+_MISSING = object()
+
+
 def _module_exists(dotted: str) -> bool:
     if NOT_MODULES.search(dotted):
         return True
@@ -84,9 +88,15 @@ def _module_exists(dotted: str) -> bool:
         module = importlib.import_module(name)
         obj: object = module
         for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
+            found = inspect.getattr_static(obj, attr, _MISSING)
+            if found is _MISSING:  # a lazy attribute (module __getattr__), which may need run-time settings
+                try:
+                    found = getattr(obj, attr)
+                except AttributeError:
+                    return False
+                except Exception:  # noqa: BLE001 - it exists; building it needs configuration
+                    return True
+            obj = found
         return True
     return False
 
