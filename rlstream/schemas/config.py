@@ -170,9 +170,10 @@ class StreamsConfig(Section):
                                   "long is closed and its trajectory published")
     session_max_turns: int = Field(256, ge=1, description="calls in one stitched session trajectory; a longer "
                                    "session continues in a new trajectory")
-    session_max_bytes: int = Field(512 * 1024, ge=1024, description="approximate bytes (messages and token ids) of "
-                                   "one stitched session trajectory held in the stream app's session table; past it "
-                                   "the session continues in a new trajectory (keep it under kafka.max_message_bytes)")
+    session_max_bytes: int = Field(512 * 1024, ge=1024, description="bytes (the calls' JSON) of one stitched "
+                                   "session trajectory held in the stream app's session table; past it the session "
+                                   "continues in a new trajectory (keep it under kafka.max_message_bytes: a session "
+                                   "record over that is dead-lettered)")
     session_retention_s: float = Field(3600.0, gt=0, description="how long a closed session is remembered (feedback "
                                        "by session id, a later call continuing it as the next trajectory)")
     min_group_size: int = Field(2, ge=1, description="members with rewards a timed-out group needs to leave; with "

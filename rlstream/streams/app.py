@@ -450,6 +450,11 @@ class StreamsApp:
                                                            f"{call.session_id[:80]!r}; key calls by session id"))
             staged = StagedWrites(self.stitcher.table)
             stitched = Stitcher(staged, self.stitcher.rules).on_call(call, msg.partition, now)
+            too_large = oversized_writes(staged, self.cfg.kafka.max_message_bytes)
+            if too_large:
+                raise v.Rejected(v.Invalid(v.STATE_TOO_LARGE, (
+                    f"holding this call needs a {too_large[0][1]}-byte session record, over kafka.max_message_bytes "
+                    f"({self.cfg.kafka.max_message_bytes}); lower streams.session_max_bytes")))
             staged.apply()
         except v.Rejected as rej:
             await self._dead_letter(Reject(rej.invalid.reason, rej.invalid.message, src, msg.key, msg.value))

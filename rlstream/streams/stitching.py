@@ -49,15 +49,8 @@ class Stitched:
 
 
 def call_bytes(call: CallEvent) -> int:
-    """Roughly what one call holds in the session table: its messages' text and its token ids (8 bytes each)."""
-    text = sum(len(m.content or "") + len(str(m.tool_calls or "")) for m in call.request_messages)
-    reply = call.response_message
-    if reply is not None:
-        text += len(reply.content or "") + len(str(reply.tool_calls or ""))
-    turn = call.turn
-    tokens = 0 if turn is None else sum(len(ids or ()) for ids in (
-        turn.prompt_token_ids, turn.completion_token_ids, turn.completion_logprobs))
-    return text + 8 * tokens
+    """What one call holds in the session table: the size of its JSON (as the table's changelog record carries it)."""
+    return len(call.model_dump_json())
 
 
 @dataclass
