@@ -1,8 +1,6 @@
 """``rlstream gate``: the promotion gate service (docs/gate.md)."""
 from __future__ import annotations
 
-import asyncio
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -17,23 +15,14 @@ def gate_command(
 ) -> None:
     """Evaluate every candidate version against the serving one; promote, reject, canary and roll back."""
     from rlstream.gate.evaluation import EvaluationSetError
+    from rlstream.gate.service import serve_gate
 
     cfg = load_or_exit(config, override)
     try:
-        asyncio.run(_run(cfg))
+        serve_gate(cfg)
     except EvaluationSetError as exc:
         err_console.print(f"gate: {exc}", highlight=False)
         raise typer.Exit(2) from None
-
-
-async def _run(cfg) -> None:  # type: ignore[no-untyped-def]
-    from rlstream.gate.service import run_gate
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await run_gate(cfg, stop)
 
 
 def register(app: typer.Typer) -> None:

@@ -2,7 +2,6 @@
 the vLLM launcher."""
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 from enum import Enum
@@ -37,28 +36,9 @@ def inference_sync(
     updates = {k: v for k, v in {"url": url, "worker_id": worker_id, "served_model": served_model}.items() if v}
     if updates:
         cfg.inference = cfg.inference.model_validate({**cfg.inference.model_dump(), **updates})
-    asyncio.run(_sync(cfg))
+    from rlstream.inference.service import run_sync
 
-
-async def _sync(cfg) -> None:  # type: ignore[no-untyped-def]
-    from rlstream.transport.control import ControlPlane
-    from rlstream.transport.kafka import create_topics
-    from rlstream.inference.sync import InferenceSyncWorker
-    from rlstream.inference.vllm_backend import VllmBackend
-    from rlstream.schemas.masking import secret_value
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await create_topics(cfg.kafka, cfg.topics)
-    backend = VllmBackend(cfg.inference.url, cfg.inference.request_timeout_s, secret_value(cfg.inference.api_key))
-    control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
-    try:
-        await InferenceSyncWorker(cfg, backend, control).run(stop)
-    finally:
-        await backend.close()
-        await control.close()
+    run_sync(cfg)
 
 
 @inference_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

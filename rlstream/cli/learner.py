@@ -1,8 +1,6 @@
 """``rlstream learner``: the GRPO learner service (groups -> policy versions)."""
 from __future__ import annotations
 
-import asyncio
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -31,30 +29,19 @@ def run(
 ) -> None:
     """Train from `groups` until learner.total_steps (SIGINT/SIGTERM stop cleanly after the current step)."""
     from rlstream.learner.reporting import ReportingError
-    from rlstream.learner.service import Learner
+    from rlstream.learner.service import run_learner
 
     cfg = load_or_exit(config, override)
     try:
-        learner = Learner(cfg, holder=holder, kill_after_step=kill_after_step,
-                          pause_in_announcement=pause_in_announcement)
-    except ReportingError as exc:  # e.g. learner.report_to names a tracker whose package is not installed
-        err_console.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(code=1) from None
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, learner.request_stop)
-        state = await learner.run()
-        console.print(f"learner stopped at step {state.step}, version {state.version}, "
-                      f"{state.groups_trained} groups trained")
-
-    try:
-        asyncio.run(main())
-    except ReportingError as exc:  # a tracker's run could not be started (no W&B API key, a store refused, ...)
+        outcome = run_learner(cfg, holder=holder, kill_after_step=kill_after_step,
+                              pause_in_announcement=pause_in_announcement)
+    except ReportingError as exc:  # a tracker not installed, or its run not started (no W&B API key, ...)
         err_console.print(str(exc), style="red", markup=False, highlight=False)
         raise typer.Exit(code=1) from None
-    if learner.lease_lost:
+    state = outcome.state
+    console.print(f"learner stopped at step {state.step}, version {state.version}, "
+                  f"{state.groups_trained} groups trained")
+    if outcome.lease_lost:
         err_console.print("the learner lease was lost to another learner: this one stopped without publishing",
                           highlight=False)
         raise typer.Exit(code=3)

@@ -44,6 +44,7 @@ from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.serving import (ReplicaAck, ServingControl, ServingMoveRefused, move_serving_when_loaded,
                                         publish_decision)
+from rlstream.transport.signals import stop_event
 from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch, read_slice, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 
@@ -523,3 +524,13 @@ async def run_gate(cfg: RlstreamConfig, stop: asyncio.Event | None = None) -> No
         await PromotionGate(cfg, control, evaluation, codec=codec).run(stop)
     finally:
         await control.close()
+
+
+def serve_gate(cfg: RlstreamConfig) -> None:
+    """Run the promotion gate until SIGINT/SIGTERM. Raises :class:`rlstream.gate.evaluation.EvaluationSetError`
+    when the held-out set cannot be read."""
+
+    async def main() -> None:
+        await run_gate(cfg, stop_event())
+
+    asyncio.run(main())

@@ -44,6 +44,7 @@ from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.signals import on_stop_signals
 from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
 from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -494,3 +495,25 @@ class _LearnerLease:
 
     def lost(self, exc: BaseException) -> None:
         self.learner._lost(exc)
+
+
+@dataclass
+class LearnerOutcome:
+    """How a learner run ended: where it stopped, and whether another learner took its lease."""
+
+    state: LearnerState
+    lease_lost: bool
+
+
+def run_learner(cfg: RlstreamConfig, *, holder: str | None = None, kill_after_step: int | None = None,
+                pause_in_announcement: int | None = None) -> LearnerOutcome:
+    """Run the learner service until ``learner.total_steps``; SIGINT/SIGTERM stop it after the current step.
+    Raises :class:`rlstream.learner.reporting.ReportingError` when a tracker cannot be used."""
+    learner = Learner(cfg, holder=holder, kill_after_step=kill_after_step, pause_in_announcement=pause_in_announcement)
+
+    async def main() -> LearnerState:
+        on_stop_signals(learner.request_stop)
+        return await learner.run()
+
+    state = asyncio.run(main())
+    return LearnerOutcome(state, learner.lease_lost)
