@@ -772,6 +772,7 @@ class Gateway:
     async def stats(self, request: Request) -> Response:
         return JSONResponse({"capture": asdict(self.capture.stats), "queue_depth": self.capture.queue.qsize(),
                              "spool": self.capture.figures(),
+                             "session_stitching": self.config.session_stitching,
                              "open_sessions": len(self.sessions.open),
                              "session_splits": self.sessions.splits,
                              "sessions_evicted": self.sessions.evicted,
