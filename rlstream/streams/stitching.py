@@ -102,7 +102,7 @@ class Stitcher:
             return out
         state.seen = [*state.seen, call.call_id][-REMEMBERED_CALL_IDS:]
         if call.kind is CallKind.feedback:
-            self._feedback(state, call, out)
+            self._feedback(state, call, now, out)
         elif call.kind is CallKind.end:
             if state.calls:
                 self._close(state, call.session_id, now, out)
@@ -155,7 +155,7 @@ class Stitcher:
         state.reward, state.components, state.feedback_id = None, {}, None
         state.segment += 1
 
-    def _feedback(self, state: SessionState, call: CallEvent, out: Stitched) -> None:
+    def _feedback(self, state: SessionState, call: CallEvent, now: float, out: Stitched) -> None:
         """A reward for the session: its open trajectory carries it; else its latest published trajectory gets a
         RewardEvent; else it waits for the session's first trajectory."""
         if call.reward is None:
@@ -164,6 +164,8 @@ class Stitcher:
         if state.calls or state.published is None:
             state.reward, state.components, state.feedback_id = call.reward, dict(call.reward_components), \
                 call.feedback_id
+            if not state.calls:  # kept for the session's first trajectory, as long as a closed session is
+                state.closed_at = now
             return
         target = state.published
         out.rewards.append(RewardEvent(trajectory_id=target["trajectory_id"], group_id=target["group_id"],

@@ -65,13 +65,14 @@ def test_feedback_before_during_and_after_the_trajectory() -> None:
     table: dict[str, object] = {}
     stitcher = Stitcher(table, RULES)  # type: ignore[arg-type]
     early = CallEvent(session_id="s", kind=CallKind.feedback, reward=0.25, feedback_id="f1")
-    stitcher.on_call(early, 0, now=0.5)
+    stitcher.on_call(early, 0, now=1000.0)
+    assert not stitcher.on_tick(0, now=1050.0).trajectories and "s" in table  # kept within the retention
     first = conversation()[0]
-    stitcher.on_call(first, 0, now=1.0)
-    [traj] = stitcher.on_call(CallEvent(session_id="s", kind=CallKind.end), 0, now=2.0).trajectories
+    stitcher.on_call(first, 0, now=1051.0)
+    [traj] = stitcher.on_call(CallEvent(session_id="s", kind=CallKind.end), 0, now=1052.0).trajectories
     assert traj.reward == 0.25
     late = stitcher.on_call(CallEvent(session_id="s", kind=CallKind.feedback, reward=1.0, feedback_id="f1",
-                                      run_id="r"), 0, now=3.0)
+                                      run_id="r"), 0, now=1053.0)
     [reward] = late.rewards
     assert (reward.trajectory_id, reward.reward, reward.feedback_id) == (traj.trajectory_id, 1.0, "f1")
-    assert stitcher.on_tick(0, now=200.0).trajectories == [] and "s" not in table  # forgotten after retention
+    assert stitcher.on_tick(0, now=1300.0).trajectories == [] and "s" not in table  # forgotten after retention
