@@ -1,7 +1,6 @@
 """``rlstream gateway``: the OpenAI-compatible capture gateway."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Optional
 
@@ -77,136 +76,21 @@ def gateway_serve(
         "pass = 1, their opposites 0)"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
-    from rlstream.rollout.gateway.config import GatewayConfig, default_spool_dir
-    from rlstream.schemas.masking import secret_value
-
-    from pydantic import SecretStr
-
-    from rlstream.rollout.gateway.auth import AccessConfig, exposure_problem, inline_keys_from_env
+    from rlstream.rollout.gateway.service import GatewayOptions, GatewayStartError, run_gateway
 
     cfg = load_or_exit(config, override)
+    options = GatewayOptions(
+        upstreams=upstream or ["http://127.0.0.1:8000"], host=host, port=port, served_model=served_model,
+        session_idle_s=session_idle_s, session_stitching=session_stitching, gateway_id=gateway_id,
+        queue_size=queue_size, spool=spool, spool_dir=spool_dir, spool_max_bytes=spool_max_bytes,
+        spool_after_s=spool_after_s, route_versions=route_versions, prometheus_port=prometheus_port,
+        upstream_api_key=upstream_api_key, metrics_host=metrics_host, max_body_bytes=max_body_bytes,
+        max_concurrent_requests=max_concurrent_requests, body_read_timeout_s=body_read_timeout_s,
+        max_open_sessions=max_open_sessions, logprobs=logprobs, api_keys=api_key or [], api_keys_file=api_keys_file,
+        feedback_secret=feedback_secret, feedback_token_ttl_s=feedback_token_ttl_s,
+        insecure_no_auth=insecure_no_auth, feedback_categories=feedback_category or [])
     try:
-        access = AccessConfig(api_keys=[SecretStr(k) for k in [*(api_key or []), *inline_keys_from_env()]],
-                              api_keys_file=api_keys_file,
-                              feedback_secret=SecretStr(feedback_secret) if feedback_secret else None,
-                              feedback_token_ttl_s=feedback_token_ttl_s or cfg.streams.reward_window_s,
-                              reward_range=cfg.streams.reward_range)
-        keys = access.key_store()
-    except Exception as exc:  # a bad key or keys file: say which field, never the key
-        console.print(f"API keys not usable: {type(exc).__name__}: {_field_errors(exc)}", highlight=False)
-        raise typer.Exit(2)
-    problem = exposure_problem(host, keys.enabled, insecure_no_auth)
-    if problem is not None:
-        console.print(problem, highlight=False)
-        raise typer.Exit(2)
-    try:
-        categories = _categories(feedback_category or [])
-    except ValueError as exc:
-        console.print(f"--feedback-category: {exc}", highlight=False)
-        raise typer.Exit(2)
-    if session_stitching not in ("streams", "gateway"):
-        console.print(f"--session-stitching is streams or gateway, not {session_stitching!r}", highlight=False)
-        raise typer.Exit(2)
-    upstreams = upstream or ["http://127.0.0.1:8000"]
-    gw = GatewayConfig(host=host, port=port, upstream_url=upstreams[0], run_id=cfg.run_id, policy=cfg.policy,
-                       served_model=served_model, session_idle_s=session_idle_s, queue_size=queue_size,
-                       session_stitching=session_stitching, gateway_id=gateway_id or "",
-                       spool_dir=(spool_dir or default_spool_dir(port)) if spool else None,
-                       spool_max_bytes=spool_max_bytes, spool_after_s=spool_after_s, prometheus_port=prometheus_port,
-                       request_logprobs=logprobs, metrics_host=metrics_host, max_body_bytes=max_body_bytes,
-                       max_concurrent_requests=max_concurrent_requests, body_read_timeout_s=body_read_timeout_s,
-                       max_open_sessions=max_open_sessions, max_choices=cfg.streams.max_allowed_group_size,
-                       upstream_api_key=upstream_api_key or secret_value(cfg.inference.api_key),
-                       **({"feedback_categories": categories} if categories else {}))
-    spooled = f"spool {gw.spool_dir}" if gw.spool_dir else "no spool"
-    console.print(f"gateway on http://{host}:{port} -> {gw.upstream_shown} (policy {cfg.policy}, {spooled})",
-                  highlight=False)
-    from rlstream.rollout.gateway.server import run
-
-    if keys.enabled:
-        console.print(f"clients authenticate with API keys ({len(keys)} loaded"
-                      f"{', file ' + str(api_keys_file) if api_keys_file else ''})", highlight=False)
-    elif insecure_no_auth:
-        console.print(f"WARNING: no API keys on {host}: anyone who reaches it may call and reward", highlight=False)
-    else:
-        console.print("no API keys: serving loopback only, every caller trusted (--api-key or --api-keys-file "
-                      "to authenticate clients)", highlight=False)
-    run(_serve(cfg, gw, route_versions, access, upstreams))
-
-
-def _categories(pairs: list[str]) -> dict[str, float]:
-    """``NAME=REWARD`` pairs as the categories table (ValueError naming the bad pair)."""
-    import math
-
-    table: dict[str, float] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        try:
-            reward = float(value)
-        except ValueError:
-            reward = math.nan
-        if not sep or not name.strip() or not math.isfinite(reward):
-            raise ValueError(f"{pair!r} is not NAME=REWARD with a finite reward")
-        table[name.strip()] = reward
-    return table
-
-
-def _field_errors(exc: Exception) -> str:
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):  # its message may quote a key: fields and problems only
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-    return type(exc).__name__ if not isinstance(exc, OSError) else str(exc)
-
-
-async def _serve(cfg, gw, route_versions: bool, access, upstreams: list[str]) -> None:  # type: ignore[no-untyped-def]
-    from rlstream.rollout.gateway.app import Gateway
-    from rlstream.rollout.gateway.server import serve_forever
-    from rlstream.rollout.publisher import TrajectoryPublisher
-    from rlstream.rollout.routing import FleetRouter, StaticFleet
-    from rlstream.schemas.codec import codec_for
-    from rlstream.schemas.topics import TopicNames
-    from rlstream.transport.control import ControlPlane
-    from rlstream.transport.metrics import MetricsPublisher
-
-    topics = TopicNames.from_config(cfg.topics)
-    publisher = TrajectoryPublisher.from_config(cfg.kafka, topics.trajectories, topics.rewards,
-                                                codec=codec_for(cfg), calls_topic=topics.calls)  # metrics too
-    metrics = None
-    if gw.prometheus_port is not None:  # its figures go to Prometheus only (see metric_names.GATEWAY_OVERHEAD_S)
-        metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",
-                                   run_id=cfg.run_id, prometheus_port=gw.prometheus_port,
-                                   prometheus_addr=gw.metrics_host or gw.host)
-    control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
-    # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
-    # a replica that acknowledged loading it (docs/promotion.md)
-    fleet: FleetRouter | StaticFleet | None = FleetRouter(
-        control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s) if control is not None else None
-    if fleet is None and len(upstreams) > 1:  # replicas named here: each serves the configured version
-        fleet = StaticFleet(upstreams, cfg.policy, gw.served_model, gw.policy_version)
-    try:
-        await publisher.start()
-    except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures
-        console.print(f"Kafka not reachable yet ({exc}); serving, capture will retry", highlight=False)
-    try:
-        await serve_forever(Gateway(gw, publisher, metrics=metrics, access=access, fleet=fleet))
-    finally:
-        await _close_publisher(publisher, gw.drain_timeout_s, spooled=gw.spool_dir is not None)
-        if control is not None:
-            await control.close()
-
-
-async def _close_publisher(publisher, timeout_s: float, spooled: bool) -> None:  # type: ignore[no-untyped-def]
-    """Flush and stop the producer, waiting at most ``timeout_s``: with Kafka down the producer's stop waits for
-    ever (what it holds unacknowledged was spooled by the gateway, when it has a spool)."""
-    closing = asyncio.create_task(publisher.close())
-    await asyncio.wait({closing}, timeout=timeout_s)
-    for _ in range(2):  # the first cancel ends the flush, a second one the producer's own stop
-        if closing.done():
-            break
-        closing.cancel()
-        await asyncio.wait({closing}, timeout=2.0)
-    if not closing.done() or closing.cancelled() or closing.exception() is not None:
-        problem = "not acknowledged in time" if not closing.done() or closing.cancelled() else closing.exception()
-        where = "they are in the spool and sent at the next start" if spooled else "they are lost"
-        console.print(f"some captured events were not written ({problem}); {where}", highlight=False)
+        run_gateway(cfg, options, say=lambda line: console.print(line, highlight=False))
+    except GatewayStartError as exc:
+        console.print(str(exc), highlight=False)
+        raise typer.Exit(2) from None

@@ -172,8 +172,7 @@ def test_feedback_shapes_rewards_and_otlp_records() -> None:
 
 @pytest.mark.unit
 def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rlstream.cli.gateway as cli_gateway
-    import rlstream.rollout.gateway.server as server
+    import rlstream.rollout.gateway.service as gateway_service
     from rlstream.cli.app import app
 
     served: list[GatewayConfig] = []
@@ -181,8 +180,8 @@ def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.M
     async def serve(cfg: Any, gw: GatewayConfig, *args: Any) -> None:
         served.append(gw)
 
-    monkeypatch.setattr(cli_gateway, "_serve", serve)
-    monkeypatch.setattr(server, "run", lambda coro: __import__("asyncio").run(coro))
+    monkeypatch.setattr(gateway_service, "_serve", serve)
+    monkeypatch.setattr(gateway_service, "run", lambda coro: __import__("asyncio").run(coro))
     env = {"RLSTREAM_GATEWAY_API_KEYS": ""}
     bad = CliRunner().invoke(app, ["gateway", "serve", "--feedback-category", "great"], env=env)
     assert bad.exit_code == 2 and "NAME=REWARD" in bad.output, bad.output
