@@ -18,8 +18,9 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from rlstream.learner.service import Learner
 from rlstream.rollout.publisher import TrajectoryPublisher
-from rlstream.schemas.codec import SchemaRegistryUnavailable
+from rlstream.schemas.codec import SchemaRegistryUnavailable, codec_for
 from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import CallEvent, Message, Turn
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import make_consumer, make_producer
 from tests.factories import make_reward, make_trajectory
@@ -94,6 +95,13 @@ def test_every_writer_and_reader_goes_through_the_registry(rl_config: RlstreamCo
             for reward in late:
                 await publisher.publish_reward(reward)
             await publisher.flush()
+        async with TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards, codec=codec_for(cfg),
+                                                   calls_topic=names.calls) as gateway_publisher:  # a gateway's call
+            await gateway_publisher.submit(names.calls, "registry-session", CallEvent(
+                session_id="registry-session", policy=cfg.policy, request_messages=[Message(role="user", content="q")],
+                response_message=Message(role="assistant", content="a"),
+                turn=Turn(prompt_token_ids=[1], completion_token_ids=[2])))
+            await gateway_publisher.flush()
         producer = make_producer(cfg.kafka)
         await producer.start()
         await producer.send_and_wait(names.trajectories, b"not avro at all", key=b"ex0")
