@@ -121,7 +121,7 @@ def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter
     cfg, _ = compose_config(opts, "run-t", tmp_path, stack, tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert cfg.rollout.workflow == "rlstream.ops.tool_task:tool_agent"
     assert cfg.rollout.reward_function == "rlstream.ops.tool_task:tool_reward"
-    assert cfg.learner.lora.enabled and cfg.learner.groups_per_step == 16
+    assert cfg.learner.lora.enabled and cfg.learner.groups_per_step == 8
     args = _task_vllm_args(opts, tmp_path)
     assert args[0] == "--chat-template" and Path(args[1]).read_text().startswith("{%- for message")
     assert args[2:] == ["--tool-call-parser", "hermes"]
