@@ -415,10 +415,11 @@ async def import_atif(cfg: RlstreamConfig, path: Path, new_run_id: str) -> Impor
             report.published += 1
             report.trajectory_ids.append(event.trajectory_id)
         await producer.flush()
-        for name, value in ((metric_names.IMPORT_PUBLISHED, report.published),
-                            (metric_names.IMPORT_DEAD_LETTERED, report.dead_lettered)):
-            metric = MetricEvent(source=SERVICE, run_id=new_run_id, name=name, value=float(value),
-                                 tags={"format": ExportFormat.atif.value})
+        tags = {"format": ExportFormat.atif.value}
+        for metric in (MetricEvent(source=SERVICE, run_id=new_run_id, name=metric_names.IMPORT_PUBLISHED,
+                                   value=float(report.published), tags=tags),
+                       MetricEvent(source=SERVICE, run_id=new_run_id, name=metric_names.IMPORT_DEAD_LETTERED,
+                                   value=float(report.dead_lettered), tags=tags)):
             await producer.send_and_wait(names.metrics, codec.encode(metric), key=SERVICE.encode())
     finally:
         await producer.stop()
