@@ -38,7 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid  # noqa: E402
+from rlstream.ops.children import spawn  # noqa: E402
+from rlstream.ops.infra import LocalStack  # noqa: E402
+from rlstream.ops.ports import free_port  # noqa: E402
+from rlstream.ops.processes import stop_pid  # noqa: E402
 from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
 from rlstream.rollout.gateway.app import Gateway, create_app  # noqa: E402

@@ -6,7 +6,7 @@ versions old, at equal samples, over several seeds; whole held-out curves compar
 The model and the task are the main job's: the tiny Qwen2 given the generic copy skill (``build_tiny_model`` with
 ``COPY_PRETRAIN_STEPS``), rewarded by ``toy_strict_reward`` (only the prompt's own letter scores; the best constant
 answer earns about 1/8), at the main job's learning rate, group size, groups per step, completion length and reward
-scaling (``rlstream.ops.up.TOY_DEFAULTS``). Each step samples ``--prompts`` training prompts x ``--group-size``
+scaling (``rlstream.ops.up_config.TOY_DEFAULTS``). Each step samples ``--prompts`` training prompts x ``--group-size``
 completions (transformers ``generate``, temperature 1, behaviour logprobs recorded) and makes one learner step
 (rlstream's ``GRPOTrainerStep``). On-policy, the behaviour policy is the current one; stale, it is the policy of
 ``lag`` steps before (a rollout fleet ``max_policy_lag`` versions behind). ``--correction`` picks how stale rollouts
@@ -42,7 +42,7 @@ from rlstream.learner.policy import Policy  # noqa: E402
 from rlstream.learner.step import GRPOTrainerStep  # noqa: E402
 from rlstream.ops.toy import (COPY_PRETRAIN_STEPS, best_constant_answer, build_tiny_model,  # noqa: E402
                               sample_completions, toy_dataset, toy_strict_reward)
-from rlstream.ops.up import HELDOUT_SEED, TOY_DEFAULTS  # noqa: E402
+from rlstream.ops.up_config import HELDOUT_SEED, TOY_DEFAULTS  # noqa: E402
 from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
 
 #: How stale rollouts are trained. ``tis``: the learner's loss as configured (clipped surrogate against the

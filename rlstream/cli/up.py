@@ -76,7 +76,8 @@ def up(
     """
     from rlstream.ops.infra import InfraError
     from rlstream.ops.toy import ModelAssetMissing
-    from rlstream.ops.up import UpOptions, run_up
+    from rlstream.ops.up import run_up
+    from rlstream.ops.up_config import UpOptions
     from rlstream.schemas.config import ConfigError
 
     overrides = pairs(override) + ([("learner.device", device)] if device else [])

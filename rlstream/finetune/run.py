@@ -16,7 +16,7 @@ from rlstream.finetune.outputs import (CURRICULUM_STATE, REWARD_HISTORY, REWARD_
 from rlstream.finetune.rollout_generator import RolloutGenerator
 from rlstream.finetune.runtime import FinetuneContext, Infrastructure, fresh_run_id, prepare
 from rlstream.transport.log import get_logger
-from rlstream.ops.up import deep_merge
+from rlstream.ops.up_config import deep_merge
 from rlstream.schemas.config import ConfigError, RlstreamConfig, load_config, read_yaml
 from rlstream.schemas.masking import REVEAL
 

@@ -18,12 +18,13 @@ from aiokafka import AIOKafkaProducer
 
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.deadletter import DeadLetterSink
-from rlstream.ops.infra import LocalStack, terminate_as_interrupt
+from rlstream.ops.infra import LocalStack
+from rlstream.ops.interrupts import terminate_as_interrupt
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.topic_reader import Decoded, TopicReader, open_reader, partitions_of
-from rlstream.ops.up import Supervisor, rlstream_command
+from rlstream.ops.supervisor import Supervisor, rlstream_command
 from rlstream.ops.vllm import VllmServer, start_vllm_server
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -149,7 +150,7 @@ def prepare(cfg: RlstreamConfig, endpoint: str | None, endpoint_timeout_s: float
     """Everything outside this process: services, topics, vLLM, the streams worker."""
     output_dir = Path(cfg.finetuning.output_dir).resolve()
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
-    # every process started here dies with this one however it ends (rlstream.ops.infra.spawn); a SIGTERM
+    # every process started here dies with this one however it ends (rlstream.ops.children.spawn); a SIGTERM
     # while starting stops them in order, as Ctrl-C does
     with terminate_as_interrupt():
         cfg, stack = provide_services(cfg, output_dir)

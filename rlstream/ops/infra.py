@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlstream.ops.children import spawn
-from rlstream.ops.interrupts import terminate_as_interrupt  # noqa: F401  (rlstream/ops/up.py, finetune/runtime.py)
 from rlstream.ops.ports import LOOPBACK, free_port, port_open
 from rlstream.ops.processes import boot_id, pid_alive, process_start_time, reap, same_process, stop_pid
 from rlstream.transport.log import get_logger

@@ -22,3 +22,11 @@ def stop_event(duration_s: float | None = None) -> asyncio.Event:
     if duration_s:
         asyncio.get_running_loop().call_later(duration_s, stop.set)
     return stop
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds``, or less when ``stop`` is set."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass

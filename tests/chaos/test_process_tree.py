@@ -26,7 +26,7 @@ PARENT = r"""
 import signal, sys, time
 from pathlib import Path
 from rlstream.ops import children, infra
-from rlstream.ops.up import Supervisor
+from rlstream.ops.supervisor import Supervisor
 children.REAPER_GRACE_S = 1.0  # the stubborn child is SIGKILLed after this
 log_dir, with_stack = Path(sys.argv[1]), sys.argv[2] == "stack"
 pids = []

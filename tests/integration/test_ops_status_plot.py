@@ -146,7 +146,7 @@ def test_replay_through_the_cli(rl_config, created_topics, tmp_path):
 def test_the_up_summary_reads_the_control_plane_again_at_the_end(rl_config) -> None:
     # `rlstream up --until-version N` stops as soon as version N is scored, which can be within the 2 s between two
     # polls of Redis: the summary must show what the workers have loaded then, not at the last poll
-    from rlstream.ops.up import LiveFigures, Watcher
+    from rlstream.ops.live import LiveFigures, Watcher
 
     async def scenario() -> list[dict[str, str]]:
         plane = ControlPlane(rl_config.redis.url)

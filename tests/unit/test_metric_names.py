@@ -300,7 +300,7 @@ def test_all_lists_every_name_once() -> None:
 
 def test_the_live_view_sums_each_workers_latest_filter_count() -> None:
     """``rlstream up`` reads ``STREAMS_GROUPS_FILTERED`` (running totals per worker), nothing else with 'filtered'."""
-    from rlstream.ops.up import LiveFigures, Watcher
+    from rlstream.ops.live import LiveFigures, Watcher
     from rlstream.schemas.config import load_config
     from rlstream.schemas.models import MetricEvent
 

@@ -60,7 +60,7 @@ def test_a_two_argument_workflow_is_refused_with_the_new_signature_named() -> No
 
 
 def test_heldout_evaluation_passes_the_version_as_the_sampling_model() -> None:
-    from rlstream.ops.up import evaluate_heldout
+    from rlstream.ops.evaluation import evaluate_heldout
 
     seen: list[SamplingSettings] = []
 

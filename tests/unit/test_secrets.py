@@ -121,7 +121,7 @@ def test_validation_config_keeps_the_secrets(tmp_path: Path) -> None:
 def test_run_config_file_holds_no_secret_and_children_get_them_by_env(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from rlstream.ops.infra import LocalStack, ServiceProcess
-    from rlstream.ops.up import UpOptions, compose_config
+    from rlstream.ops.up_config import UpOptions, compose_config
 
     user = tmp_path / "mine.yaml"
     user.write_text(yaml.safe_dump({"learner": {"model": "/models/m"}, "rollout": {"api_key": API_KEY},

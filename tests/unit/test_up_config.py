@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from rlstream.ops.infra import LocalStack, ServiceProcess
-from rlstream.ops.up import UpOptions, _task, compose_config
+from rlstream.ops.up_config import UpOptions, compose_config, task_inputs
 from rlstream.schemas.config import ConfigError, load_config
 
 
@@ -42,7 +42,7 @@ def test_user_config_without_a_model_is_refused(tmp_path: Path) -> None:
     user = tmp_path / "mine.yaml"
     user.write_text(yaml.safe_dump({"rollout": {"workflow": "my.agent:run"}}))
     with pytest.raises(ConfigError, match="learner.model"):
-        _task(UpOptions(config=user), tmp_path, load_config(user))
+        task_inputs(UpOptions(config=user), tmp_path, load_config(user))
 
 
 def test_smollm2_toy_run_trains_a_lora_adapter_with_a_small_rate(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_under_the_default_reward_no_constant_answer_passes_for_skill() -> None:
     """The toy task separates skill from format: on `up`'s held-out prompts a constant answer earns <= 0.2 under the toy run's reward,
     while answering each prompt's own letter earns 1 (the partial-credit reward lets a constant earn 0.56)."""
     from rlstream.ops.toy import best_constant_answer, toy_dataset, toy_reward, toy_strict_reward
-    from rlstream.ops.up import HELDOUT_SEED, TOY_DEFAULTS
+    from rlstream.ops.up_config import HELDOUT_SEED, TOY_DEFAULTS
 
     assert TOY_DEFAULTS["rollout"]["reward_function"] == "rlstream.ops.toy:toy_strict_reward"
     held = toy_dataset(24, seed=HELDOUT_SEED)

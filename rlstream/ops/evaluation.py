@@ -1,0 +1,107 @@
+"""Held-out evaluation of ``rlstream up``: every version vLLM loads (and the base model first) scored on the held-out
+prompts with the run's own workflow and reward function."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from rlstream.rollout.sampling import SamplingSettings
+from rlstream.rollout.workflows import Workflow, check_workflow
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.masking import secret_value
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.log import get_logger
+from rlstream.transport.signals import sleep_or_stop
+
+log = get_logger(__name__)
+
+
+@dataclass
+class VersionScore:
+    """One version's held-out figures."""
+
+    version: int
+    model: str
+    reward_mean: float
+    samples: int
+    at: float
+    components: dict[str, float] = field(default_factory=dict)  # the reward function's components, averaged
+
+
+async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workflow: Workflow, reward_fn: Any,
+                           samples: int, sampling: SamplingSettings,
+                           api_key: str | None = None,
+                           components: dict[str, float] | None = None) -> tuple[float, int]:
+    """Mean reward of ``samples`` runs of ``workflow`` per held-out example, sampled with ``sampling``
+    (whose ``model`` names the version served by vLLM). ``components``, when given, receives the mean of each of the
+    reward function's components (e.g. the tool task's success and tool-call parse rate).
+
+    The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
+    """
+    from openai import AsyncOpenAI
+
+    from rlstream.rollout.runner import score
+
+    check_workflow(workflow)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=60.0)
+    try:
+        async def one(example: dict[str, Any]) -> tuple[float, dict[str, float]]:
+            output = await workflow(example, client, sampling)
+            return score(reward_fn(example, output))
+
+        scored = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
+    finally:
+        await client.close()
+    scores = [reward for reward, _ in scored]
+    if components is not None and scored:
+        names = {name for _, parts in scored for name in parts}
+        components.update({name: sum(parts.get(name, 0.0) for _, parts in scored) / len(scored) for name in names})
+    return (sum(scores) / len(scores) if scores else 0.0), len(scores)
+
+
+async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url: str, heldout: list[dict[str, Any]],
+                            samples: int, stop: asyncio.Event,
+                            on_score: Callable[[VersionScore], Awaitable[None]]) -> None:
+    """Score every version the inference worker reports loaded (and the base model first) on held-out examples,
+    with the run's own workflow and reward function."""
+    from rlstream.rollout.loading import UserCodeError, load_callable
+    from rlstream.rollout.routing import Route
+    from rlstream.transport.serving import ServingControl
+
+    try:
+        workflow = check_workflow(load_callable(cfg.rollout.workflow or "rlstream.rollout.workflows:single_turn"))
+    except UserCodeError as exc:
+        log.error("held-out evaluation is off: the workflow cannot be used", error=str(exc))
+        return
+    if not cfg.rollout.reward_function:
+        log.warning("no rollout.reward_function: held-out evaluation is off (rewards come as RewardEvents)")
+        return
+    reward_fn = load_callable(cfg.rollout.reward_function)
+
+    serving = ServingControl(control)
+
+    async def newest_loaded() -> Route | None:
+        """The newest version a replica acknowledged, by its own name: candidates too, not only the serving one."""
+        loaded = [(v, name or cfg.rollout.model) for r in await serving.replicas(cfg.policy)
+                  for v, name in r.loaded.items()]
+        return Route(max(loaded)[1], max(loaded)[0]) if loaded else None
+
+    sampling = SamplingSettings.from_config(cfg.rollout)
+    done: set[int] = set()
+    while not stop.is_set():
+        route = await newest_loaded()
+        if route is not None and route.version not in done:
+            done.add(route.version)
+            parts: dict[str, float] = {}
+            try:
+                mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
+                                                 sampling.with_model(route.model),
+                                                 api_key=secret_value(cfg.inference.api_key), components=parts)
+            except Exception as exc:
+                log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
+                done.discard(route.version)
+            else:
+                await on_score(VersionScore(route.version, route.model, mean, n, time.time(), parts))
+        await sleep_or_stop(stop, 1.0)
