@@ -24,7 +24,10 @@ from typing import Any
 
 import httpx
 
-from rlstream.ops.infra import LocalStack, free_port, spawn, stop_pid
+from rlstream.ops.children import spawn
+from rlstream.ops.infra import LocalStack
+from rlstream.ops.ports import free_port
+from rlstream.ops.processes import stop_pid
 from rlstream.schemas.config import load_config
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
