@@ -11,6 +11,10 @@ Processes and the local stack:
 * ``interrupts.py``: SIGTERM / SIGHUP as Ctrl-C for launchers.
 * ``infra.py``: the local broker (noida-db) and Redis; ``infra_daemon.py``: the ``rlstream infra up`` daemon.
 
-Running things: ``up.py`` (``rlstream up``), ``vllm.py`` (vLLM's own virtualenv and server), ``toy.py`` and
-``tool_task.py`` (tiny model and tasks). Assets: ``alerts.yml``, ``prometheus.yml``, ``grafana/``, ``RUNBOOK.md``.
+``rlstream up``: ``up.py`` (the run), ``up_config.py`` (options, task, effective config), ``supervisor.py`` (its
+children, also ``rlstream finetune``'s), ``evaluation.py`` (held-out scores per version), ``live.py`` (live figures
+and view), ``version_plot.py`` and ``summary.py`` (the run's outputs).
+
+Models, tasks and servers: ``vllm.py`` (vLLM's own virtualenv and server), ``toy.py`` and ``tool_task.py`` (tiny model
+and tasks). Assets: ``alerts.yml``, ``prometheus.yml``, ``grafana/``, ``RUNBOOK.md``.
 """
