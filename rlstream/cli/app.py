@@ -82,18 +82,15 @@ def infra_up(
 
     A small supervisor process owns them (they die with it, however it ends); it lives until `infra down`.
     Interrupted before the services answer, `infra up` takes them down with it."""
-    from rlstream.ops.infra import STATE_FILE, InfraError, LocalStack
-    from rlstream.ops.infra_daemon import start_background
+    from rlstream.ops.infra import InfraError
+    from rlstream.ops.infra_daemon import AlreadyRunning, bring_up
 
-    state_file = state_dir / STATE_FILE
-    if state_file.exists():
-        stack = LocalStack.load(state_file)
-        if stack.running():  # PIDs checked against their recorded start times: a reused PID does not count
-            err_console.print(f"already running (state {state_file}); `rlstream infra down` first")
-            _print_addresses(stack)
-            raise typer.Exit(code=1)
     try:
-        stack = start_background(state_dir, kafka_port, redis_port)
+        stack = bring_up(state_dir, kafka_port, redis_port)
+    except AlreadyRunning as exc:
+        err_console.print(str(exc))
+        _print_addresses(exc.stack)
+        raise typer.Exit(code=1) from None
     except InfraError as exc:
         err_console.print(f"[red]{exc}[/red]", markup=False, highlight=False)
         raise typer.Exit(code=1) from None
@@ -111,15 +108,13 @@ def _print_addresses(stack) -> None:  # type: ignore[no-untyped-def]
 def infra_down(state_dir: Path = typer.Option(DEFAULT_STATE)) -> None:
     """Stop the services started by ``infra up`` (by PID, only when the process with that PID is still the one
     that was started: its start time must match the state file)."""
-    from rlstream.ops.infra import STATE_FILE, LocalStack
+    from rlstream.ops.infra_daemon import take_down
 
-    state_file = state_dir / STATE_FILE
-    if not state_file.exists():
+    taken = take_down(state_dir)
+    if taken is None:
         console.print("nothing running (no state file)")
         return
-    stack = LocalStack.load(state_file)
-    outcome = stack.stop()
-    state_file.unlink(missing_ok=True)  # what it names is stopped, or gone
+    stack, outcome = taken
     pids = {svc.name: svc.pid for svc in (stack.supervisor, *stack.services()) if svc is not None}
     for name, what in outcome.items():
         if what == "refused":

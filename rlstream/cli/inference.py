@@ -2,8 +2,6 @@
 the vLLM launcher."""
 from __future__ import annotations
 
-import signal
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -61,7 +59,7 @@ def inference_serve(
 ) -> None:
     """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled, tool calling on) and keep it running until interrupted.
     Any vLLM option passes through: ``rlstream inference serve MODEL -- --max-num-seqs 8``."""
-    from rlstream.ops.vllm import start_vllm_server
+    from rlstream.ops.vllm import serve_in_foreground, start_vllm_server
     from rlstream.schemas.masking import remember_secret
 
     remember_secret(api_key)
@@ -70,16 +68,4 @@ def inference_serve(
                                extra_args=extra, tool_call_parser=tool_call_parser)
     keyed = "; clients send its API key" if api_key else "; no API key: anyone who reaches it can use it"
     console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file}{keyed})")
-    stopped = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stopped
-        stopped = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stopped and server.alive():
-            time.sleep(0.5)
-    finally:
-        server.stop()
+    serve_in_foreground(server)

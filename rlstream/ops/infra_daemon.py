@@ -70,6 +70,38 @@ def serve(state_dir: Path, kafka_port: int | None = None, redis_port: int | None
     return 0
 
 
+class AlreadyRunning(InfraError):
+    """``infra up`` found a stack of its state directory still running."""
+
+    def __init__(self, state_file: Path, stack: LocalStack) -> None:
+        super().__init__(f"already running (state {state_file}); `rlstream infra down` first")
+        self.stack = stack
+
+
+def bring_up(state_dir: Path, kafka_port: int | None = None, redis_port: int | None = None) -> LocalStack:
+    """``rlstream infra up``: start the daemon and its services unless the state directory's stack still runs
+    (PIDs checked against their recorded start times: a reused PID does not count). Raises
+    :class:`AlreadyRunning` or :class:`InfraError`."""
+    state_file = state_dir / STATE_FILE
+    if state_file.exists():
+        stack = LocalStack.load(state_file)
+        if stack.running():
+            raise AlreadyRunning(state_file, stack)
+    return start_background(state_dir, kafka_port, redis_port)
+
+
+def take_down(state_dir: Path) -> tuple[LocalStack, dict[str, str]] | None:
+    """``rlstream infra down``: stop what the state file names (see :meth:`LocalStack.stop`) and remove the file;
+    returns the stack and ``{name: outcome}``, or None when there is no state file."""
+    state_file = state_dir / STATE_FILE
+    if not state_file.exists():
+        return None
+    stack = LocalStack.load(state_file)
+    outcome = stack.stop()
+    state_file.unlink(missing_ok=True)  # what it names is stopped, or gone
+    return stack, outcome
+
+
 def start_background(state_dir: Path, kafka_port: int | None = None, redis_port: int | None = None,
                      timeout_s: float = 90.0) -> LocalStack:
     """Start the :func:`serve` daemon and return its stack once the services answer. The daemon outlives this

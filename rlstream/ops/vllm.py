@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -255,6 +256,23 @@ class VllmServer:
             return
         stop_pid(self.pid, timeout_s)
         log.info("vLLM server stopped", pid=self.pid)
+
+
+def serve_in_foreground(server: VllmServer, poll_s: float = 0.5) -> None:
+    """Keep ``server`` running until SIGINT/SIGTERM or until it exits by itself, then stop it."""
+    stopped = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stopped and server.alive():
+            time.sleep(poll_s)
+    finally:
+        server.stop()
 
 
 def start_vllm_server(
