@@ -1,6 +1,7 @@
 """One gateway in front of two replicas that acknowledged their versions in Redis (the sync workers' heartbeats):
-requests outside sessions spread over both, the one with fewer requests in flight first; a session's calls all go
-to one replica; a request pinned to a version one replica has not loaded never reaches it."""
+requests outside sessions spread over both, the one with fewer requests in flight first (the control, a gateway that
+does not count them, goes round robin); a session's calls all go to one replica; a request pinned to a version one
+replica has not loaded never reaches it."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,21 @@ async def test_spread_sticky_sessions_and_pinned_versions(rl_config: RlstreamCon
                 assert sum(1 for _, u in fast.requests if u.startswith("pinned-")) == 0
                 assert [m for m, u in slow.requests if u.startswith("pinned-")] == ["p-v3"] * 6
                 assert all(m == "p-v2" for m, u in fast.requests)
+            # the control: a gateway whose client does not count requests in flight goes round robin, half to the
+            # slow replica
+            blind = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+                            Discard(), fleet=FleetRouter(control, policy, "base", ttl_s=0.2),
+                            client=httpx.AsyncClient(timeout=30))
+            async with serving(blind) as blind_url, httpx.AsyncClient(timeout=30) as http:
+                async def blind_client(c: int) -> None:
+                    for i in range(6):
+                        answer = await http.post(f"{blind_url}/v1/chat/completions", json={
+                            "model": policy, "messages": [{"role": "user", "content": f"blind-{c}-{i}"}]})
+                        assert answer.status_code == 200
+
+                await asyncio.gather(*(blind_client(c) for c in range(4)))
+            await blind.client.aclose()
+            assert sum(u.startswith("blind-") for _, u in slow.requests) == 12
     finally:
         await control.close()
 
