@@ -165,10 +165,10 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
                 continue
             for item in output.eval_input.eval_input_items:
                 trajectory = await self._trajectory(item, rewards.get(item.id), gen, index, run_id, meta)
-                if trajectory is None:
+                if isinstance(trajectory, str):
                     counts["items_without_turns"] += 1
                     if len(problems) < 5:
-                        problems.append(f"item {item.id}: no scored call of the target model in the target functions")
+                        problems.append(f"item {item.id}: {trajectory}")
                     continue
                 counts["trajectories"] += 1
                 by_example.setdefault(str(item.id), []).append(trajectory)
@@ -181,9 +181,10 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
         return TrajectoryCollection(trajectories=list(by_example.values()), run_id=run_id)
 
     async def _trajectory(self, item: Any, reward_item: Any, gen: Generation, index: int, run_id: str,
-                          meta: dict | None) -> Trajectory | None:
+                          meta: dict | None) -> Trajectory | str:
+        """The item's trajectory, or why it has none."""
         if reward_item is None:
-            return None
+            return "the reward evaluator did not score it"
         targets = None
         if self.run_config.target_model:
             targets = {m for m in (gen.model,) if m}
@@ -195,11 +196,11 @@ class RlstreamTrajectoryBuilder(TrajectoryBuilder):
         if len(conv.messages) < self.config.min_episode_length:
             log.warning("episode shorter than min_episode_length; item not trained on", item=item.id,
                         messages=len(conv.messages), min_episode_length=self.config.min_episode_length)
-            return None
+            return f"{len(conv.messages)} messages, fewer than min_episode_length {self.config.min_episode_length}"
         if not conv.turns:
             log.warning("no call of the target model in the target functions; item not trained on", item=item.id,
                         target_functions=self.run_config.target_functions, target_model=self.run_config.target_model)
-            return None
+            return "no call of the target model in the target functions"
         return Trajectory(
             episode=episode_of(conv), reward=await self.compute_reward(reward_item, meta=meta),
             metadata={"id": str(item.id), "reasoning": reward_item.reasoning, "run_id": run_id, "generation": index,

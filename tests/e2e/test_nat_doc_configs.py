@@ -171,7 +171,8 @@ def run_nat(workdir: Path, config_text: str, llm: str, server: VllmServer, *extr
     config.write_text(config_text if "rlstream_trainer" in config_text else with_rlstream_types(config_text))
     cmd = [NAT, "finetune", "--config_file", str(config), "-o", "finetuning.num_epochs", str(EPOCHS),
            "-o", f"llms.{llm}.base_url", server.base_url, "-o", f"llms.{llm}.model_name", SERVED_MODEL, *extra]
-    env = {**os.environ, "TRAINING_API_KEY": "unused"}
+    # the extending guide's LLM has no api_key: like its users, the environment carries one (vLLM checks none)
+    env = {**os.environ, "TRAINING_API_KEY": "unused", "OPENAI_API_KEY": "unused"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=workdir, env=env)
     with open(workdir / "nat.log", "a") as log_file:
         log_file.write(proc.stdout + proc.stderr)
@@ -215,9 +216,10 @@ def test_openpipe_basic_configuration_runs_twice_on_one_vllm(vllm: VllmServer, t
 def test_extending_complete_configuration(vllm: VllmServer, tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.json").write_text(json.dumps(toy_nat_dataset(4, seed=3)))
-    # base_model is not in this config: the model vLLM serves is trained (its /v1/models); the curriculum keeps
-    # every group with a reward spread (min_reward_diff 0) so that every epoch trains
-    proc = run_nat(tmp_path, COMPLETE_CONFIGURATION, "my_model", vllm,
+    # base_model is not in this config: the model vLLM serves is trained (its /v1/models). The workflow makes its
+    # tool call (4 messages: the guide's min_episode_length 3 drops the 2-message episodes of the plain workflow),
+    # and the curriculum keeps groups without a reward spread too (min_reward_diff 0), so that every epoch trains
+    proc = run_nat(tmp_path, COMPLETE_CONFIGURATION, "my_model", vllm, "-o", "workflow.use_tool", "true",
                    "-o", "finetuning.curriculum_learning.min_reward_diff", "0")
     for key in ("backend.endpoint", "backend.api_key"):
         assert f"key={key}" in proc.stdout + proc.stderr
