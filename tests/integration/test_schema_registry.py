@@ -20,9 +20,10 @@ from rlstream.learner.service import Learner
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.codec import SchemaRegistryUnavailable, codec_for
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import CallEvent, Message, Turn
+from rlstream.schemas.models import CallEvent, DecisionKind, Message, PromotionDecision, Turn
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.serving import publish_decision
 from tests.factories import make_reward, make_trajectory
 from tests.learner_helpers import tiny_model
 from tests.registry_server import RegistryServer, self_signed_certificate
@@ -105,6 +106,8 @@ def test_every_writer_and_reader_goes_through_the_registry(rl_config: RlstreamCo
         producer = make_producer(cfg.kafka)
         await producer.start()
         await producer.send_and_wait(names.trajectories, b"not avro at all", key=b"ex0")
+        await publish_decision(producer, codec_for(cfg), names.promotions, PromotionDecision(  # a gate's decision
+            policy=cfg.policy, version=1, decision=DecisionKind.reject, reason="registry check", decided_by="test"))
         await producer.stop()
 
     worker = Worker(cfg, "w1", tmp_path, **{"kafka.schema_registry_url": registry.url,
@@ -141,6 +144,7 @@ def test_every_writer_and_reader_goes_through_the_registry(rl_config: RlstreamCo
     assert len(groups) == 2
     assert [v["version"] for v in read[names.policy_versions]] == [1]
     assert [d["error_type"] for d in read[names.dlq]] == ["corrupt_payload"]
+    assert [(d["version"], d["decision"]) for d in read[names.promotions]] == [(1, "reject")]
     sources = {m["source"].split(":")[0] for m in read[names.metrics]}
     assert {"streams", "learner"} <= sources, sources
     assert not [k for k in registry.requests if k.endswith(" 401")], registry.requests
