@@ -28,7 +28,7 @@ import fastavro  # noqa: E402
 
 from rlstream.schemas.codec import AvroCodec, schema_json  # noqa: E402
 from rlstream.schemas.models import TrajectoryEvent  # noqa: E402
-from tests.factories import make_trajectory  # noqa: E402
+from bench.workload import make_trajectory  # noqa: E402
 
 NAME = TrajectoryEvent.avro_name
 

@@ -29,7 +29,7 @@ from rlstream.schemas.config import RlstreamConfig, load_config  # noqa: E402
 from rlstream.streams.app import prepare_topics  # noqa: E402
 from rlstream.streams.assembly import ClosedGroup  # noqa: E402
 from rlstream.transport.kafka import client_options, make_consumer  # noqa: E402
-from tests.streams_helpers import Worker  # noqa: E402
+from bench.workload import StreamsWorker  # noqa: E402
 
 PROCESSING_BEGAN = "sought to their progress markers"
 
@@ -85,7 +85,7 @@ async def raw_read_seconds(cfg: RlstreamConfig, records: int) -> float:
 
 def start_to_processing(cfg: RlstreamConfig, log_dir: Path, timeout_s: float) -> float:
     """Seconds from spawning worker "bench" to its first resync (it then stops)."""
-    worker = Worker(cfg, "bench", log_dir)
+    worker = StreamsWorker(cfg, "bench", log_dir)
     before = worker.log_path.read_text(errors="replace").count(PROCESSING_BEGAN) if worker.log_path.exists() else 0
     started = time.perf_counter()
     worker.start()

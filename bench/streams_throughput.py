@@ -31,8 +31,7 @@ from rlstream.schemas.config import RlstreamConfig, StreamsConfig, load_config  
 from rlstream.schemas.topics import TopicNames  # noqa: E402
 from rlstream.streams.app import prepare_topics  # noqa: E402
 from rlstream.streams.telemetry import percentile  # noqa: E402
-from tests.factories import make_trajectory  # noqa: E402
-from tests.streams_helpers import CODEC, Worker, publish  # noqa: E402
+from bench.workload import CODEC, StreamsWorker, make_trajectory, publish  # noqa: E402
 
 
 def events(cfg: RlstreamConfig, groups: int, size: int, prefix: str) -> list[tuple[str, bytes, bytes]]:
@@ -209,8 +208,8 @@ def main() -> None:
         names = TopicNames.from_config(cfg.topics)
         asyncio.run(prepare_topics(cfg))
         recs = [(names.trajectories, k, v) for _, k, v in recs]
-        worker = Worker(cfg, "bench", tmp, **{"streams.commit_interval_s": args.commit_interval,
-                                              "streams.group_commit_delay_s": args.group_commit_delay}).start()
+        worker = StreamsWorker(cfg, "bench", tmp, **{"streams.commit_interval_s": args.commit_interval,
+                                                     "streams.group_commit_delay_s": args.group_commit_delay}).start()
         warm = events(cfg, 1, args.group_size, "warm")
         asyncio.run(publish(cfg, warm))
         asyncio.run(wait_groups(cfg, names.groups, 1))  # worker joined, recovered and running

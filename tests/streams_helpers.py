@@ -6,45 +6,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from aiokafka import TopicPartition
 
-from rlstream.transport.kafka import make_consumer, make_producer
+from rlstream.transport.kafka import make_consumer
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup, WireModel
 from rlstream.transport import aborted_index
 from rlstream.transport import metric_names as mn
+from bench.workload import publish, worker_overrides
 from tests.child_process import ChildProcess
 
 CODEC = AvroCodec()
 # the readers below use read_committed: keep them from dropping records committed after an aborted transaction
 # (a killed worker's) on the local broker (see rlstream/transport/aborted_index.py)
 aborted_index.install()
-
-
-def worker_overrides(cfg: RlstreamConfig, **extra: Any) -> list[str]:
-    """The -o pairs that point a worker process at the test's broker, topics and app id."""
-    base = {
-        "kafka.bootstrap_servers": cfg.kafka.bootstrap_servers,
-        "kafka.session_timeout_ms": cfg.kafka.session_timeout_ms,
-        "redis.url": cfg.redis.url,
-        "topics.prefix": cfg.topics.prefix,
-        "topics.partitions": cfg.topics.partitions,
-        "run_id": cfg.run_id,
-        "policy": cfg.policy,
-        "streams.app_id": cfg.streams.app_id,
-        "streams.data_dir": str(cfg.streams.data_dir),
-        "streams.tick_interval_s": 0.5,
-        "streams.commit_interval_s": 0.5,
-        "streams.metrics_interval_s": 1.0,
-    }
-    base.update(extra)
-    args: list[str] = []
-    for k, v in base.items():
-        args += ["-o", k, str(v)]
-    return args
 
 
 class Worker(ChildProcess):
@@ -88,22 +66,6 @@ async def remove_dead_member(cfg: RlstreamConfig, worker_id: str, timeout_s: flo
                 await asyncio.sleep(0.5)
     finally:
         await admin.close()
-
-
-async def publish(cfg: RlstreamConfig, records: Iterable[tuple[str, bytes | None, bytes | None]],
-                  pace_every: int = 0, pace_s: float = 0.0) -> None:
-    """Send (topic, key, value) records in order with an idempotent producer."""
-    producer = make_producer(cfg.kafka, linger_ms=5)
-    await producer.start()
-    try:
-        futures = []
-        for i, (topic, key, value) in enumerate(records):
-            futures.append(await producer.send(topic, value, key=key))
-            if pace_every and (i + 1) % pace_every == 0:
-                await asyncio.sleep(pace_s)
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
 
 
 async def read_all(cfg: RlstreamConfig, topic: str, model: type[WireModel], expect: int | None = None,
