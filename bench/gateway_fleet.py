@@ -183,7 +183,7 @@ async def stitch_latency(http: httpx.AsyncClient, url: str, watch: TrajectoryWat
 
 
 async def run_fleet(args: argparse.Namespace) -> None:
-    from tests.fleet_support import RoundRobinProxy
+    from bench.balancer import RoundRobinProxy
 
     import tempfile
 

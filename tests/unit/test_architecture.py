@@ -51,3 +51,25 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, state
     assert proc.returncode != 0
     broken = [line for line in proc.stdout.splitlines() if line.endswith("BROKEN")]
     assert any(line.startswith(contract) for line in broken), proc.stdout
+
+
+def bench_imports_of_tests(tree: Path) -> list[str]:
+    """Imports of the test suite (``tests``) in the benchmarks under ``tree/bench``: benchmarks use only rlstream and
+    their own modules (the tests may import bench, not the reverse)."""
+    import ast
+
+    found = []
+    for path in sorted((tree / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(tree)}: {name}" for name in names if name.split(".")[0] == "tests"]
+    return found
+
+
+
+def test_bench_imports_no_test_helpers(tmp_path: Path) -> None:
+    assert bench_imports_of_tests(ROOT) == []
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "planted.py").write_text("def f():\n    from tests.factories import make_trajectory\n")
+    assert bench_imports_of_tests(tmp_path) == ["bench/planted.py: tests.factories"]  # the negative control
