@@ -22,8 +22,8 @@ from rlstream.ops.live import LiveFigures, Watcher, render
 from rlstream.ops.ports import free_port
 from rlstream.ops.summary import summarize
 from rlstream.ops.supervisor import Supervisor, rlstream_command
-from rlstream.ops.up_config import (TOY_DEFAULTS, UpOptions, _task_users_args, _task_vllm_args, compose_config,
-                                    task_inputs)
+from rlstream.ops.up_config import (TOY_DEFAULTS, UpOptions, compose_config, task_inputs, task_users_args,
+                                    task_vllm_args)
 from rlstream.ops.version_plot import write_plot
 from rlstream.rollout.gateway.auth import API_KEYS_ENV
 from rlstream.rollout.users import USERS_API_KEY_ENV
@@ -131,7 +131,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         vllm_key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
         remember_secret(vllm_key)
         vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm", api_key=vllm_key,
-                                 extra_args=_task_vllm_args(opts, run_dir))
+                                 extra_args=task_vllm_args(opts, run_dir))
         sup.extra_pids["vllm"] = vllm.pid
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset, vllm_api_key=vllm_key)
@@ -173,7 +173,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             low, high = opts.feedback_delay_s
             sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
                                                 "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s",
-                                                str(high), *_task_users_args(opts)))
+                                                str(high), *task_users_args(opts)))
         else:
             sup.spawn("rollout", rlstream_command("rollout", "run", *c))
         try:

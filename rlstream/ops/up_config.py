@@ -153,7 +153,7 @@ def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None)
     return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)
 
 
-def _task_vllm_args(opts: UpOptions, run_dir: Path) -> list[str]:
+def task_vllm_args(opts: UpOptions, run_dir: Path) -> list[str]:
     """vLLM options the task needs: the tool task's chat template and tool-call parser."""
     if opts.config is not None or opts.task != "tool-agent":
         return []
@@ -164,6 +164,6 @@ def _task_vllm_args(opts: UpOptions, run_dir: Path) -> list[str]:
     return ["--chat-template", str(template), "--tool-call-parser", TOOL_CALL_PARSER]
 
 
-def _task_users_args(opts: UpOptions) -> list[str]:
+def task_users_args(opts: UpOptions) -> list[str]:
     """``rlstream rollout users`` options the task needs: the tool task's users run its agent."""
     return ["--agent", "rlstream.ops.tool_task:tool_agent"] if opts.task == "tool-agent" else []

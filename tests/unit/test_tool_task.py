@@ -113,7 +113,7 @@ def test_the_chat_template_writes_tool_calls_back_in_the_format_the_parser_reads
 
 def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter(tmp_path: Path) -> None:
     from rlstream.ops.infra import LocalStack, ServiceProcess
-    from rlstream.ops.up import UpOptions, _task_users_args, _task_vllm_args, compose_config
+    from rlstream.ops.up_config import UpOptions, compose_config, task_users_args, task_vllm_args
 
     stack = LocalStack(kafka=ServiceProcess("kafka", "127.0.0.1:1", external=True),
                        redis=ServiceProcess("redis", "redis://127.0.0.1:2/0", external=True), root="/tmp")
@@ -122,11 +122,11 @@ def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter
     assert cfg.rollout.workflow == "rlstream.ops.tool_task:tool_agent"
     assert cfg.rollout.reward_function == "rlstream.ops.tool_task:tool_reward"
     assert cfg.learner.lora.enabled and cfg.learner.groups_per_step == 8
-    args = _task_vllm_args(opts, tmp_path)
+    args = task_vllm_args(opts, tmp_path)
     assert args[0] == "--chat-template" and Path(args[1]).read_text().startswith("{%- for message")
     assert args[2:] == ["--tool-call-parser", "hermes"]
-    assert _task_users_args(opts) == ["--agent", "rlstream.ops.tool_task:tool_agent"]
+    assert task_users_args(opts) == ["--agent", "rlstream.ops.tool_task:tool_agent"]
     toy = UpOptions(model="smollm2")  # the toy task stays the default and needs neither
-    assert _task_vllm_args(toy, tmp_path) == [] and _task_users_args(toy) == []
+    assert task_vllm_args(toy, tmp_path) == [] and task_users_args(toy) == []
     toy_cfg, _ = compose_config(toy, "run-u", tmp_path, stack, tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert toy_cfg.rollout.reward_function == "rlstream.ops.toy:toy_strict_reward"
