@@ -234,6 +234,7 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
     three model calls. A workflow (``rollout.workflow``) as well as what the simulated users run."""
     from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
                         set_tracing_disabled)
+    from agents.exceptions import AgentsException
     from agents.items import ToolCallItem, ToolCallOutputItem
 
     set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
@@ -254,7 +255,8 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
         result = await Runner.run(agent, [*DEMONSTRATION, {"role": "user", "content": question}], max_turns=3)
         items = list(result.new_items)
         episode.final_answer = str(result.final_output or "")
-    except Exception as exc:  # the model's own failures (an unknown tool, no answer in 3 calls) score as such
+    except AgentsException as exc:  # the model's own failures (an unknown tool, no answer in 3 calls) score as such;
+        # the server's (openai.APIError: connection, timeout, 5xx) propagate: they say nothing about the model
         episode.error = f"{type(exc).__name__}: {exc}"
         run_data = getattr(exc, "run_data", None)
         items = list(getattr(run_data, "new_items", None) or [])

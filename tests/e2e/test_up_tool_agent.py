@@ -24,7 +24,9 @@ from rlstream.schemas.models import TrajectoryEvent, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 
-DURATION_S = 150
+#: an upper bound: the run stops once version 1 has been scored on the held-out prompts (a LoRA step of SmolLM2 on
+#: two multi-turn episodes takes a minute or more on a loaded 2-core machine)
+DURATION_S = 420
 
 
 async def every_record(cfg: Any, topic: str, model: type) -> list[Any]:
@@ -42,9 +44,13 @@ async def every_record(cfg: Any, topic: str, model: type) -> list[Any]:
 
 
 def tool_exchange(event: TrajectoryEvent) -> tuple[dict[str, Any], str] | None:
-    """(the first lookup call's arguments, the tool message that follows it) of a trajectory, if it has one."""
+    """(the first lookup call's arguments, the tool message that follows it) of a trajectory, if it has one: after
+    the question (the last user message; the worked exchanges before it are part of the prompt)."""
     messages = event.messages
+    question = max((i for i, m in enumerate(messages) if m.role == "user"), default=0)
     for i, message in enumerate(messages[:-1]):
+        if i <= question:
+            continue
         calls = [c for c in (message.tool_calls or []) if c.name == TOOL_NAME]
         if message.role == "assistant" and calls and messages[i + 1].role == "tool":
             try:
@@ -64,6 +70,7 @@ def smollm2_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models
 
 
+@pytest.mark.timeout(DURATION_S + 900)
 def test_tool_agent_sessions_through_the_gateway_are_trained_as_multi_turn_trajectories(
         local_stack: LocalStack, own_redis_url: str, tmp_path: Path, unique: str, smollm2_models: Path) -> None:
     from rlstream.schemas.config import load_config
@@ -75,8 +82,8 @@ def test_tool_agent_sessions_through_the_gateway_are_trained_as_multi_turn_traje
     env = {**os.environ, "RLSTREAM_KAFKA_BOOTSTRAP": local_stack.bootstrap, "RLSTREAM_REDIS_URL": own_redis_url}
     cmd = [sys.executable, "-m", "rlstream.cli", "up", "--model", "smollm2", "--task", "tool-agent",
            "--traffic", "production", "--duration", str(DURATION_S), "--until-version", "1", "--no-live", "--no-gate",
-           "--feedback-min-s", "1", "--feedback-max-s", "5", "--heldout", "3", "--runs-dir", str(runs),
-           "-o", "learner.groups_per_step", "4", "-o", "topics.prefix", prefix,
+           "--feedback-min-s", "1", "--feedback-max-s", "5", "--heldout", "2", "--runs-dir", str(runs),
+           "-o", "learner.groups_per_step", "2", "-o", "topics.prefix", prefix,
            "-o", "streams.app_id", f"streams-{unique}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -130,3 +130,17 @@ def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter
     assert task_vllm_args(toy, tmp_path) == [] and task_users_args(toy) == []
     toy_cfg, _ = compose_config(toy, "run-u", tmp_path, stack, tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert toy_cfg.rollout.reward_function == "rlstream.ops.toy:toy_strict_reward"
+
+
+async def test_an_unreachable_server_is_an_error_not_a_failed_episode() -> None:
+    """A connection failure says nothing about the model: the agent raises it (the held-out evaluation retries the
+    version, a simulated user counts an error) instead of scoring an empty episode 0."""
+    import openai
+
+    from rlstream.ops.tool_task import tool_agent
+    from rlstream.rollout.sampling import SamplingSettings
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0, timeout=5.0)
+    with pytest.raises(openai.APIConnectionError):
+        await tool_agent(EXAMPLE, client, SamplingSettings(model="toy", temperature=0.7, max_tokens=8))
+    await client.close()
