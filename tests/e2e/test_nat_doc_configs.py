@@ -206,8 +206,14 @@ def test_openpipe_basic_configuration_runs_twice_on_one_vllm(vllm: VllmServer, t
     for key in ("backend.ip", "backend.port", "backend.api_key"):
         assert f"key={key}" in first.stdout + first.stderr
     assert_trained_every_epoch(first, tmp_path / ".tmp" / "nat" / "finetuning" / "output")
-    second = run_nat(tmp_path, BASIC_CONFIGURATION, "training_llm", vllm)
+    assert {json.loads(x)["num_groups"] for x in (tmp_path / ".tmp" / "nat" / "finetuning" / "output" /
+                                                   TRAINING_METRICS).read_text().splitlines()} == {3}
+    # the second run takes NAT's --dataset (2 examples instead of the config's 3)
+    (tmp_path / "other.json").write_text(json.dumps(toy_nat_dataset(2, seed=7)))
+    second = run_nat(tmp_path, BASIC_CONFIGURATION, "training_llm", vllm, "--dataset", "other.json")
     assert_trained_every_epoch(second, tmp_path / ".tmp" / "nat" / "finetuning" / "output")
+    assert {json.loads(x)["num_groups"] for x in (tmp_path / ".tmp" / "nat" / "finetuning" / "output" /
+                                                   TRAINING_METRICS).read_text().splitlines()} == {2}
     # each run's versions have their own adapter names (project prefix, a per-run id): none was refused
     runs = {n.rsplit("-v", 1)[0] for n in set(served_names(vllm)) - before if n.startswith("my_project-")}
     assert len(runs) == 2, served_names(vllm)
