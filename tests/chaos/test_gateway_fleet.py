@@ -19,8 +19,8 @@ from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from tests.chaos.test_gateway_spool import GatewayProcess, eventually, explained, stats, stub_upstream
-from tests.fleet_support import RoundRobinProxy
-from tests.streams_helpers import Worker, read_all
+from tests.support.fleet_support import RoundRobinProxy
+from tests.support.streams_helpers import Worker, read_all
 
 SESSIONS = 7  # odd: with one connection per call, round robin alternates each session's calls between the gateways
 TURNS = 4

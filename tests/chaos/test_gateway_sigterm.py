@@ -21,7 +21,7 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from tests.chaos.test_gateway_spool import MESSAGES, GatewayProcess, eventually, explained, stats
-from tests.learner_helpers import read_whole_topic
+from tests.support.learner_helpers import read_whole_topic
 
 SESSIONS = 21_000
 

@@ -27,8 +27,8 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import create_topics
-from tests.child_process import ChildProcess
-from tests.learner_helpers import read_whole_topic
+from tests.support.child_process import ChildProcess
+from tests.support.learner_helpers import read_whole_topic
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say ok."}]
 

@@ -17,7 +17,7 @@ from rlstream.transport.control import ControlPlane
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion
 from rlstream.schemas.topics import TopicNames
-from tests.learner_helpers import produce_groups, random_group, read_topic, tiny_model
+from tests.support.learner_helpers import produce_groups, random_group, read_topic, tiny_model
 
 N_GROUPS, PER_STEP, TOTAL_STEPS = 12, 2, 6
 

@@ -26,7 +26,7 @@ from rlstream.schemas.config import RlstreamConfig, dump_config
 from rlstream.schemas.models import PolicyVersion
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import create_topics, make_producer
-from tests.learner_helpers import random_group, read_whole_topic, tiny_model
+from tests.support.learner_helpers import random_group, read_whole_topic, tiny_model
 
 GROUPS_PER_STEP = 2
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -15,7 +15,7 @@ from rlstream.schemas.config import RlstreamConfig, dump_config
 from rlstream.schemas.models import PolicyVersion
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
-from tests.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
+from tests.support.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
 
 LEASE_TTL_S = 3.0
 

@@ -20,7 +20,7 @@ from rlstream.schemas.models import MetricEvent, PolicyVersion
 from rlstream.transport import metric_names as mn
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
-from tests.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
+from tests.support.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
 
 OUTAGE_S = 60.0
 STEPS = 6

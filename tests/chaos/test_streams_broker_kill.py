@@ -6,7 +6,7 @@ transaction state across a SIGKILL, and a transaction the worker resumed on the 
 partitions' last stable offsets back for good (tests/integration/test_broker_transaction_restart.py). It is then
 restarted, as compose's `restart: unless-stopped` or any supervisor would, and resumes from the committed state:
 what the interrupted transaction wrote is never visible (the restarted broker aborts it), what it had applied is
-applied again once. The broker is killed once it has saved the published half (tests/broker_saves.py): noida-db loses
+applied again once. The broker is killed once it has saved the published half (tests/support/broker_saves.py): noida-db loses
 what it acknowledged after its last save, Apache Kafka does not."""
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.broker_saves import wait_for_broker_save
-from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_groups,
+from tests.support.broker_saves import wait_for_broker_save
+from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_groups,
                                    wait_for_count)
 
 

@@ -12,8 +12,8 @@ import pytest
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.factories import make_reward, make_trajectory
-from tests.streams_helpers import CODEC, Worker, publish, read_dead_letters, read_groups, wait_for_count
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.streams_helpers import CODEC, Worker, publish, read_dead_letters, read_groups, wait_for_count
 
 REWARDS = [0.2, 0.8, 0.5, 0.9, 0.1, 0.6]
 SETTINGS = {"streams.group_timeout_s": 2, "streams.min_reward_diff": 0}

@@ -26,7 +26,7 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.streams_helpers import Worker, interleaved_stream, publish, read_dead_letters, read_groups
+from tests.support.streams_helpers import Worker, interleaved_stream, publish, read_dead_letters, read_groups
 
 EXAMPLES, GROUP_SIZE = 5_000, 4  # 20,000 trajectories minus the ones that never come
 SHORT_EVERY = 25  # every 25th group misses a member: it leaves on its timeout

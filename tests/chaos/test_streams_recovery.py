@@ -16,7 +16,7 @@ from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.streams.app import prepare_topics
-from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
+from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
                                    remove_dead_member, wait_for_count, wait_for_worker_events)
 
 

@@ -19,7 +19,7 @@ from rlstream.ops.infra import ServiceProcess, start_kafka
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_groups,
+from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_groups,
                                    wait_for_count)
 
 STOP_WITHIN_S = 10.0

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_dead_letters,
+from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_dead_letters,
                                    read_groups, remove_dead_member, wait_for_worker_events)
 
 #: The zombie never commits before it is stopped: everything it wrote is in its open transactions.

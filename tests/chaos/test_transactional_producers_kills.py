@@ -34,10 +34,10 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_producer
-from tests.child_process import ChildProcess
-from tests.factories import make_reward, make_trajectory
-from tests.learner_helpers import tiny_model
-from tests.streams_helpers import Worker, read_all, read_dead_letters, read_groups
+from tests.support.child_process import ChildProcess
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.learner_helpers import tiny_model
+from tests.support.streams_helpers import Worker, read_all, read_dead_letters, read_groups
 
 PRODUCERS, TRANSACTIONS, GROUP_SIZE = 3, 12, 4
 ABORTED_PER_PRODUCER = TRANSACTIONS // 3

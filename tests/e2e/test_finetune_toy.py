@@ -26,7 +26,7 @@ from rlstream.schemas.config import CurriculumConfig, RlstreamConfig
 from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent, TrajectoryGroup, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.curriculum import keep_count, percentile_schedule
-from tests.learner_helpers import read_whole_topic
+from tests.support.learner_helpers import read_whole_topic
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
 
 vllm = vllm_fixture()

@@ -18,7 +18,7 @@ from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.sessions import session_trajectory_id
 from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture
-from tests.streams_helpers import Worker, read_all
+from tests.support.streams_helpers import Worker, read_all
 
 vllm = vllm_fixture()
 

@@ -17,7 +17,7 @@ from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent, TrajectorySource
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, max_abs_diff, reference_logprobs,
                                     tiny_model_dir, vllm_fixture)
-from tests.learner_helpers import read_topic
+from tests.support.learner_helpers import read_topic
 
 vllm = vllm_fixture()
 PICK_LETTER = {"type": "function", "name": "pick_letter", "description": "Choose the letter to write.",

@@ -25,7 +25,7 @@ from rlstream.ops.vllm import VllmServer
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, PolicyVersion, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
-from tests.learner_helpers import read_whole_topic
+from tests.support.learner_helpers import read_whole_topic
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
 
 pytestmark = pytest.mark.nat

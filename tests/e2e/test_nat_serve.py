@@ -22,7 +22,7 @@ from rlstream.rollout.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture
-from tests.learner_helpers import read_topic
+from tests.support.learner_helpers import read_topic
 
 pytestmark = pytest.mark.nat
 vllm = vllm_fixture()

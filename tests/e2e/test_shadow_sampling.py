@@ -19,8 +19,8 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup, TrajectorySource, Turn
 from rlstream.schemas.topics import TopicNames
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture
-from tests.learner_helpers import read_whole_topic
-from tests.streams_helpers import Worker, read_groups
+from tests.support.learner_helpers import read_whole_topic
+from tests.support.streams_helpers import Worker, read_groups
 
 vllm = vllm_fixture()
 GROUP_SIZE = 3

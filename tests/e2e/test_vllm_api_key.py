@@ -23,8 +23,8 @@ from rlstream.schemas.models import TrajectoryEvent, WeightsKind
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from tests.e2e.vllm_support import SERVED_MODEL, make_lora_version, policy_version, tiny_model_dir, wait_until
-from tests.learner_helpers import read_topic
-from tests.version_helpers import announce_versions
+from tests.support.learner_helpers import read_topic
+from tests.support.version_helpers import announce_versions
 
 KEY = "vllm-test-key-5b1e"
 MESSAGES = [{"role": "user", "content": "Say b."}]

@@ -41,8 +41,8 @@ from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane, Lease
 from rlstream.transport.serving import NotForward, ServingControl, move_serving_when_loaded
 from tests.e2e.vllm_support import SERVED_MODEL, make_lora_version, tiny_model_dir, vllm_fixture, wait_until
-from tests.streams_helpers import read_all
-from tests.version_helpers import announce_versions
+from tests.support.streams_helpers import read_all
+from tests.support.version_helpers import announce_versions
 
 vllm = vllm_fixture()
 MESSAGES = [{"role": "user", "content": "Say b."}]

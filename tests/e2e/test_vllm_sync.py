@@ -24,7 +24,7 @@ from rlstream.schemas.topics import TopicNames
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, make_full_version, make_lora_version,
                                     max_abs_diff, policy_version, reference_logprobs, tiny_model_dir, vllm_fixture,
                                     wait_until)
-from tests.version_helpers import announce_versions
+from tests.support.version_helpers import announce_versions
 
 vllm = vllm_fixture()
 MESSAGES = [{"role": "user", "content": "Say b again and again."}]

@@ -32,7 +32,7 @@ from rlstream.transport.kafka import create_topics, make_consumer, make_producer
 from rlstream.transport.topic_reader import partitions_of, read_to_end
 from rlstream.transport.trusted_versions import record_digest
 from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture, wait_until
-from tests.learner_helpers import produce_groups, random_group
+from tests.support.learner_helpers import produce_groups, random_group
 
 vllm = vllm_fixture()
 LEASE_TTL_S = 3.0

@@ -3,7 +3,7 @@
 The first test pins the embedded broker's behaviour that makes it necessary: a transactional producer that carries
 on after a broker SIGKILL and restart leaves its partition's last stable offset stuck for good. The second shows the
 watch tells a killed broker from a live one. The third pins why the tests that SIGKILL the broker wait for its save
-first (tests/broker_saves.py): what it acknowledged after its last save is gone after a SIGKILL."""
+first (tests/support/broker_saves.py): what it acknowledged after its last save is gone after a SIGKILL."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +20,7 @@ from rlstream.ops.ports import free_port
 from rlstream.streams.exactly_once.broker_watch import BrokerConnectionWatch, first_bootstrap_address
 from rlstream.schemas.config import KafkaConfig
 from rlstream.transport.kafka import make_consumer
-from tests.broker_saves import wait_for_broker_save
+from tests.support.broker_saves import wait_for_broker_save
 
 TOPIC = TopicPartition("resumed", 0)
 

@@ -22,7 +22,7 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_producer
 from rlstream.transport.serving import ReplicaAck, ServingControl
 from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()

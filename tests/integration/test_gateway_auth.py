@@ -25,7 +25,7 @@ from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
-from tests.learner_helpers import read_topic
+from tests.support.learner_helpers import read_topic
 
 POLICY = "toy"
 SECRET = "s" * 32

@@ -19,7 +19,7 @@ from rlstream.rollout.gateway.config import GatewayConfig
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.integration.test_gateway_auth import canned_upstream
-from tests.learner_helpers import read_topic
+from tests.support.learner_helpers import read_topic
 
 POLICY = "toy"
 ACME = "acme-key-0123456789abcd"

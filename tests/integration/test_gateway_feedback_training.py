@@ -28,8 +28,8 @@ from rlstream.schemas.models import PolicyVersion, RewardEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.app import prepare_topics
-from tests.learner_helpers import read_topic, tiny_model
-from tests.streams_helpers import Worker, read_dead_letters, read_groups
+from tests.support.learner_helpers import read_topic, tiny_model
+from tests.support.streams_helpers import Worker, read_dead_letters, read_groups
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from rlstream.rollout.routing import FleetRouter
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl
-from tests.fleet_support import canned_replica
+from tests.support.fleet_support import canned_replica
 
 
 class Discard:

@@ -17,7 +17,7 @@ from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
-from tests.learner_helpers import read_whole_topic
+from tests.support.learner_helpers import read_whole_topic
 from tests.unit.test_gateway_sessions import USER, fake_upstream
 
 

@@ -19,8 +19,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_producer
-from tests.learner_helpers import read_topic
-from tests.version_helpers import announce_versions, register_committed
+from tests.support.learner_helpers import read_topic
+from tests.support.version_helpers import announce_versions, register_committed
 
 CODEC = AvroCodec()
 

@@ -14,7 +14,7 @@ from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 
 
 async def test_create_topics_is_idempotent_with_configured_partitions(rl_config: RlstreamConfig) -> None:

@@ -15,7 +15,7 @@ from rlstream.transport.control import ControlPlane
 from rlstream.ops.toy import held_out_toy_reward, sample_completions, toy_dataset, toy_reward
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
-from tests.learner_helpers import make_group, produce_groups, tiny_model
+from tests.support.learner_helpers import make_group, produce_groups, tiny_model
 
 GROUP_SIZE, PROMPTS_PER_STEP, STEPS, MAX_NEW = 4, 8, 24, 8
 

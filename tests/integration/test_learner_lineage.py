@@ -20,7 +20,7 @@ from rlstream.schemas.models import (DeadLetter, MetricEvent, PolicyVersion, Sou
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.kafka import make_producer
-from tests.learner_helpers import random_group, read_topic, tiny_model
+from tests.support.learner_helpers import random_group, read_topic, tiny_model
 
 CODEC = AvroCodec()
 PARTITION = 0

@@ -21,7 +21,7 @@ from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion, WeightsKind
 from rlstream.schemas.topics import TopicNames
-from tests.learner_helpers import produce_groups, random_group, random_samples, read_topic, tiny_model
+from tests.support.learner_helpers import produce_groups, random_group, random_samples, read_topic, tiny_model
 
 
 def _configure(cfg: RlstreamConfig, model: Path, lora: bool, steps: int) -> RlstreamConfig:

@@ -13,8 +13,8 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
-from tests.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
-from tests.trackers import mlflow_history, offline_tracking_env, wandb_history
+from tests.support.learner_helpers import produce_groups, random_group, read_whole_topic, tiny_model
+from tests.support.trackers import mlflow_history, offline_tracking_env, wandb_history
 
 STEPS = 2
 

@@ -16,7 +16,7 @@ from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.kafka import make_producer
-from tests.learner_helpers import random_group, read_topic, read_whole_topic, tiny_model
+from tests.support.learner_helpers import random_group, read_topic, read_whole_topic, tiny_model
 
 CODEC = AvroCodec()
 PARTITION = 0

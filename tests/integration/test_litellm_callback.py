@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion
 from rlstream.integrations.litellm import RlstreamLogger
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent, TrajectorySource
-from tests.learner_helpers import read_topic
+from tests.support.learner_helpers import read_topic
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Repeat the letter c."}]
 

@@ -18,8 +18,8 @@ from rlstream.ops.replay import Position, parse_position, replay_group_id, repla
 from rlstream.schemas.config import dump_config
 from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
 from rlstream.transport.topic_reader import TopicMissingError
-from tests.factories import make_trajectory
-from tests.ops_helpers import publish, read_all
+from tests.support.factories import make_trajectory
+from tests.support.ops_helpers import publish, read_all
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ async def test_parquet_loads_in_datasets_and_trains_one_trl_sft_step(rl_config, 
     from trl import SFTConfig, SFTTrainer
     from trl.data_utils import maybe_apply_chat_template
 
-    from tests.learner_helpers import tiny_model
+    from tests.support.learner_helpers import tiny_model
 
     events = varied(rl_config.run_id, "sft", 6)
     placed = await publish(rl_config, created_topics.trajectories, events, by_key)

@@ -9,7 +9,7 @@ from rlstream.transport.kafka import make_producer
 from rlstream.transport.metrics import MetricsPublisher, prometheus_name, start_prometheus, stop_prometheus
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import MetricEvent
-from tests.ops_helpers import read_all
+from tests.support.ops_helpers import read_all
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -9,8 +9,8 @@ import pytest
 
 from rlstream.ops.replay import Position, ReplayFilter, ReplayError, parse_position, replay, replay_group_id, replay_trajectory_id
 from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
-from tests.factories import make_reward, make_trajectory
-from tests.ops_helpers import publish, publish_raw, read_all
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.ops_helpers import publish, publish_raw, read_all
 
 NEW_RUN = "replay-run"
 

@@ -12,9 +12,9 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_consumer
 from rlstream.schemas.config import dump_config
 from rlstream.schemas.models import MetricEvent, PolicyVersion, TrajectoryEvent
-from tests.factories import make_trajectory
-from tests.ops_helpers import ops_app, publish, read_all
-from tests.version_helpers import announce_versions
+from tests.support.factories import make_trajectory
+from tests.support.ops_helpers import ops_app, publish, read_all
+from tests.support.version_helpers import announce_versions
 
 
 def config_file(rl_config, tmp_path) -> str:

@@ -11,10 +11,10 @@ from rlstream.ops.tail import TailOptions, run_tail
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import dump_config
 from rlstream.schemas.models import DeadLetter, MetricEvent, PolicyVersion, TrajectoryGroup
-from tests.factories import make_trajectory
-from tests.ops_helpers import publish, publish_raw
-from tests.ops_helpers import ops_app
-from tests.version_helpers import announce_versions
+from tests.support.factories import make_trajectory
+from tests.support.ops_helpers import publish, publish_raw
+from tests.support.ops_helpers import ops_app
+from tests.support.version_helpers import announce_versions
 
 CODEC = AvroCodec()
 

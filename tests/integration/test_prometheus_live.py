@@ -15,8 +15,8 @@ from rlstream.ops.ports import free_port
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.factories import make_trajectory
-from tests.streams_helpers import CODEC, Worker, interleaved_stream, publish, wait_for_count
+from tests.support.factories import make_trajectory
+from tests.support.streams_helpers import CODEC, Worker, interleaved_stream, publish, wait_for_count
 from tests.unit.test_prometheus_assets import SERIES_NAME, alert_rules, dashboard_expressions
 
 

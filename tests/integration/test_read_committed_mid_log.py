@@ -3,7 +3,7 @@
 noida-db lists, in every fetch, also the aborted transactions of the partition that ended before the fetch offset
 (rlstream/transport/aborted_index.py). A plain aiokafka read_committed consumer placed after such an ABORT marker
 takes the transaction for still open and drops that producer's later committed records. Each case pins that with a
-plain consumer in a process without rlstream's guard (tests/unguarded_reader.py) and shows that rlstream's reader
+plain consumer in a process without rlstream's guard (tests/support/unguarded_reader.py) and shows that rlstream's reader
 and gate probe, a restarted streams worker and a resumed learner hand on every committed record. The last test:
 offsets that cannot be proven to hold only transaction markers and aborted records stop a streams worker's
 partition loudly (error log, ``streams.unproven_gaps``) instead of being skipped.
@@ -34,9 +34,9 @@ from rlstream.transport import metric_names as mn
 from rlstream.transport.aborted_index import GapProof, GapVerdict
 from rlstream.transport.kafka import client_options, make_consumer, make_producer
 from rlstream.transport.topic_reader import open_reader, read_slice
-from tests.learner_helpers import random_group, read_topic, tiny_model
-from tests.streams_helpers import Worker, assert_groups_match, interleaved_stream, read_dead_letters, read_groups
-from tests.unguarded_reader import unguarded_offsets
+from tests.support.learner_helpers import random_group, read_topic, tiny_model
+from tests.support.streams_helpers import Worker, assert_groups_match, interleaved_stream, read_dead_letters, read_groups
+from tests.support.unguarded_reader import unguarded_offsets
 
 CODEC = AvroCodec()
 PARTITION = 0

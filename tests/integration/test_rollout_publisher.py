@@ -15,7 +15,7 @@ from rlstream.schemas.codec import AvroCodec, PayloadTooLargeError
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 
 async def read_all(cfg: RlstreamConfig, topic: str) -> list[tuple[bytes, bytes]]:

@@ -1,7 +1,7 @@
 """Every writer registers its schemas with the configured registry (basic auth, TLS) under Confluent's
 TopicNameStrategy subjects and writes the Confluent wire format; every reader resolves the ids; confluent-kafka's own
 deserializer reads every record. The registry is confluent-kafka's registry store behind its REST API
-(tests/registry_server.py): no registry server installs here."""
+(tests/support/registry_server.py): no registry server installs here."""
 from __future__ import annotations
 
 import asyncio
@@ -24,10 +24,10 @@ from rlstream.schemas.models import CallEvent, DecisionKind, Message, PromotionD
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.serving import publish_decision
-from tests.factories import make_reward, make_trajectory
-from tests.learner_helpers import tiny_model
-from tests.registry_server import RegistryServer, self_signed_certificate
-from tests.streams_helpers import Worker
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.learner_helpers import tiny_model
+from tests.support.registry_server import RegistryServer, self_signed_certificate
+from tests.support.streams_helpers import Worker
 
 USER, PASSWORD = "rlstream", "registry-secret"
 

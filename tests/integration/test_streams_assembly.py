@@ -16,10 +16,10 @@ from rlstream.schemas.models import DeadLetter, GroupCompletion, Message, Metric
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.app import prepare_topics
-from tests.factories import make_reward, make_trajectory
-from tests.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, publish, read_all,
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, publish, read_all,
                                    read_dead_letters, read_groups)
-from tests.version_helpers import announce_versions
+from tests.support.version_helpers import announce_versions
 
 
 @pytest.fixture

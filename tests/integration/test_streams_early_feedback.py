@@ -10,9 +10,9 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport import metric_names as mn
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 from tests.integration.test_streams_assembly import wait_for_metrics
-from tests.streams_helpers import CODEC, Worker, publish, read_groups
+from tests.support.streams_helpers import CODEC, Worker, publish, read_groups
 
 
 def test_feedback_before_its_trajectory_is_held_corrected_and_joins(rl_config: RlstreamConfig,

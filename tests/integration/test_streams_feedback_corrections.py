@@ -11,9 +11,9 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.app import prepare_topics
 from rlstream.transport import metric_names as mn
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 from tests.integration.test_streams_assembly import wait_for_metrics
-from tests.streams_helpers import CODEC, Worker, publish, read_dead_letters, read_groups
+from tests.support.streams_helpers import CODEC, Worker, publish, read_dead_letters, read_groups
 
 
 def test_a_correction_before_and_after_the_group_left(rl_config: RlstreamConfig, tmp_path: Path) -> None:

@@ -20,9 +20,9 @@ from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.app import prepare_topics
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 from tests.integration.test_streams_poison_pills import watch_dlq
-from tests.streams_helpers import CODEC, Worker, publish, read_groups
+from tests.support.streams_helpers import CODEC, Worker, publish, read_groups
 
 TASK = "hostile"
 

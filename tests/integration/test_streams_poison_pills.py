@@ -20,8 +20,8 @@ from rlstream.streams import validation as v
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.deadletter import truncations
 from rlstream.transport.kafka import make_consumer, make_producer
-from tests.factories import make_reward, make_trajectory
-from tests.streams_helpers import CODEC, Worker, assert_groups_match, interleaved_stream, read_groups
+from tests.support.factories import make_reward, make_trajectory
+from tests.support.streams_helpers import CODEC, Worker, assert_groups_match, interleaved_stream, read_groups
 
 PARTITION = 0  # every record of this test: pills must not hold up the valid records behind them
 DEADLINE_S = 5.0  # a pill's dead letter is readable this soon after it was sent

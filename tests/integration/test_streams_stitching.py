@@ -11,7 +11,7 @@ from rlstream.schemas.models import CallEvent, CallKind, RewardEvent, Trajectory
 from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.streams_helpers import CODEC, Worker, publish, read_all, read_dead_letters
+from tests.support.streams_helpers import CODEC, Worker, publish, read_all, read_dead_letters
 from tests.unit.test_streams_stitching import conversation
 
 

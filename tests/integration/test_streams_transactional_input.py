@@ -11,7 +11,7 @@ from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.kafka import make_consumer, make_producer
-from tests.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, read_dead_letters,
+from tests.support.streams_helpers import (CODEC, Worker, assert_groups_match, interleaved_stream, read_dead_letters,
                                    read_groups)
 
 PARTITION = 0  # every record: markers between each transaction's records on the one partition the worker reads

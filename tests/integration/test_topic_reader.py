@@ -17,9 +17,9 @@ from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import create_topics, make_producer
 from rlstream.transport.topic_reader import (Decoded, SourceRecord, TopicMissingError, TopicReader, open_reader,
                                              read_to_end, wait_for_partitions)
-from tests.factories import make_trajectory
-from tests.learner_helpers import random_group, read_topic
-from tests.ops_helpers import read_all
+from tests.support.factories import make_trajectory
+from tests.support.learner_helpers import random_group, read_topic
+from tests.support.ops_helpers import read_all
 
 CODEC = AvroCodec()
 PARTITION = 2
@@ -153,7 +153,7 @@ async def test_the_learner_dead_letters_through_the_reader_and_trains_on(rl_conf
     """A corrupt record goes to dlq (service learner) and a group of another policy is skipped and counted; both
     are consumed all the same, and the step trains on the usable groups after them (trained_on: exactly those)."""
     from rlstream.learner.service import Learner
-    from tests.learner_helpers import tiny_model
+    from tests.support.learner_helpers import tiny_model
 
     cfg = rl_config.model_copy(update={"learner": rl_config.learner.model_copy(update={
         "model": str(tiny_model(tmp_path)), "lora": rl_config.learner.lora.model_copy(update={"enabled": True}),

@@ -1,5 +1,5 @@
 """TLS and authentication on the transport: Kafka over a real TLS listener (a TLS-terminating proxy in front of the
-local broker, tests/tls_support.py) for the aiokafka clients and the Faust streams worker under SSL and SASL_SSL,
+local broker, tests/support/tls_support.py) for the aiokafka clients and the Faust streams worker under SSL and SASL_SSL,
 and the Redis control plane against a redis-server that listens only with TLS and requires a password.
 Each has its negative control: a client without TLS, or trusting another CA, or with a wrong password, fails."""
 from __future__ import annotations
@@ -21,8 +21,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.control import ControlPlane, ControlPlaneRefused
 from rlstream.transport.kafka import create_topics, make_consumer, make_producer
-from tests.streams_helpers import Worker, assert_groups_match, interleaved_stream, publish, read_groups
-from tests.tls_support import KafkaTlsProxy, TlsFiles, TlsRedis, make_tls_files, start_tls_redis
+from tests.support.streams_helpers import Worker, assert_groups_match, interleaved_stream, publish, read_groups
+from tests.support.tls_support import KafkaTlsProxy, TlsFiles, TlsRedis, make_tls_files, start_tls_redis
 
 SASL_USER, SASL_PASSWORD = "rlstream", "kafka-secret"
 REDIS_PASSWORD = "redis-secret-7"

@@ -27,7 +27,7 @@ from rlstream.transport.control import ControlPlane, LeaseLost, announcements_ke
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.trusted_versions import (AnnouncementPending, NeverCommitted, NotAnnounced, ReplayedRecord,
                                                  TrustedVersions, record_digest)
-from tests.streams_helpers import Worker, interleaved_stream, publish, read_all, read_groups
+from tests.support.streams_helpers import Worker, interleaved_stream, publish, read_all, read_groups
 
 CODEC = AvroCodec()
 PARTITION = 0
@@ -123,7 +123,7 @@ class RecordingBackend:
 
 
 def learner_config(cfg: RlstreamConfig, tmp_path: Path) -> RlstreamConfig:
-    from tests.learner_helpers import tiny_model
+    from tests.support.learner_helpers import tiny_model
 
     cfg = cfg.model_copy(deep=True)
     cfg.learner = cfg.learner.model_copy(update={
@@ -248,7 +248,7 @@ async def test_without_the_check_one_hostile_record_makes_every_group_stale(
     """Negative control: the streams tracker with the trust check and with it bypassed, on the same topic."""
     from rlstream.streams.filters import STALE, apply_filters
     from rlstream.streams.policy import PolicyTracker
-    from tests.learner_helpers import random_group
+    from tests.support.learner_helpers import random_group
 
     control = ControlPlane(rl_config.redis.url)
     lease = await control.acquire_lease(rl_config.policy, "learner", ttl_s=60)

@@ -71,5 +71,5 @@ def bench_imports_of_tests(tree: Path) -> list[str]:
 def test_bench_imports_no_test_helpers(tmp_path: Path) -> None:
     assert bench_imports_of_tests(ROOT) == []
     (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "planted.py").write_text("def f():\n    from tests.factories import make_trajectory\n")
-    assert bench_imports_of_tests(tmp_path) == ["bench/planted.py: tests.factories"]  # the negative control
+    (tmp_path / "bench" / "planted.py").write_text("def f():\n    from tests.support.factories import make_trajectory\n")
+    assert bench_imports_of_tests(tmp_path) == ["bench/planted.py: tests.support.factories"]  # the negative control

@@ -9,7 +9,7 @@ from nat.atif import Trajectory
 
 from rlstream.ops.atif import AtifConversionError, from_atif, to_atif
 from rlstream.schemas.models import Message, ToolCall, TrajectoryEvent, TrajectorySource, Turn
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 
 pytestmark = pytest.mark.unit
 

@@ -42,7 +42,7 @@ from rlstream.schemas.models import (
     WeightsKind,
     WireModel,
 )
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 REWARD = "rlstream.v1.RewardEvent"
 

@@ -15,7 +15,7 @@ from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.masking import secret_env
 from rlstream.schemas.models import DeadLetter, RewardEvent, TrajectoryEvent
 from rlstream.schemas.topics import TopicNames
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 
 def mock_registry_url() -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from rlstream.schemas.codec import HISTORY_DIR, AvroCodec
 from rlstream.schemas.models import TrajectoryEvent, TrajectoryGroup
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 
 CODEC = AvroCodec()
 TRAJECTORY, GROUP = TrajectoryEvent.avro_name, TrajectoryGroup.avro_name

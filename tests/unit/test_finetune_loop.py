@@ -15,7 +15,7 @@ from rlstream.finetune.runtime import CollectedGroup, FinetuneContext
 from rlstream.schemas.config import RlstreamConfig, load_config
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup
 from rlstream.streams.curriculum import keep_count, percentile_schedule
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 
 # rewards per epoch: 4 groups of 2; epoch 2 has only identical rewards (nothing passes min_reward_diff)
 PLAN = {0: [(0.0, 1.0), (0.2, 0.6), (0.1, 0.9), (0.5, 0.7)],

@@ -19,7 +19,7 @@ from rlstream.rollout.gateway.spool import (SEGMENT_HEADER, Spool, SpoolError, S
                                             scan)
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 from tests.unit.test_gateway_sessions import USER, fake_upstream
 
 

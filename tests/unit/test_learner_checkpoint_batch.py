@@ -14,7 +14,7 @@ from rlstream.learner.policy import load_policy
 from rlstream.learner.step import GRPOTrainerStep
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.schemas.models import Message, TrajectoryEvent, Turn
-from tests.learner_helpers import random_samples, tiny_model
+from tests.support.learner_helpers import random_samples, tiny_model
 
 
 @pytest.fixture(scope="module")

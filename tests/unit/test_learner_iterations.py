@@ -12,7 +12,7 @@ from rlstream.learner.policy import load_policy
 from rlstream.learner.step import STEP_METRICS, GRPOTrainerStep, step_figures
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.transport import metric_names as mn
-from tests.learner_helpers import random_samples, tiny_model
+from tests.support.learner_helpers import random_samples, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from rlstream.learner.policy import load_policy
 from rlstream.learner.step import GRPOTrainerStep, StepStats
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.schemas.models import GroupBaseline
-from tests.learner_helpers import random_samples, tiny_model
+from tests.support.learner_helpers import random_samples, tiny_model
 
 EQUAL_WINDOW = GroupBaseline(key="p|thumbs", method="window", mean=1.0, std=0.0, count=2)
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlstream.learner.reporting import Reporters, ReportingError
 from rlstream.transport import metric_names as mn
-from tests.trackers import mlflow_history, offline_tracking_env, wandb_history
+from tests.support.trackers import mlflow_history, offline_tracking_env, wandb_history
 
 STEPS = {1: {mn.LEARNER_LOSS: 0.5, mn.LEARNER_CLIP_FRACTION: 0.25},
          2: {mn.LEARNER_LOSS: -0.125, mn.LEARNER_CLIP_FRACTION: 0.0}}

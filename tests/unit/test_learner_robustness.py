@@ -14,7 +14,7 @@ from rlstream.learner.policy import load_policy
 from rlstream.learner.publish import NonFiniteWeightsError, exact_ranges, write_version
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.schemas.models import Message, TrajectoryEvent, Turn
-from tests.learner_helpers import tiny_model
+from tests.support.learner_helpers import tiny_model
 
 
 def _trajectory(prompt: list[int], completion: list[int], logprobs: list[float] | None = None,

@@ -14,7 +14,7 @@ from rlstream.learner.policy import load_policy
 from rlstream.learner.step import GRPOTrainerStep, assign_advantages, micro_batch_bounds, trajectories_of
 from rlstream.schemas.config import LearnerConfig, LoraConfig
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectoryGroup, Turn
-from tests.learner_helpers import tiny_model
+from tests.support.learner_helpers import tiny_model
 
 EPS = 1e-4
 
@@ -69,7 +69,7 @@ def test_advantages_of_a_mixed_length_group_by_hand() -> None:
 
 
 def test_samples_without_trajectory_ids_stay_one_trajectory_each() -> None:
-    from tests.learner_helpers import random_samples
+    from tests.support.learner_helpers import random_samples
 
     samples = random_samples(groups=2, per_group=3, seed=4)
     trajs = trajectories_of(samples)

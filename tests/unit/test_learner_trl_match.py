@@ -14,7 +14,7 @@ from rlstream.learner.batch import collate
 from rlstream.learner.policy import completion_logprobs, load_policy
 from rlstream.learner.step import GRPOTrainerStep, assign_advantages
 from rlstream.schemas.config import LearnerConfig, LoraConfig
-from tests.learner_helpers import random_samples, tiny_model
+from tests.support.learner_helpers import random_samples, tiny_model
 
 AGGREGATIONS = [("token_mean", "bnpo"), ("sequence_mean", "grpo"), ("constant", "dr_grpo")]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlstream.learner.batch import BatchError, behaviour_version, collate, samples_from_groups, samples_from_trajectory
-from tests.learner_helpers import random_group
+from tests.support.learner_helpers import random_group
 
 
 def test_turn_version_and_temperature_reach_the_samples() -> None:

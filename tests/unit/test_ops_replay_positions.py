@@ -5,7 +5,7 @@ import pytest
 
 from rlstream.ops.replay import ReplayError, ReplayFilter, parse_position, rewrite
 from rlstream.schemas.models import TrajectorySource
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 
 
 def test_plain_offset_applies_to_all_partitions():

@@ -18,7 +18,7 @@ from rlstream.schemas.codec import _avro_long as _long  # the encoder's own vari
 from rlstream.schemas.models import Message, TrajectoryEvent, Turn
 from rlstream.schemas.skim import SkimError, SkippedNumbers, skim
 from rlstream.streams import validation as v
-from tests.factories import make_trajectory
+from tests.support.factories import make_trajectory
 from tests.unit.test_codec import sample_events
 
 pytestmark = pytest.mark.unit

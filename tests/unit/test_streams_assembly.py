@@ -12,7 +12,7 @@ from rlstream.streams import validation as v
 from rlstream.streams.assembly import (AssemblyRules, ClosedGroup, GroupAssembler, OpenGroup, Outcome, SourceRef,
                                        group_state_from_json, group_stats)
 from rlstream.streams.filters import CURRICULUM, STALE, ZERO_VARIANCE, apply_filters
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 T, R = "p.trajectories", "p.rewards"

@@ -19,7 +19,7 @@ from rlstream.schemas.models import GroupBaseline, TrajectoryGroup
 from rlstream.streams.assembly import AssemblyRules, GroupAssembler, SourceRef
 from rlstream.streams.baseline import BaselineRules, BaselineState, is_baseline, mean_and_std, score
 from rlstream.streams.filters import ZERO_VARIANCE, apply_filters
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 REWARDS = [0.2, 0.8, 0.5, 0.9, 0.1]

@@ -10,7 +10,7 @@ from rlstream.schemas.codec import AvroCodec
 from rlstream.streams.assembly import AssemblyRules, GroupAssembler, Outcome, SourceRef
 from rlstream.streams.baseline import is_baseline
 from rlstream.streams.deadlines import DueIndex
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 pytestmark = pytest.mark.unit
 

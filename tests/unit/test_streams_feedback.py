@@ -12,7 +12,7 @@ from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from rlstream.streams import validation as v
 from rlstream.streams.assembly import (AssemblyRules, ClosedGroup, GroupAssembler, OpenGroup, Outcome, SourceRef,
                                        group_state_from_json)
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 T, R = "p.trajectories", "p.rewards"

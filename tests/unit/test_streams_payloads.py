@@ -9,7 +9,7 @@ from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import TrajectoryEvent, TrajectoryGroup
 from rlstream.streams.assembly import AssemblyRules, GroupAssembler, SourceRef
 from rlstream.streams.payloads import PayloadCache
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 T, R = "p.trajectories", "p.rewards"

@@ -17,7 +17,7 @@ from rlstream.streams import validation as v
 from rlstream.streams.assembly import AssemblyRules, GroupAssembler, SourceRef, group_stats
 from rlstream.streams.baseline import (BASELINE_MARK, BaselineRules, BaselineState, baseline_key, mean_and_std,
                                        score, table_key)
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 RANGE = v.DEFAULT_REWARD_RANGE

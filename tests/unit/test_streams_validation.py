@@ -8,7 +8,7 @@ import pytest
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, Turn
 from rlstream.streams import validation as v
-from tests.factories import make_reward, make_trajectory
+from tests.support.factories import make_reward, make_trajectory
 
 CODEC = AvroCodec()
 

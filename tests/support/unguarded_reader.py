@@ -1,7 +1,7 @@
 """A plain aiokafka read_committed consumer without rlstream's guard (rlstream/transport/aborted_index.py), run as a
 process of its own because the guard patches aiokafka for the whole process that installs it.
 
-``python tests/unguarded_reader.py BOOTSTRAP TOPIC PARTITION START`` prints, as JSON, the offsets of the records it
+``python tests/support/unguarded_reader.py BOOTSTRAP TOPIC PARTITION START`` prints, as JSON, the offsets of the records it
 is handed from START up to the partition's end offset. Tests call :func:`unguarded_offsets`.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryGroup, Wi
 from rlstream.transport import aborted_index
 from rlstream.transport import metric_names as mn
 from bench.workload import publish, worker_overrides
-from tests.child_process import ChildProcess
+from tests.support.child_process import ChildProcess
 
 CODEC = AvroCodec()
 # the readers below use read_committed: keep them from dropping records committed after an aborted transaction
@@ -119,7 +119,7 @@ def interleaved_stream(cfg: RlstreamConfig, n_examples: int, group_size: int, se
     import random
 
     from rlstream.schemas.topics import TopicNames
-    from tests.factories import make_reward, make_trajectory
+    from tests.support.factories import make_reward, make_trajectory
 
     names = TopicNames.from_config(cfg.topics)
     rng = random.Random(seed)

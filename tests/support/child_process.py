@@ -11,7 +11,7 @@ from typing import Self
 
 from rlstream.ops.processes import stop_pid
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ChildProcess:
