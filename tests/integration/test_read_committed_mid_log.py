@@ -187,7 +187,7 @@ def learner_config(cfg: RlstreamConfig, model: Path, groups_per_step: int, total
     return cfg.model_copy(update={"learner": cfg.learner.model_copy(update={
         "model": str(model), "lora": cfg.learner.lora.model_copy(update={"enabled": True}),
         "groups_per_step": groups_per_step, "publish_every": 1, "checkpoint_every": 1, "total_steps": total_steps,
-        "device": "cpu", "lease_ttl_s": 3.0, "run_ids": [cfg.run_id], "report_to": []})})
+        "device": "cpu", "lease_ttl_s": 15.0, "run_ids": [cfg.run_id], "report_to": []})})
 
 
 def groups_with_an_aborted_transaction(cfg: RlstreamConfig, topic: str) -> tuple[list[int], list[int], list[int]]:
