@@ -133,6 +133,15 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **ext
                         status_code=status)
 
 
+def _invalid(what: str, exc: ValidationError | FeedbackShapeError) -> JSONResponse:
+    """422 for a body that does not make a reward: pydantic's problems listed by field, or the shape's own reason."""
+    if isinstance(exc, FeedbackShapeError):
+        return _error(422, f"invalid {what}: {exc}")
+    problems = validation_problems(exc.errors())
+    return _error(422, f"invalid {what}: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
+                  problems=problems)
+
+
 class LangSmithUpdate(BaseModel):
     """Body of LangSmith's ``PATCH /feedback/{feedback_id}`` (``Client.update_feedback``)."""
 
@@ -163,9 +172,7 @@ class FeedbackShapes:
         try:
             fb = _feedback(target, reward, component, feedback_id, False, reward_range)
         except ValidationError as exc:
-            problems = validation_problems(exc.errors())
-            return _error(422, "invalid feedback: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
-                          problems=problems)
+            return _invalid("feedback", exc)
         answer: Response = self.gateway.accept_feedback(request, fb)
         if answer.status_code == 404 and target.session_id is None:
             answer = self.gateway.accept_feedback(request, _feedback(target, reward, component, feedback_id, True,
@@ -186,12 +193,8 @@ class FeedbackShapes:
             if score.data_type == "CATEGORICAL" and not isinstance(value, str):
                 raise FeedbackShapeError("a CATEGORICAL score's value is a string")
             reward = reward_of(value, self.categories)
-        except ValidationError as exc:
-            problems = validation_problems(exc.errors())
-            return _error(422, "invalid score: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
-                          problems=problems)
-        except FeedbackShapeError as exc:
-            return _error(422, f"invalid score: {exc}")
+        except (ValidationError, FeedbackShapeError) as exc:
+            return _invalid("score", exc)
         target = Target(session_id=score.session_id) if not target_id else Target(target_id)
         answer = self._submit(request, target, reward, score.name, score.id)
         if answer.status_code >= 400:
@@ -209,12 +212,8 @@ class FeedbackShapes:
             else:
                 raise FeedbackShapeError("a feedback without score or value carries no reward (a correction alone "
                                          "is not one)")
-        except ValidationError as exc:
-            problems = validation_problems(exc.errors())
-            return _error(422, "invalid feedback: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
-                          problems=problems)
-        except FeedbackShapeError as exc:
-            return _error(422, f"invalid feedback: {exc}")
+        except (ValidationError, FeedbackShapeError) as exc:
+            return _invalid("feedback", exc)
         feedback_id = feedback.id or feedback.feedback_id
         answer = self._submit(request, Target(feedback.run_id), reward, feedback.key, feedback_id)
         if answer.status_code >= 400:
@@ -239,12 +238,8 @@ class FeedbackShapes:
             if given is None:
                 raise FeedbackShapeError("an update without score or value changes no reward")
             reward = reward_of(given, self.categories)
-        except ValidationError as exc:
-            problems = validation_problems(exc.errors())
-            return _error(422, "invalid feedback: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
-                          problems=problems)
-        except FeedbackShapeError as exc:
-            return _error(422, f"invalid feedback: {exc}")
+        except (ValidationError, FeedbackShapeError) as exc:
+            return _invalid("feedback", exc)
         run_id, key = known
         answer = self._submit(request, Target(run_id), reward, key, feedback_id)
         if answer.status_code >= 400:
