@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
