@@ -34,7 +34,8 @@ RATES = {mn.STREAMS_EVENTS_IN: mn.STREAMS_EVENTS_IN_PER_S, mn.STREAMS_EVENTS_OUT
 class Telemetry:
     """Counts since start plus a snapshot taken at each report, to turn counts into rates."""
 
-    counts: Counter[str] = field(default_factory=Counter)
+    #: counters an alert watches exist from the start at 0, so their first increase is seen (Prometheus convention)
+    counts: Counter[str] = field(default_factory=lambda: Counter({mn.STREAMS_UNPROVEN_GAPS: 0}))
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
     _last_counts: Counter[str] = field(default_factory=Counter)
