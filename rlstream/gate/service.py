@@ -3,7 +3,8 @@
 It follows ``policy-versions`` in its own consumer group (``gate.group_id``-``policy``), accepts only records the
 fenced learner announced (transport/trusted_versions.py), and decides about the newest candidate above the serving
 version: it evaluates the candidate on the held-out set under the candidate's own model name on a replica that
-acknowledged loading it (never through the serving name, never through the gateway), compares it with the serving
+acknowledged loading it (an ``evaluate`` replica first: a dedicated evaluation server for full-weight versions;
+never through the serving name, never through the gateway), compares it with the serving
 version's figures on the same prompts and seeds (rules.py), and promotes it (the serving pointer moves once every
 alive replica has it loaded: transport/serving.py) or rejects it with the reason. With ``gate.canary_share`` above 0
 a promoted version first serves that share of new sessions; the sequential test of sequential.py over the online
@@ -283,8 +284,9 @@ class PromotionGate:
 
     # -- routes -----------------------------------------------------------------------------------
     def route_of(self, replicas: list[ReplicaAck], version: int) -> ReplicaRoute | None:
-        """A replica that acknowledged loading ``version``, and the name it answers it by."""
-        for replica in replicas:
+        """A replica that acknowledged loading ``version`` (an ``evaluate`` replica first, else any), and the name it
+        answers it by."""
+        for replica in sorted(replicas, key=lambda r: r.serves):  # evaluate replicas first
             if version in replica.loaded:
                 url = (replica.url or secret_value(self.cfg.inference.url) or "").rstrip("/")
                 return ReplicaRoute(f"{url}/v1", replica.loaded[version] or self.cfg.inference.served_model,
@@ -380,7 +382,7 @@ class PromotionGate:
         outcome = await move_serving_when_loaded(
             self.serving, self.policy, candidate, decision=DecisionKind.promote, reason=f"promoted: {verdict.reason}",
             decided_by=DECIDED_BY, expected_version=serving_version if serving_version is not None else -1,
-            uri=record.uri, sha256=_digest(record), timeout_s=self._move_timeout(record), producer=self.producer,
+            uri=record.uri, sha256=_digest(record), timeout_s=await self._move_timeout(record), producer=self.producer,
             codec=self.codec, topic=self.topics.promotions, candidate_metrics=candidate_figures.metrics(),
             serving_metrics=serving_figures.metrics() if serving_figures else {})
         if outcome.moved and outcome.decision is not None:
@@ -390,10 +392,17 @@ class PromotionGate:
             await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",
                               serving_version, candidate_figures, serving_figures)
 
-    def _move_timeout(self, record: PolicyVersion) -> float:
-        """How long a move waits for the fleet: a server holds one set of full weights and never goes back to an
-        older full version by itself, so a full version already replaced by a newer candidate will not come back."""
-        return FULL_MOVE_TIMEOUT_S if record.kind == WeightsKind.full else self.gcfg.load_timeout_s
+    async def _move_timeout(self, record: PolicyVersion) -> float:
+        """How long a move waits for the fleet. A serve replica following the newest announced version holds one
+        set of full weights and never goes back to an older full version by itself, so a full version already
+        replaced by a newer candidate will not come back: a short wait. Serve replicas that follow the serving
+        pointer (``inference.full_weights_follow: serving``) load it on the move's request: ``gate.load_timeout_s``."""
+        if record.kind != WeightsKind.full:
+            return self.gcfg.load_timeout_s
+        serving = [r for r in await self.serving.replicas(self.policy) if r.serves]
+        if serving and all(r.follows == "serving" for r in serving):
+            return self.gcfg.load_timeout_s
+        return FULL_MOVE_TIMEOUT_S
 
     # -- canaries ---------------------------------------------------------------------------------
     async def start_canary(self, candidate: int, serving_version: int, candidate_figures: EvalFigures,

@@ -1,4 +1,4 @@
-"""The inference sync worker: keeps one vLLM server on the newest policy version.
+"""The inference sync worker: keeps one vLLM server on the policy versions it should hold.
 
 It reads ``policy-versions`` from the beginning (the topic keeps every version), catches up to
 the newest version of its policy, loads it, then loads each newer version as it is announced:
@@ -15,7 +15,13 @@ the newest version of its policy, loads it, then loads each newer version as it 
   was verified is what is loaded;
 * LoRA versions are loaded under a new adapter name per version (``<policy>-v<version>``) and
   adapters beyond ``keep_adapters`` are unloaded;
-* full versions go through pause -> reload_weights -> reset prefix cache -> resume;
+* full versions go through pause -> reload_weights -> reset prefix cache -> resume. A server holds one set of full
+  weights, so which full version it holds depends on the replica (:func:`loads_on_announcement`,
+  :func:`full_version_for_serve`): an ``evaluate`` replica (``inference.role``) and a ``serve`` replica with
+  ``inference.full_weights_follow: newest`` load every newer announced version; a ``serve`` replica with
+  ``full_weights_follow: serving`` loads only what the serving pointer asks for (pending first, else the newest of
+  serving and canary; an older version on a rollback, from its trusted record), and keeps the base weights while
+  there is no pointer, so a candidate the gate rejects never answers its production requests;
 * a failed load is retried ``load_retries`` times with backoff, then reported; the worker stays on
   the version it had (the server is never left half-loaded).
 
@@ -50,7 +56,7 @@ from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.serving import ReplicaAck, ServingControl
+from rlstream.transport.serving import ROLE_EVALUATE, ReplicaAck, ServingControl, WantedVersions
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.inference.manifest import ManifestError, UntrustedVersion, rollback_dir, stage, verify
@@ -86,6 +92,30 @@ def adapter_version(policy: str, name: str) -> int | None:
     prefix = f"{policy}-v"
     tail = name[len(prefix):] if name.startswith(prefix) else ""
     return int(tail) if tail.isdigit() else None
+
+
+def loads_on_announcement(role: str, full_weights_follow: str, kind: WeightsKind) -> bool:
+    """Whether a replica loads a newly announced version as soon as it is announced: every LoRA version (each under
+    its own adapter name), and every full version on an ``evaluate`` replica or a ``serve`` replica following
+    ``newest``; a ``serve`` replica following ``serving`` loads a full version only when the serving pointer asks
+    for it (:func:`full_version_for_serve`)."""
+    return kind == WeightsKind.lora or role == ROLE_EVALUATE or full_weights_follow != "serving"
+
+
+def full_version_for_serve(full_weights_follow: str, newest_announced: int | None,
+                           wanted: WantedVersions) -> int | None:
+    """The full-weights version a ``serve`` replica holds (one set of full weights per server); None: keep what is
+    loaded (the base weights before any version).
+
+    ``newest``: the newest announced version. ``serving``: the version the serving pointer asks for: the pending one
+    (a promotion or rollback waiting for the fleet, older than serving on a rollback), else the newest of serving and
+    canary; None while the pointer asks for nothing (no pointer yet)."""
+    if full_weights_follow != "serving":
+        return newest_announced
+    if wanted.pending is not None:
+        return wanted.pending
+    asked = [v for v in (wanted.serving, wanted.canary) if v is not None]
+    return max(asked) if asked else None
 
 
 def url_without_credentials(url: str) -> str:
@@ -142,9 +172,19 @@ class InferenceSyncWorker:
         self.known: dict[int, tuple[PolicyVersion, SourceRecord | None]] = {}  # trusted records of our policy
         self.failed: dict[int, tuple[float, str]] = {}  # version -> (monotonic time, error) of its last failed load
         self.wanted: set[int] = set()  # serving, pending and canary versions (kept loaded)
+        self.pointer_wants = WantedVersions()  # the same, each on its own
+        self._unknown_wanted: set[int] = set()  # versions the pointer asks for with no trusted record here (logged)
         self._serving_read_at = 0.0
         self._fleet_failures_emitted = 0
         self.replica_url = url_without_credentials(str(self.icfg.url))
+
+    @property
+    def follows_serving(self) -> bool:
+        """A serve replica whose full weights follow the serving pointer (``inference.full_weights_follow``)."""
+        return self.icfg.role != ROLE_EVALUATE and self.icfg.full_weights_follow == "serving"
+
+    def _loads_now(self, version: PolicyVersion) -> bool:
+        return loads_on_announcement(self.icfg.role, self.icfg.full_weights_follow, version.kind)
 
     @property
     def weights_roots(self) -> list[Path]:
@@ -192,7 +232,12 @@ class InferenceSyncWorker:
                 if item.event.policy == self.cfg.policy and await self._trusted(item.event, item.source):
                     newest.append(item)
         newest.sort(key=lambda item: item.event.version, reverse=True)
-        for item in newest:  # newest first; fall back to an older one if it is refused
+        held_back = [item.event.version for item in newest if not self._loads_now(item.event)]
+        if held_back:
+            log.info("full-weights candidates not loaded on this serve replica: it loads the version the serving "
+                     "pointer asks for (inference.full_weights_follow: serving)", versions=held_back[:10],
+                     count=len(held_back))
+        for item in (item for item in newest if self._loads_now(item.event)):  # newest first; else an older one
             if item.event.version <= self.state.version:
                 break
             if await self.sync(item.event, item.source):
@@ -212,6 +257,13 @@ class InferenceSyncWorker:
         if version.version <= self.state.version:
             log.info("version not newer than the loaded one; skipped", version=version.version,
                      loaded=self.state.version)
+            return
+        if not self._loads_now(version):
+            wants = self.pointer_wants
+            log.info("full-weights candidate not loaded on this serve replica: it loads only the versions the serving "
+                     "pointer asks for (inference.full_weights_follow: serving); the gate evaluates candidates on an "
+                     "evaluate replica", version=version.version, loaded=self.state.version, serving=wants.serving,
+                     pending=wants.pending, canary=wants.canary)
             return
         await self.sync(version, item.source)
 
@@ -325,17 +377,21 @@ class InferenceSyncWorker:
     # -- the versions the fleet is asked to serve ---------------------------------------------
     async def follow_serving(self, force: bool = False) -> None:
         """Read the serving pointer (at most every ``SERVING_POLL_S``) and load the serving, pending and canary
-        versions this server lacks, from their trusted records (LoRA versions; a failed one again after
+        versions this server lacks, from their trusted records (LoRA versions side by side; on a serve replica
+        following ``serving``, the one full version :func:`full_version_for_serve` names; a failed one again after
         ``WANTED_RETRY_S``)."""
         now = time.monotonic()
         if not force and now - self._serving_read_at < SERVING_POLL_S:
             return
         self._serving_read_at = now
         try:
-            self.wanted = await self.serving.wanted_versions(self.cfg.policy)
+            self.pointer_wants = await self.serving.wanted(self.cfg.policy)
         except Exception as exc:  # noqa: BLE001 - Redis unreachable: keep what is loaded, read again later
             log.warning("cannot read the serving pointer", error=str(exc))
             return
+        self.wanted = self.pointer_wants.all()
+        if self.follows_serving:
+            await self._hold_full(full_version_for_serve("serving", None, self.pointer_wants), now)
         loaded = {self._adapter_version(n) for n in self.adapters} | {self.state.version}
         for version in sorted(self.wanted - loaded, reverse=True):
             known = self.known.get(version)
@@ -343,10 +399,32 @@ class InferenceSyncWorker:
             if known is None or failed is not None and now - failed[0] < WANTED_RETRY_S:
                 continue
             if known[0].kind != WeightsKind.lora:
-                continue  # one full version per server: the newest announced one
+                continue  # one full version per server: _hold_full's on a serve replica following serving
             log.info("loading a version the fleet is asked to serve", version=version)
             await self.sync(known[0], known[1])
         await self._emit_fleet_failures()
+
+    async def _hold_full(self, target: int | None, now: float) -> None:
+        """Load the full version ``target`` the serving pointer asks for when the server holds another one (also an
+        older one: a rollback loads its trusted record again)."""
+        if target is None or target == self.state.version:
+            return
+        known = self.known.get(target)
+        if known is None:
+            if target not in self._unknown_wanted:
+                self._unknown_wanted.add(target)
+                log.warning("the serving pointer asks for a version with no trusted record here; not loaded",
+                            version=target, loaded=self.state.version)
+            return
+        if known[0].kind != WeightsKind.full:
+            return  # a LoRA version: loaded under its own name by follow_serving
+        failed = self.failed.get(target)
+        if failed is not None and now - failed[0] < WANTED_RETRY_S:
+            return
+        wants = self.pointer_wants
+        log.info("loading the full-weights version the serving pointer asks for", version=target,
+                 loaded=self.state.version, serving=wants.serving, pending=wants.pending, canary=wants.canary)
+        await self.sync(known[0], known[1])
 
     async def _emit_fleet_failures(self) -> None:
         """``inference/fleet_load_failed`` when it changed (a gauge: Prometheus keeps the last value)."""
@@ -418,7 +496,8 @@ class InferenceSyncWorker:
         failed = {v: error for v, (_, error) in self.failed.items() if v not in loaded}
         await self.serving.record_replica(self.cfg.policy, ReplicaAck(
             worker_id=self.icfg.worker_id, version=newest, name=loaded.get(newest, self.state.name),
-            url=self.replica_url, loaded=loaded, failed=failed), self.icfg.heartbeat_ttl_s)
+            url=self.replica_url, loaded=loaded, failed=failed, role=self.icfg.role,
+            follows=self.icfg.full_weights_follow), self.icfg.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -83,10 +83,14 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url
     serving = ServingControl(control)
 
     async def newest_loaded() -> Route | None:
-        """The newest version a replica acknowledged, by its own name: candidates too, not only the serving one."""
-        loaded = [(v, name or cfg.rollout.model) for r in await serving.replicas(cfg.policy)
+        """The newest version a replica acknowledged, by its own name on that replica's server: candidates too, not
+        only the serving one (with full weights, a candidate is on the evaluation server only)."""
+        loaded = [(v, name or cfg.rollout.model, r.url) for r in await serving.replicas(cfg.policy)
                   for v, name in r.loaded.items()]
-        return Route(max(loaded)[1], max(loaded)[0]) if loaded else None
+        if not loaded:
+            return None
+        version, model, url = max(loaded)
+        return Route(model, version, url=url)
 
     sampling = SamplingSettings.from_config(cfg.rollout)
     done: set[int] = set()
@@ -96,7 +100,8 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url
             done.add(route.version)
             parts: dict[str, float] = {}
             try:
-                mean, n = await evaluate_heldout(base_url, heldout, workflow, reward_fn, samples,
+                where = f"{route.url.rstrip('/')}/v1" if route.url else base_url
+                mean, n = await evaluate_heldout(where, heldout, workflow, reward_fn, samples,
                                                  sampling.with_model(route.model),
                                                  api_key=secret_value(cfg.inference.api_key), components=parts)
             except Exception as exc:

@@ -1,7 +1,10 @@
 """``rlstream up``: the whole system on one machine, training continuously on a toy task.
 
 Starts the embedded broker and Redis, creates the topics, then the streams worker, the learner,
-a vLLM server with its sync worker and a rollout runner as child processes (``ops/supervisor.py``); evaluates every
+a vLLM server with its sync worker and a rollout runner as child processes (``ops/supervisor.py``); with the gate on
+and full-weight versions, a second vLLM server on the same model with its own sync worker (``inference.role:
+evaluate``) where the gate evaluates every candidate, while the serving server's sync worker loads only what the
+serving pointer asks for (``inference.full_weights_follow: serving``, docs/gate.md); evaluates every
 policy version vLLM loads on held-out prompts (``ops/evaluation.py``); shows a live view (``ops/live.py``); on the
 end of ``--duration`` or Ctrl-C stops every child by PID and writes a reward-per-version plot
 (``ops/version_plot.py``) and a JSON summary (``ops/summary.py``). The task and the run's config come from
@@ -136,6 +139,15 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           vllm.url, dataset, vllm_api_key=vllm_key)
         sup.env.update(secret_env(cfg))
+        # full weights: one server holds one set, so the gate's candidates go to a dedicated evaluation server and
+        # the serving server holds only what the serving pointer asks for (LoRA candidates load under own names)
+        evaluation_server = opts.gate and bool(heldout) and not cfg.learner.lora.enabled
+        eval_vllm = None
+        if evaluation_server:
+            print("starting the evaluation vLLM server (full-weight candidates are evaluated there)…", flush=True)
+            eval_vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm-eval",
+                                          api_key=vllm_key, extra_args=task_vllm_args(opts, run_dir))
+            sup.extra_pids["vllm-eval"] = eval_vllm.pid
         if user_cfg is None and heldout and opts.task == "tool-agent":  # what no tool use earns on the same prompts
             from rlstream.ops.tool_task import baseline_scores
 
@@ -149,7 +161,13 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         c = ["-c", str(config_path)]
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
         sup.spawn("learner", rlstream_command("learner", "run", *c))
-        sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c))
+        follow = ["-o", "inference.full_weights_follow", "serving"] if evaluation_server else []
+        sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c,
+                                                     *follow))
+        if eval_vllm is not None:
+            sup.spawn("inference-sync-eval", rlstream_command(
+                "inference", "sync", "--backend", "vllm", "--url", eval_vllm.url, "--worker-id",
+                f"{cfg.inference.worker_id}-eval", *c, "-o", "inference.role", "evaluate"))
         if opts.gate and heldout:  # the gate evaluates every candidate on the held-out prompts before it serves
             heldout_file = run_dir / "heldout.jsonl"
             heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))

@@ -2,7 +2,9 @@
 acknowledgements (rlstream/transport/serving.py, docs/promotion.md).
 
 ``policy`` is the serving version; before the first promotion (no serving pointer) it is the newest version a
-replica acknowledged. ``policy@N`` is version N, on a replica that acknowledged loading it.
+replica acknowledged. ``policy@N`` is version N, on a replica that acknowledged loading it. Only ``serve`` replicas
+take these requests: an ``evaluate`` replica (``inference.role``) holds candidates for the promotion gate and is
+never routed to.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer, parse_model_name
+from rlstream.transport.serving import ReplicaAck, ServingControl, ServingPointer, parse_model_name, serve_replicas
 
 
 @dataclass(frozen=True)
@@ -31,11 +33,11 @@ class Route:
 
 
 def production_version(pointer: ServingPointer | None, replicas: list[ReplicaAck]) -> int | None:
-    """The version ``policy`` means: the serving one; without a serving pointer the newest version a replica
-    acknowledged (None when no replica acknowledged anything)."""
+    """The version ``policy`` means: the serving one; without a serving pointer the newest version a serve replica
+    acknowledged (None when none acknowledged anything; ``evaluate`` replicas do not count)."""
     if pointer is not None:
         return pointer.version
-    versions = [v for r in replicas for v in r.loaded]
+    versions = [v for r in serve_replicas(replicas) for v in r.loaded]
     return max(versions) if versions else None
 
 
@@ -45,7 +47,7 @@ class VersionRouter:
     Without a serving pointer: the newest version a replica acknowledged. When no replica has the serving version
     loaded, the newest loaded version not above it. Without any worker heartbeat, requests go to the plain policy
     model and carry the serving version, else the learner's latest published version (0 before the first).
-    ``worker_id`` restricts routing to one replica. A ``base_model`` of the form ``policy@N`` pins version N: the
+    ``worker_id`` restricts routing to one replica. ``evaluate`` replicas are never routed to. A ``base_model`` of the form ``policy@N`` pins version N: the
     route is N's name on a replica that acknowledged it (else the name as given, which the server refuses).
     """
 
@@ -65,7 +67,7 @@ class VersionRouter:
         now = time.monotonic()
         if self._cached and now - self._cached[0] < self.ttl_s:
             return self._cached[1], self._cached[2]
-        replicas = [r for r in await self.serving.replicas(self.policy)
+        replicas = [r for r in await self.serving.serve_replicas(self.policy)
                     if self.worker_id is None or r.worker_id == self.worker_id]
         pointer = await self.serving.serving(self.policy)
         _, pinned = parse_model_name(self.base_model, self.policy)
@@ -172,7 +174,7 @@ class FleetRouter:
 
     :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session is
     pinned to, else picks: the canary for its share of sessions (by a hash of the session id), else the serving
-    version (:func:`production_version`). A session's version is pinned in Redis
+    version (:func:`production_version`); only ``serve`` replicas take requests. A session's version is pinned in Redis
     (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends a
     session's calls to the version it started on, while a replica has it loaded. Among the replicas that
     acknowledged the version, a session's calls go to one replica (:func:`session_replica`: its prefix cache) and
@@ -192,7 +194,7 @@ class FleetRouter:
     async def _state(self) -> tuple[ServingPointer | None, list[ReplicaAck]]:
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
-            replicas = await self.serving.replicas(self.policy)
+            replicas = await self.serving.serve_replicas(self.policy)  # never an evaluation server
             pointer = await self.serving.serving(self.policy)
             if pointer is None and not replicas:  # nothing acknowledged yet: the learner's latest, as VersionRouter
                 self._latest = max(0, await self.serving.control.latest_version(self.policy))

@@ -403,6 +403,16 @@ class InferenceConfig(Section):
     staging_dir: Path | None = Field(None, description="private directory where verified copies of the weight files "
                                                        "are staged for vLLM (default: a new temporary directory)")
     prometheus_port: int | None = Field(None, description="serve the worker's metrics to Prometheus on this port")
+    role: Literal["serve", "evaluate"] = Field(
+        "serve", description="serve: the replica takes production traffic and counts in the fleet rule; evaluate: "
+        "a dedicated evaluation server that loads every new candidate for the promotion gate, never takes "
+        "production traffic and is left out of the fleet rule (docs/promotion.md)")
+    full_weights_follow: Literal["newest", "serving"] = Field(
+        "newest", description="which full-weights version a serve replica loads (a server holds one set of full "
+        "weights): newest, every announced version (no gate, or LoRA versions); serving, only the versions the "
+        "serving pointer asks for (pending first, else the newest of serving and canary), the base weights while "
+        "there is no pointer, so a candidate the gate evaluates on an evaluate replica never answers production "
+        "requests. LoRA versions load under their own names either way")
 
 
 class GateConfig(Section):

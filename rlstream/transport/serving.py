@@ -15,9 +15,10 @@ nothing), and a move that names ``expected_version`` is refused when the pointer
 
 Each inference sync worker acknowledges what its vLLM server actually has loaded (read back from ``/v1/models``)
 with its heartbeat (``rlstream:{policy}:worker:{id}``, TTL ``inference.heartbeat_ttl_s``): the versions and the
-name each is requested by, the versions that failed to load, and the server's URL. The fleet rule
-(:func:`fleet_readiness`): a version is ready to serve when at least one replica is alive and every alive replica
-(heartbeat not expired) has it loaded; a replica that is down is excluded once its heartbeat expires.
+name each is requested by, the versions that failed to load, the server's URL and the replica's role (``serve``, or
+``evaluate``: a dedicated evaluation server, never sent production traffic). The fleet rule
+(:func:`fleet_readiness`): a version is ready to serve when at least one serve replica is alive and every alive
+serve replica (heartbeat not expired) has it loaded; a replica that is down is excluded once its heartbeat expires.
 :func:`move_serving_when_loaded` asks the fleet to load a version (``pending_version``), waits for that rule, moves
 the pointer and records the decision on ``promotions``.
 """
@@ -163,10 +164,40 @@ class ServingPointer:
 
 
 @dataclass(frozen=True)
+class WantedVersions:
+    """The versions the serving pointer asks the fleet to hold (each None when unset; also before the first
+    promotion, when only ``pending`` may be set)."""
+
+    serving: int | None = None
+    pending: int | None = None
+    canary: int | None = None
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> "WantedVersions":
+        def positive(name: str) -> int | None:
+            value = _int_or_none(raw.get(name))
+            return value if value is not None and value > 0 else None
+
+        return cls(positive("version"), positive("pending_version"), positive("canary_version"))
+
+    def all(self) -> set[int]:
+        """Every version set: what replicas keep loaded (LoRA versions side by side)."""
+        return {v for v in (self.serving, self.pending, self.canary) if v is not None}
+
+
+#: Replica roles (``inference.role``): ``serve`` replicas take production traffic and count in the fleet rule;
+#: ``evaluate`` replicas load every candidate for the gate and do neither.
+ROLE_SERVE = "serve"
+ROLE_EVALUATE = "evaluate"
+
+
+@dataclass(frozen=True)
 class ReplicaAck:
     """One sync worker's acknowledgement (its heartbeat hash): what its server has loaded, read back from
     ``/v1/models``. ``loaded`` maps each version to the model name the server answers it by (0 = base weights);
-    ``failed`` maps a version that did not load to the error."""
+    ``failed`` maps a version that did not load to the error. ``role``: ``serve`` or ``evaluate``
+    (``inference.role``; a hash without it is ``serve``); ``follows``: the replica's ``inference.full_weights_follow``
+    (``newest`` or ``serving``)."""
 
     worker_id: str
     version: int
@@ -175,6 +206,20 @@ class ReplicaAck:
     loaded: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     heartbeat_at: float = 0.0
+    role: str = ROLE_SERVE
+    follows: str = "newest"
+
+    def to_hash(self, heartbeat_at: float) -> dict[str, str]:
+        """The heartbeat hash's fields (:meth:`from_hash` reads them back)."""
+        return {"version": str(self.version), "name": self.name, "heartbeat_at": repr(heartbeat_at), "url": self.url,
+                "loaded": json.dumps({str(k): v for k, v in self.loaded.items()}),
+                "failed": json.dumps({str(k): v for k, v in self.failed.items()}), "role": self.role,
+                "follows": self.follows}
+
+    @property
+    def serves(self) -> bool:
+        """Whether the replica takes production traffic (and counts in the fleet rule)."""
+        return self.role != ROLE_EVALUATE
 
     @classmethod
     def from_hash(cls, worker_id: str, raw: dict[str, str]) -> "ReplicaAck":
@@ -191,7 +236,13 @@ class ReplicaAck:
             loaded = {version: raw.get("name", "")}
         return cls(worker_id=worker_id, version=version, name=raw.get("name", ""), url=raw.get("url", ""),
                    loaded=loaded, failed=versions(raw.get("failed")),
-                   heartbeat_at=float(raw.get("heartbeat_at") or 0.0))
+                   heartbeat_at=float(raw.get("heartbeat_at") or 0.0), role=raw.get("role") or ROLE_SERVE,
+                   follows=raw.get("follows") or "newest")
+
+
+def serve_replicas(replicas: list[ReplicaAck]) -> list[ReplicaAck]:
+    """The replicas that take production traffic (``evaluate`` replicas left out)."""
+    return [r for r in replicas if r.serves]
 
 
 @dataclass(frozen=True)
@@ -207,12 +258,15 @@ class FleetReadiness:
 
 
 def fleet_readiness(replicas: list[ReplicaAck], version: int) -> FleetReadiness:
-    """The fleet rule: ready when at least one replica is alive and every alive replica acknowledged ``version``.
+    """The fleet rule: ready when at least one serve replica is alive and every alive serve replica acknowledged
+    ``version``.
 
-    ``replicas`` are the alive ones (a replica whose heartbeat expired is no longer listed: it is excluded).
+    ``replicas`` are the alive ones (a replica whose heartbeat expired is no longer listed: it is excluded);
+    ``evaluate`` replicas never take production traffic and are left out.
     """
+    replicas = serve_replicas(replicas)
     if not replicas:
-        return FleetReadiness(version, False, "no inference replica is alive (no worker heartbeat)")
+        return FleetReadiness(version, False, "no serve inference replica is alive (no worker heartbeat)")
     loaded = tuple(sorted(r.worker_id for r in replicas if version in r.loaded))
     missing = tuple(sorted(r.worker_id for r in replicas if version not in r.loaded))
     failed = {r.worker_id: r.failed[version] for r in replicas if version in r.failed and version not in r.loaded}
@@ -291,13 +345,12 @@ class ServingControl:
     async def wanted_versions(self, policy: str) -> set[int]:
         """The versions every replica should hold loaded: serving, pending (also before the first promotion) and
         canary."""
+        return (await self.wanted(policy)).all()
+
+    async def wanted(self, policy: str) -> WantedVersions:
+        """The serving, pending and canary versions, each on its own (see :class:`WantedVersions`)."""
         raw = await self.control._retry("serving", lambda: self.redis.hgetall(serving_key(policy))) or {}
-        wanted = set()
-        for name in ("version", "pending_version", "canary_version"):
-            value = _int_or_none(raw.get(name))
-            if value is not None and value > 0:
-                wanted.add(value)
-        return wanted
+        return WantedVersions.from_hash(raw)
 
     async def issue_token(self, policy: str) -> int:
         """A new serving fencing token (greater than every one issued before): take one per decision."""
@@ -379,9 +432,7 @@ class ServingControl:
     async def record_replica(self, policy: str, ack: ReplicaAck, ttl_s: float) -> None:
         """A sync worker's heartbeat with its acknowledgement (the hash expires ``ttl_s`` after the last one)."""
         key = worker_key(policy, ack.worker_id)
-        mapping: dict[str, Any] = {"version": ack.version, "name": ack.name, "heartbeat_at": time.time(),
-                                   "url": ack.url, "loaded": json.dumps({str(k): v for k, v in ack.loaded.items()}),
-                                   "failed": json.dumps({str(k): v for k, v in ack.failed.items()})}
+        mapping = ack.to_hash(heartbeat_at=time.time())
 
         async def call() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -392,12 +443,17 @@ class ServingControl:
         await self.control._retry("record_replica", call)
 
     async def replicas(self, policy: str) -> list[ReplicaAck]:
-        """The alive replicas (heartbeat not expired) with what each acknowledged."""
+        """The alive replicas (heartbeat not expired) with what each acknowledged, of every role."""
         workers = await self.control.workers(policy)
         # a hash without a heartbeat (only a failure written after it expired) is no alive replica
         return [ReplicaAck.from_hash(wid, raw) for wid, raw in sorted(workers.items()) if raw.get("heartbeat_at")]
 
+    async def serve_replicas(self, policy: str) -> list[ReplicaAck]:
+        """The alive replicas that take production traffic (``evaluate`` replicas left out)."""
+        return serve_replicas(await self.replicas(policy))
+
     async def readiness(self, policy: str, version: int) -> FleetReadiness:
+        """The fleet rule (:func:`fleet_readiness`) over the alive serve replicas."""
         return fleet_readiness(await self.replicas(policy), version)
 
 

@@ -1,0 +1,144 @@
+"""Replica roles: an ``evaluate`` replica (a dedicated evaluation server) is acknowledged like any other, but never
+takes production traffic and never counts in the fleet rule; a ``serve`` replica with full weights holds the version
+the serving pointer asks for (``inference.full_weights_follow: serving``) or the newest announced one."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from rlstream.gate.service import PromotionGate
+from rlstream.inference.sync import full_version_for_serve, loads_on_announcement
+from rlstream.rollout.routing import FleetRouter, Outstanding, VersionNotLoaded, production_version
+from rlstream.schemas.config import InferenceConfig, RlstreamConfig
+from rlstream.schemas.models import WeightsKind
+from rlstream.transport.serving import (ReplicaAck, ServingPointer, WantedVersions, fleet_readiness,
+                                        serve_replicas)
+
+SERVE = ReplicaAck("serve-0", 1, "policy", url="http://serve:8000", loaded={1: "policy"}, role="serve",
+                   follows="serving")
+EVAL = ReplicaAck("eval-0", 3, "policy", url="http://eval:8000", loaded={3: "policy"}, role="evaluate")
+
+
+def test_ack_role_round_trips_through_the_heartbeat_hash() -> None:
+    raw = EVAL.to_hash(heartbeat_at=12.5)
+    back = ReplicaAck.from_hash("eval-0", raw)
+    assert (back.role, back.follows, back.loaded, back.url, back.heartbeat_at) == (
+        "evaluate", "newest", {3: "policy"}, "http://eval:8000", 12.5)
+    assert not back.serves
+    served = ReplicaAck.from_hash("serve-0", SERVE.to_hash(heartbeat_at=1.0))
+    assert (served.role, served.follows, served.serves) == ("serve", "serving", True)
+
+
+def test_a_hash_without_a_role_is_a_serve_replica() -> None:
+    old = {"version": "2", "name": "p-v2", "heartbeat_at": "1.0", "url": "", "loaded": '{"2": "p-v2"}'}
+    ack = ReplicaAck.from_hash("old", old)
+    assert (ack.role, ack.follows, ack.serves) == ("serve", "newest", True)
+
+
+def test_fleet_readiness_leaves_evaluate_replicas_out() -> None:
+    # the evaluation server lacks the serving version: the move may still go ahead
+    assert fleet_readiness([SERVE, EVAL], 1).ready
+    assert fleet_readiness([SERVE, EVAL], 1).loaded_on == ("serve-0",)
+    # the candidate is only on the evaluation server: not ready
+    blocked = fleet_readiness([SERVE, EVAL], 3)
+    assert not blocked.ready and blocked.missing == ("serve-0",)
+    # an evaluation server alone is no fleet
+    alone = fleet_readiness([EVAL], 3)
+    assert not alone.ready and "no serve inference replica" in alone.reason
+    # control: the same acknowledgement with the serve role does count
+    as_serve = ReplicaAck("eval-0", 3, "policy", loaded={3: "policy"}, role="serve")
+    assert fleet_readiness([as_serve], 3).ready
+
+
+def test_production_version_ignores_what_evaluate_replicas_loaded() -> None:
+    assert production_version(None, [SERVE, EVAL]) == 1
+    assert production_version(None, [EVAL]) is None
+    assert production_version(None, [SERVE, ReplicaAck("x", 3, "policy", loaded={3: "policy"})]) == 3  # control
+
+
+class _Serving:
+    """What FleetRouter reads from Redis, in memory."""
+
+    def __init__(self, acks: list[ReplicaAck], pointer: ServingPointer | None) -> None:
+        self.acks, self.pointer = acks, pointer
+
+    async def replicas(self, policy: str) -> list[ReplicaAck]:
+        return list(self.acks)
+
+    async def serve_replicas(self, policy: str) -> list[ReplicaAck]:
+        return serve_replicas(self.acks)
+
+    async def serving(self, policy: str) -> ServingPointer | None:
+        return self.pointer
+
+
+def _router(acks: list[ReplicaAck], pointer: ServingPointer | None) -> FleetRouter:
+    router = FleetRouter.__new__(FleetRouter)  # the real routing choices over an in-memory pointer and acks
+    router.serving, router.policy, router.base_model, router.ttl_s = _Serving(acks, pointer), "policy", "policy", 0.0
+    router._snapshot, router._latest, router._turn = None, 0, itertools.count()
+    router.outstanding = Outstanding()
+    return router
+
+
+@pytest.mark.parametrize("pointer", [None, ServingPointer(version=1)], ids=["no-pointer", "serving-1"])
+def test_fleet_router_never_routes_to_an_evaluate_replica(pointer: ServingPointer | None) -> None:
+    router = _router([SERVE, EVAL], pointer)
+    routes = [asyncio.run(router.route()) for _ in range(4)]
+    assert {(r.version, r.worker_id, r.url) for r in routes} == {(1, "serve-0", "http://serve:8000")}
+    with pytest.raises(VersionNotLoaded):  # a candidate only the evaluation server holds is loaded nowhere
+        asyncio.run(router.route(pinned=3))
+    # control: the same acknowledgement from a serve replica takes traffic
+    as_serve = ReplicaAck("eval-0", 3, "policy", url="http://eval:8000", loaded={3: "policy"}, role="serve")
+    assert asyncio.run(_router([SERVE, as_serve], pointer).route(pinned=3)).worker_id == "eval-0"
+    if pointer is None:  # without a pointer the newest acknowledged version serves
+        assert asyncio.run(_router([SERVE, as_serve], None).route()).version == 3
+
+
+def test_gate_prefers_an_evaluate_replica() -> None:
+    gate = PromotionGate.__new__(PromotionGate)
+    gate.cfg = RlstreamConfig()
+    both = ReplicaAck("serve-1", 3, "policy", url="http://serve:8000", loaded={3: "policy"})
+    route = gate.route_of([both, EVAL], 3)
+    assert route is not None and (route.worker_id, route.base_url) == ("eval-0", "http://eval:8000/v1")
+    fallback = gate.route_of([SERVE, EVAL], 1)  # only a serve replica has it: measured there
+    assert fallback is not None and fallback.worker_id == "serve-0"
+    assert gate.route_of([SERVE, EVAL], 7) is None
+
+
+def test_which_full_version_a_serve_replica_holds() -> None:
+    # newest: every announced version, whatever the pointer says
+    assert full_version_for_serve("newest", 5, WantedVersions(serving=2)) == 5
+    assert full_version_for_serve("newest", None, WantedVersions()) is None
+    # serving: nothing asked for (no pointer yet) keeps the base weights
+    assert full_version_for_serve("serving", 5, WantedVersions()) is None
+    assert full_version_for_serve("serving", 5, WantedVersions(serving=2)) == 2
+    # a promotion waiting for the fleet: the pending version
+    assert full_version_for_serve("serving", 5, WantedVersions(serving=2, pending=4)) == 4
+    assert full_version_for_serve("serving", 5, WantedVersions(pending=4)) == 4  # the first promotion
+    # a rollback: pending is older than serving and wins
+    assert full_version_for_serve("serving", 5, WantedVersions(serving=4, pending=2)) == 2
+    # a canary: the newest of serving and canary
+    assert full_version_for_serve("serving", 5, WantedVersions(serving=2, canary=3)) == 3
+
+
+def test_which_announced_versions_load_at_once() -> None:
+    assert loads_on_announcement("serve", "newest", WeightsKind.full)
+    assert not loads_on_announcement("serve", "serving", WeightsKind.full)
+    assert loads_on_announcement("serve", "serving", WeightsKind.lora)
+    assert loads_on_announcement("evaluate", "serving", WeightsKind.full)
+    assert loads_on_announcement("evaluate", "newest", WeightsKind.full)
+
+
+def test_wanted_versions_from_the_pointer_hash() -> None:
+    assert WantedVersions.from_hash({"pending_version": "3"}) == WantedVersions(pending=3)
+    wants = WantedVersions.from_hash({"version": "2", "pending_version": "", "canary_version": "4"})
+    assert wants == WantedVersions(serving=2, canary=4) and wants.all() == {2, 4}
+
+
+def test_inference_config_defaults_keep_todays_behaviour() -> None:
+    cfg = InferenceConfig()
+    assert (cfg.role, cfg.full_weights_follow) == ("serve", "newest")
+    with pytest.raises(ValueError):
+        InferenceConfig(role="shadow")  # type: ignore[arg-type]
