@@ -128,6 +128,8 @@ def _install_vllm_venv(venv_dir: Path, python: Path, log_file: Path | None, time
 
         if not python.exists():
             run([_base_python(), "-m", "venv", str(venv_dir)])
+        if subprocess.run([str(python), "-c", "import pip"], capture_output=True).returncode != 0:
+            run([str(python), "-m", "ensurepip", "--upgrade"])  # a venv whose creation was interrupted has no pip
         pip = [str(python), "-m", "pip"]
         run([*pip, "install", "--upgrade", "pip"])
         install = [*pip, "install", "-r", str(REQUIREMENTS)]
