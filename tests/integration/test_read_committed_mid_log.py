@@ -235,14 +235,18 @@ def test_a_learner_resumed_past_an_aborted_groups_transaction_trains_the_committ
     assert not any(r[0] <= ghost[0] <= r[1] for r in trained), "the aborted group was trained"
 
 
-async def wait_for_metric(cfg: RlstreamConfig, topic: str, name: str, timeout_s: float) -> list[MetricEvent]:
-    """The events named ``name`` on the metrics topic, once there is at least one (or the timeout passed)."""
+async def wait_for_metric(cfg: RlstreamConfig, topic: str, name: str, timeout_s: float,
+                          at_least: float = 0.0) -> list[MetricEvent]:
+    """The events named ``name`` on the metrics topic, once one has a value >= ``at_least`` (or the timeout passed).
+
+    A counter is reported at 0 from a worker's start, so a test waiting for it to count passes ``at_least=1``.
+    """
     consumer = make_consumer(cfg.kafka, topic, group_id=None, isolation_level="read_committed")
     await consumer.start()
     found: list[MetricEvent] = []
     try:
         deadline = time.monotonic() + timeout_s
-        while not found and time.monotonic() < deadline:
+        while not any(e.value >= at_least for e in found) and time.monotonic() < deadline:
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 found += [e for e in (CODEC.decode(r.value, MetricEvent) for r in records) if e.name == name]
         return found
@@ -309,12 +313,14 @@ def test_a_gap_that_cannot_be_proven_hidden_stops_the_partition_loudly(rl_config
         while "partition stopped" not in restart_log():
             assert time.monotonic() < deadline and second.alive(), second.log_tail()
             time.sleep(1)
-        stops = asyncio.run(wait_for_metric(rl_config, names.metrics, mn.STREAMS_UNPROVEN_GAPS, timeout_s=30))
+        stops = asyncio.run(wait_for_metric(rl_config, names.metrics, mn.STREAMS_UNPROVEN_GAPS, timeout_s=30,
+                                           at_least=1))
         groups = asyncio.run(read_groups(rl_config, names.groups, timeout_s=5, quiet_s=3))
         assert second.alive(), second.log_tail()
         log_text = restart_log()
     finally:
         second.stop()
-    assert stops and stops[0].value >= 1 and stops[0].tags.get("worker") == "w1", stops
+    counted = [e for e in stops if e.value >= 1]
+    assert counted and all(e.tags.get("worker") == "w1" for e in counted), stops
     assert "offsets no longer in the log" in log_text
     assert_groups_match(groups, expected_before)  # nothing past the gap was processed, nothing skipped
