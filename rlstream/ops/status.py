@@ -265,10 +265,11 @@ def render_status(status: dict[str, Any], console: Any) -> None:
             table.add_row(f"{u['partition']}:{u['offset']}", str(u["version"]), str(u["fencing_token"]), u["reason"])
         console.print(table)
 
-    table = Table("worker", "name", "loaded version", "loaded (acknowledged)", "failed", "heartbeat age s",
+    table = Table("worker", "role", "name", "loaded version", "loaded (acknowledged)", "failed", "heartbeat age s",
                   title="inference workers")
     for wid, info in sorted((status.get("workers") or {}).items()):
-        table.add_row(wid, info.get("name", ""), info.get("version", ""), info.get("loaded", ""),
+        table.add_row(wid, info.get("role") or "serve", info.get("name", ""), info.get("version", ""),
+                      info.get("loaded", ""),
                       info.get("failed", ""), info.get("age_s", ""))
     console.print(table)
 

@@ -266,7 +266,8 @@ def fleet_readiness(replicas: list[ReplicaAck], version: int) -> FleetReadiness:
     """
     replicas = serve_replicas(replicas)
     if not replicas:
-        return FleetReadiness(version, False, "no serve inference replica is alive (no worker heartbeat)")
+        return FleetReadiness(version, False,
+                              "no inference replica is alive that serves (no heartbeat of a serve replica)")
     loaded = tuple(sorted(r.worker_id for r in replicas if version in r.loaded))
     missing = tuple(sorted(r.worker_id for r in replicas if version not in r.loaded))
     failed = {r.worker_id: r.failed[version] for r in replicas if version in r.failed and version not in r.loaded}

@@ -46,7 +46,7 @@ def test_fleet_readiness_leaves_evaluate_replicas_out() -> None:
     assert not blocked.ready and blocked.missing == ("serve-0",)
     # an evaluation server alone is no fleet
     alone = fleet_readiness([EVAL], 3)
-    assert not alone.ready and "no serve inference replica" in alone.reason
+    assert not alone.ready and "no inference replica is alive that serves" in alone.reason
     # control: the same acknowledgement with the serve role does count
     as_serve = ReplicaAck("eval-0", 3, "policy", loaded={3: "policy"}, role="serve")
     assert fleet_readiness([as_serve], 3).ready
