@@ -16,13 +16,15 @@ import asyncio
 import json
 import secrets
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlstream.ops.evaluation import VersionScore, evaluate_versions
 from rlstream.ops.infra import LocalStack
 from rlstream.ops.interrupts import terminate_as_interrupt
 from rlstream.ops.live import LiveFigures, Watcher, render
-from rlstream.ops.ports import free_port
+from rlstream.ops.ports import LOOPBACK, free_port
 from rlstream.ops.summary import summarize
 from rlstream.ops.supervisor import Supervisor, rlstream_command
 from rlstream.ops.up_config import (TOY_DEFAULTS, UpOptions, compose_config, task_inputs, task_users_args,
@@ -38,6 +40,9 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import create_topics
 from rlstream.transport.log import get_logger
 from rlstream.transport.signals import sleep_or_stop, stop_event
+
+if TYPE_CHECKING:
+    from rlstream.ops.vllm import VllmServer
 
 log = get_logger(__name__)
 
@@ -105,10 +110,30 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
         await control.close()
 
 
+def _start_vllm_servers(sup: Supervisor, model_dir: Path, served: str, run_dir: Path, api_key: str,
+                        extra_args: list[str], ports: dict[str, int]) -> dict[str, VllmServer]:
+    """Start one vLLM server per name in ``ports`` at once (each start is mostly waiting on its own process) and
+    hand every started one to the supervisor, also when another failed to start (then its error is raised)."""
+    from rlstream.ops.vllm import start_vllm_server
+
+    with ThreadPoolExecutor(max_workers=len(ports)) as pool:
+        starts = {name: pool.submit(start_vllm_server, model_dir, served_model_name=served, port=port,
+                                    workdir=run_dir / name, api_key=api_key, extra_args=extra_args)
+                  for name, port in ports.items()}
+    servers: dict[str, VllmServer] = {}
+    for name, start in starts.items():
+        if start.exception() is None:
+            servers[name] = start.result()
+            sup.extra_pids[name] = servers[name].pid
+    for start in starts.values():
+        start.result()  # the first failure, once every started server is known to the supervisor
+    return servers
+
+
 def run_up(opts: UpOptions) -> dict[str, Any]:
     """Run the whole system until ``duration_s``, ``until_version`` (scored) or Ctrl-C, whichever comes first;
     returns the summary written to disk."""
-    from rlstream.ops.vllm import ensure_vllm_venv, start_vllm_server
+    from rlstream.ops.vllm import ensure_vllm_venv
 
     user_cfg = load_config(opts.config, opts.overrides) if opts.config else None  # fail before starting anything
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -133,21 +158,18 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         wanted = (user_cfg or RlstreamConfig()).inference.api_key
         vllm_key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
         remember_secret(vllm_key)
-        vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm", api_key=vllm_key,
-                                 extra_args=task_vllm_args(opts, run_dir))
-        sup.extra_pids["vllm"] = vllm.pid
+        vllm_port = free_port()
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
-                                          vllm.url, dataset, vllm_api_key=vllm_key)
+                                          f"http://{LOOPBACK}:{vllm_port}", dataset, vllm_api_key=vllm_key)
         sup.env.update(secret_env(cfg))
         # full weights: one server holds one set, so the gate's candidates go to a dedicated evaluation server and
         # the serving server holds only what the serving pointer asks for (LoRA candidates load under own names)
         evaluation_server = opts.gate and bool(heldout) and not cfg.learner.lora.enabled
-        eval_vllm = None
         if evaluation_server:
-            print("starting the evaluation vLLM server (full-weight candidates are evaluated there)…", flush=True)
-            eval_vllm = start_vllm_server(model_dir, served_model_name=served, workdir=run_dir / "vllm-eval",
-                                          api_key=vllm_key, extra_args=task_vllm_args(opts, run_dir))
-            sup.extra_pids["vllm-eval"] = eval_vllm.pid
+            print("starting the evaluation vLLM server too (full-weight candidates are evaluated there)…", flush=True)
+        servers = _start_vllm_servers(sup, model_dir, served, run_dir, vllm_key, task_vllm_args(opts, run_dir),
+                                      {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})})
+        vllm, eval_vllm = servers["vllm"], servers.get("vllm-eval")
         if user_cfg is None and heldout and opts.task == "tool-agent":  # what no tool use earns on the same prompts
             from rlstream.ops.tool_task import baseline_scores
 
