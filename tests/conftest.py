@@ -36,7 +36,7 @@ XDIST_GROUP_OF_MODULE = {
     "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
     "test_gateway": "vllm", "test_gateway_responses": "vllm", "test_gateway_agents_example": "vllm",
     "test_nat_finetune": "vllm", "test_vllm_zombie_learner": "vllm",
-    "test_nat_serve": "vllm", "test_nat_doc_configs": "vllm", "test_shadow_sampling": "up", "test_gate_vllm": "vllm",
+    "test_nat_serve": "vllm", "test_nat_doc_configs": "vllm", "test_shadow_sampling": "up", "test_gate_vllm": "vllm", "test_tool_agent_data_path": "vllm",
     "test_wheel_install": "up", "test_up_production": "up",
     "test_streams_recovery": "streams-chaos",
     "test_streams_shutdown": "streams-chaos",

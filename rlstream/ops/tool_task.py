@@ -40,6 +40,10 @@ TABLE_SEED = 7
 HELDOUT_SEED = 1_000
 #: what the tool returns for an entity or attribute the table does not hold
 UNKNOWN = "unknown"
+#: the JSON schema of the ``entity`` and ``attribute`` arguments the model is offered: a word or two of letters, at
+#: most 12 characters (names are at most 9). A server that forces a call with structured outputs
+#: (``tool_choice="required"``) writes arguments within it; the tool itself takes any string
+ARGUMENT_SCHEMA: dict[str, Any] = {"type": "string", "pattern": "^[A-Za-z][A-Za-z ]{0,11}$"}
 #: weights of the verifier's three checks (they sum to 1)
 PARSED_CREDIT, CALL_CREDIT, ANSWER_CREDIT = 0.2, 0.3, 0.5
 
@@ -228,10 +232,14 @@ def tool_reward(example: dict[str, Any], output: Any) -> dict[str, float]:
 
 # --- the agent ------------------------------------------------------------------------------------------------
 async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSettings,
-                     headers: dict[str, str] | None = None) -> ToolEpisode:
+                     headers: dict[str, str] | None = None, tool_choice: str = "auto") -> ToolEpisode:
     """Run the OpenAI Agents SDK agent with the ``lookup`` tool on ``example``'s question through ``client`` (an
     ``AsyncOpenAI`` on vLLM or the gateway; ``headers`` go with every model call, e.g. a gateway session), at most
-    three model calls. A workflow (``rollout.workflow``) as well as what the simulated users run."""
+    three model calls. A workflow (``rollout.workflow``) as well as what the simulated users run.
+
+    ``tool_choice``: the first model call's (``auto``: the model decides; ``required``: the server forces one call,
+    its arguments within :data:`ARGUMENT_SCHEMA`, for a model that cannot choose tools by itself); the SDK resets it
+    to ``auto`` after a tool call, so the call after the tool's result can answer."""
     from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
                         set_tracing_disabled)
     from agents.exceptions import AgentsException
@@ -245,10 +253,15 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
         """Look up the attribute (color, city or animal) of an entity."""
         return lookup_value(entity, attribute)
 
+    for name in ("entity", "attribute"):
+        lookup.params_json_schema["properties"][name].update(ARGUMENT_SCHEMA)
+
     agent = Agent(name="lookup-agent", tools=[lookup],
                   model=OpenAIChatCompletionsModel(model=sampling.model, openai_client=client),
                   model_settings=ModelSettings(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                               tool_choice="auto", extra_headers=headers or None))
+                                               tool_choice=tool_choice, extra_headers=headers or None,
+                                               # a forced call is one call (vLLM: a one-item array)
+                                               parallel_tool_calls=False if tool_choice != "auto" else None))
     question = str(example.get("prompt") or example["messages"][-1]["content"])
     items: list[Any] = []
     try:

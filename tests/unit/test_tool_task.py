@@ -144,3 +144,14 @@ async def test_an_unreachable_server_is_an_error_not_a_failed_episode() -> None:
     with pytest.raises(openai.APIConnectionError):
         await tool_agent(EXAMPLE, client, SamplingSettings(model="toy", temperature=0.7, max_tokens=8))
     await client.close()
+
+
+def test_every_name_of_the_table_fits_the_arguments_schema_a_forced_call_is_written_in() -> None:
+    import re
+
+    from rlstream.ops.tool_task import ARGUMENT_SCHEMA, fact_table
+
+    pattern = re.compile(ARGUMENT_SCHEMA["pattern"])
+    names = {name for pair in fact_table() for name in pair}
+    assert names and all(pattern.fullmatch(name) for name in names)
+    assert not pattern.fullmatch("Velmora, the city") and not pattern.fullmatch("x" * 13)
