@@ -57,6 +57,9 @@ POLL_S = 0.5
 GROUPS_READ_TIMEOUT_S = 15.0
 #: Seconds a promotion of a full-weights version waits for the fleet (see PromotionGate._move_timeout).
 FULL_MOVE_TIMEOUT_S = 5.0
+#: Seconds an evaluation hold on an ``evaluate`` replica lasts at most (a gate that dies mid-evaluation delays that
+#: replica's next candidate by this much at worst; a finished evaluation releases it at once).
+EVALUATION_HOLD_S = 120.0
 #: Seconds the gate waits after a failed step before it tries again.
 ERROR_BACKOFF_S = 2.0
 #: Who the gate's decisions are recorded as.
@@ -82,11 +85,13 @@ def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
 
 @dataclass(frozen=True)
 class ReplicaRoute:
-    """Where to ask one version: the replica's server (``.../v1``) and the model name it answers the version by."""
+    """Where to ask one version: the replica's server (``.../v1``) and the model name it answers the version by;
+    ``evaluates``: an ``evaluate`` replica (held on the version while it is evaluated)."""
 
     base_url: str
     model: str
     worker_id: str
+    evaluates: bool = False
 
 
 @dataclass
@@ -290,7 +295,7 @@ class PromotionGate:
             if version in replica.loaded:
                 url = (replica.url or secret_value(self.cfg.inference.url) or "").rstrip("/")
                 return ReplicaRoute(f"{url}/v1", replica.loaded[version] or self.cfg.inference.served_model,
-                                    replica.worker_id)
+                                    replica.worker_id, evaluates=not replica.serves)
         return None
 
     async def _still_loaded(self, route: ReplicaRoute, version: int) -> bool:
@@ -305,8 +310,14 @@ class PromotionGate:
         route = self.route_of(await self.serving.replicas(self.policy), version)
         if route is None:
             return None
-        figures = await evaluate_version(self.evaluation, version, route.base_url, route.model,
-                                         secret_value(self.cfg.inference.api_key))
+        if route.evaluates:  # the replica keeps the version loaded until the figures are in
+            await self.serving.hold_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
+        try:
+            figures = await evaluate_version(self.evaluation, version, route.base_url, route.model,
+                                             secret_value(self.cfg.inference.api_key))
+        finally:
+            if route.evaluates:
+                await self.serving.release_evaluation(self.policy, route.worker_id)
         if not await self._still_loaded(route, version):
             log.info("version replaced on the replica during its evaluation; figures dropped", version=version)
             return None

@@ -118,6 +118,12 @@ def full_version_for_serve(full_weights_follow: str, newest_announced: int | Non
     return max(asked) if asked else None
 
 
+def waits_for_evaluation(role: str, held_version: int | None, loaded_version: int) -> bool:
+    """Whether a newer candidate waits instead of loading: on an ``evaluate`` replica while the gate holds the
+    version it has loaded (a hold on another version is stale and ignored)."""
+    return role == ROLE_EVALUATE and held_version is not None and held_version == loaded_version
+
+
 def url_without_credentials(url: str) -> str:
     """``url`` without a user or password (what a replica shows in Redis; routers bring their own API key)."""
     parts = urlsplit(url)
@@ -174,6 +180,8 @@ class InferenceSyncWorker:
         self.wanted: set[int] = set()  # serving, pending and canary versions (kept loaded)
         self.pointer_wants = WantedVersions()  # the same, each on its own
         self._unknown_wanted: set[int] = set()  # versions the pointer asks for with no trusted record here (logged)
+        # the newest candidate announced while the gate evaluates the loaded version (evaluate replicas)
+        self._waiting: tuple[PolicyVersion, SourceRecord | None] | None = None
         self._serving_read_at = 0.0
         self._fleet_failures_emitted = 0
         self.replica_url = url_without_credentials(str(self.icfg.url))
@@ -212,6 +220,7 @@ class InferenceSyncWorker:
                 for item in await reader.fetch(timeout_ms=500, max_records=100):
                     await self.handle(item)
                 await self.follow_serving()
+                await self._load_waiting()
         finally:
             stop.set()
             heartbeat.cancel()
@@ -265,7 +274,34 @@ class InferenceSyncWorker:
                      "evaluate replica", version=version.version, loaded=self.state.version, serving=wants.serving,
                      pending=wants.pending, canary=wants.canary)
             return
+        if version.kind == WeightsKind.full and await self._evaluation_holds():  # an adapter replaces nothing
+            if self._waiting is None or version.version > self._waiting[0].version:
+                self._waiting = (version, item.source)
+            log.info("newer candidate waits: the gate is evaluating the loaded version", version=version.version,
+                     loaded=self.state.version)
+            return
         await self.sync(version, item.source)
+
+    async def _evaluation_holds(self) -> bool:
+        """Whether the gate holds this (evaluate) replica's loaded version for an evaluation; False when Redis cannot
+        say (a candidate then loads as it would without a gate)."""
+        if self.icfg.role != ROLE_EVALUATE:
+            return False
+        try:
+            held = await self.serving.evaluation_hold(self.cfg.policy, self.icfg.worker_id)
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: never stall loading on it
+            log.warning("cannot read the evaluation hold; loading", error=str(exc))
+            return False
+        return waits_for_evaluation(self.icfg.role, held, self.state.version)
+
+    async def _load_waiting(self) -> None:
+        """Load the candidate that waited for an evaluation once the hold is gone."""
+        if self._waiting is None or await self._evaluation_holds():
+            return
+        version, record = self._waiting
+        self._waiting = None
+        if version.version > self.state.version:
+            await self.sync(version, record)
 
     async def _trusted(self, version: PolicyVersion, record: SourceRecord) -> bool:
         """Whether the fenced learner announced this record (see transport/trusted_versions.py); a refused one is

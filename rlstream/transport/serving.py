@@ -58,6 +58,12 @@ def session_pin_key(policy: str, session_id: str) -> str:
     return f"rlstream:{policy}:session:{session_id}"
 
 
+def evaluation_hold_key(policy: str, worker_id: str) -> str:
+    """The version the gate is evaluating on the ``evaluate`` replica ``worker_id`` (string, with an expiry): the
+    replica loads no newer candidate over it until the gate releases it or the hold expires."""
+    return f"rlstream:{policy}:evaluating:{worker_id}"
+
+
 def parse_model_name(model: str, policy: str) -> tuple[bool, int | None]:
     """(whether ``model`` names ``policy``, the version it pins or None for the serving version).
 
@@ -428,6 +434,25 @@ class ServingControl:
             return version
         held = await self.control._retry("pin_session", lambda: self.redis.eval(_PIN_LUA, 1, key, str(version), ttl))
         return int(held)
+
+    # -- evaluation holds ----------------------------------------------------------------
+    async def hold_for_evaluation(self, policy: str, worker_id: str, version: int, ttl_s: float) -> None:
+        """Ask the ``evaluate`` replica ``worker_id`` to keep ``version`` loaded for ``ttl_s`` at most (the gate's
+        evaluation; a newer candidate announced meanwhile waits instead of replacing it halfway)."""
+        key, ttl = evaluation_hold_key(policy, worker_id), max(1, int(ttl_s))
+        await self.control._retry("hold_for_evaluation", lambda: self.redis.set(key, str(version), ex=ttl))
+
+    async def release_evaluation(self, policy: str, worker_id: str) -> None:
+        """End the hold of :meth:`hold_for_evaluation`."""
+        key = evaluation_hold_key(policy, worker_id)
+        await self.control._retry("release_evaluation", lambda: self.redis.delete(key))
+
+    async def evaluation_hold(self, policy: str, worker_id: str) -> int | None:
+        """The version held on ``worker_id`` for an evaluation, or None (no hold, expired, or not a number)."""
+        key = evaluation_hold_key(policy, worker_id)
+        raw = await self.control._retry("evaluation_hold", lambda: self.redis.get(key))
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        return int(text) if text is not None and text.isdigit() and len(text) <= 18 else None
 
     # -- the fleet ---------------------------------------------------------------------
     async def record_replica(self, policy: str, ack: ReplicaAck, ttl_s: float) -> None:

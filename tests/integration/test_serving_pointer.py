@@ -13,7 +13,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.serving import (MoveKind, NotForward, ReplicaAck, ServingConflict, ServingControl,
-                                        ServingFenced, move_serving_when_loaded, parse_model_name, publish_decision)
+                                        ServingFenced, evaluation_hold_key, move_serving_when_loaded, parse_model_name,
+                                        publish_decision)
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()
@@ -217,3 +218,27 @@ def test_status_tail_and_lineage_show_the_decisions(rl_config: RlstreamConfig,
     assert [(r["version"], r["decision"]) for r in rows] == [(5, "reject"), (4, "promote")]
     assert [(d.version, d.decision) for d in about_5] == [(5, DecisionKind.reject)]
     assert build_table("promotions", [], "") is not None
+
+
+def test_evaluation_holds_are_per_replica_released_expire_and_ignore_garbage(rl_config: RlstreamConfig) -> None:
+    policy = rl_config.policy
+
+    async def scenario() -> None:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        try:
+            assert await serving.evaluation_hold(policy, "eval-0") is None
+            await serving.hold_for_evaluation(policy, "eval-0", 7, ttl_s=60)
+            assert await serving.evaluation_hold(policy, "eval-0") == 7
+            assert await serving.evaluation_hold(policy, "eval-1") is None  # another replica is not held
+            await serving.release_evaluation(policy, "eval-0")
+            assert await serving.evaluation_hold(policy, "eval-0") is None
+            await serving.hold_for_evaluation(policy, "eval-0", 8, ttl_s=1)  # a gate that died mid-evaluation
+            await asyncio.sleep(2.2)
+            assert await serving.evaluation_hold(policy, "eval-0") is None
+            await control.redis.set(evaluation_hold_key(policy, "eval-0"), "not-a-version")  # written by anyone
+            assert await serving.evaluation_hold(policy, "eval-0") is None
+        finally:
+            await control.close()
+
+    asyncio.run(scenario())

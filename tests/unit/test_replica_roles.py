@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from rlstream.gate.service import PromotionGate
-from rlstream.inference.sync import full_version_for_serve, loads_on_announcement
+from rlstream.inference.sync import full_version_for_serve, loads_on_announcement, waits_for_evaluation
 from rlstream.rollout.routing import FleetRouter, Outstanding, VersionNotLoaded, production_version
 from rlstream.schemas.config import InferenceConfig, RlstreamConfig
 from rlstream.schemas.models import WeightsKind
@@ -142,3 +142,10 @@ def test_inference_config_defaults_keep_todays_behaviour() -> None:
     assert (cfg.role, cfg.full_weights_follow) == ("serve", "newest")
     with pytest.raises(ValueError):
         InferenceConfig(role="shadow")  # type: ignore[arg-type]
+
+
+def test_a_candidate_waits_only_on_an_evaluate_replica_held_on_its_loaded_version() -> None:
+    assert waits_for_evaluation("evaluate", held_version=3, loaded_version=3)
+    assert not waits_for_evaluation("evaluate", held_version=None, loaded_version=3)  # no hold
+    assert not waits_for_evaluation("evaluate", held_version=2, loaded_version=3)  # a stale hold on another version
+    assert not waits_for_evaluation("serve", held_version=3, loaded_version=3)  # serve replicas are never held
