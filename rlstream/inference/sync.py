@@ -402,8 +402,17 @@ class InferenceSyncWorker:
         return path
 
     async def _trim_adapters(self) -> None:
-        """Unload the oldest candidates beyond ``keep_adapters``; the versions the fleet is asked to serve stay."""
-        pinned = [n for n in self.adapters if self._adapter_version(n) in self.wanted]
+        """Unload the oldest candidates beyond ``keep_adapters``; the versions the fleet is asked to serve stay, and
+        so does a version held for an evaluation on this replica (the gate's, or ``rlstream up``'s held-out scoring)."""
+        keep = set(self.wanted)
+        try:
+            held = await self.serving.evaluation_hold(self.cfg.policy, self.icfg.worker_id)
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: trim as if nothing were held
+            log.warning("cannot read the evaluation hold; trimming adapters without it", error=str(exc))
+            held = None
+        if held is not None:
+            keep.add(held)
+        pinned = [n for n in self.adapters if self._adapter_version(n) in keep]
         others = [n for n in self.adapters if n not in pinned]
         while len(others) > self.icfg.keep_adapters:
             name = others.pop(0)

@@ -17,6 +17,9 @@ from rlstream.transport.signals import sleep_or_stop
 
 log = get_logger(__name__)
 
+#: Seconds a held-out scoring holds its version on the replica at most (released as soon as it is scored).
+SCORING_HOLD_S = 900.0
+
 
 @dataclass
 class VersionScore:
@@ -85,12 +88,12 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url
     async def newest_loaded() -> Route | None:
         """The newest version a replica acknowledged, by its own name on that replica's server: candidates too, not
         only the serving one (with full weights, a candidate is on the evaluation server only)."""
-        loaded = [(v, name or cfg.rollout.model, r.url) for r in await serving.replicas(cfg.policy)
+        loaded = [(v, name or cfg.rollout.model, r.url, r.worker_id) for r in await serving.replicas(cfg.policy)
                   for v, name in r.loaded.items()]
         if not loaded:
             return None
-        version, model, url = max(loaded)
-        return Route(model, version, url=url)
+        version, model, url, worker_id = max(loaded)
+        return Route(model, version, worker_id=worker_id, url=url)
 
     sampling = SamplingSettings.from_config(cfg.rollout)
     done: set[int] = set()
@@ -101,9 +104,14 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url
             parts: dict[str, float] = {}
             try:
                 where = f"{route.url.rstrip('/')}/v1" if route.url else base_url
-                mean, n = await evaluate_heldout(where, heldout, workflow, reward_fn, samples,
-                                                 sampling.with_model(route.model),
-                                                 api_key=secret_value(cfg.inference.api_key), components=parts)
+                # the replica keeps the version loaded while it is scored (a LoRA adapter is not trimmed away)
+                await serving.hold_for_evaluation(cfg.policy, route.worker_id or "", route.version, SCORING_HOLD_S)
+                try:
+                    mean, n = await evaluate_heldout(where, heldout, workflow, reward_fn, samples,
+                                                     sampling.with_model(route.model),
+                                                     api_key=secret_value(cfg.inference.api_key), components=parts)
+                finally:
+                    await serving.release_evaluation(cfg.policy, route.worker_id or "")
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
                 done.discard(route.version)
