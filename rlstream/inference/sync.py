@@ -118,6 +118,13 @@ def full_version_for_serve(full_weights_follow: str, newest_announced: int | Non
     return max(asked) if asked else None
 
 
+def adapters_to_unload(adapters: list[str], keep_versions: set[int], keep_adapters: int) -> list[str]:
+    """The oldest adapters (``<policy>-v<N>``, oldest first in ``adapters``) beyond ``keep_adapters``, leaving out
+    those whose version is in ``keep_versions`` (served, pending, canary, or held for an evaluation)."""
+    others = [n for n in adapters if InferenceSyncWorker._adapter_version(n) not in keep_versions]
+    return others[:max(0, len(others) - keep_adapters)]
+
+
 def waits_for_evaluation(role: str, held_version: int | None, loaded_version: int) -> bool:
     """Whether a newer candidate waits instead of loading: on an ``evaluate`` replica while the gate holds the
     version it has loaded (a hold on another version is stale and ignored)."""
@@ -412,10 +419,7 @@ class InferenceSyncWorker:
             held = None
         if held is not None:
             keep.add(held)
-        pinned = [n for n in self.adapters if self._adapter_version(n) in keep]
-        others = [n for n in self.adapters if n not in pinned]
-        while len(others) > self.icfg.keep_adapters:
-            name = others.pop(0)
+        for name in adapters_to_unload(list(self.adapters), keep, self.icfg.keep_adapters):
             self.adapters.remove(name)
             await self._unload_quietly(name)
 

@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from rlstream.gate.service import PromotionGate
-from rlstream.inference.sync import full_version_for_serve, loads_on_announcement, waits_for_evaluation
+from rlstream.inference.sync import (adapters_to_unload, full_version_for_serve, loads_on_announcement,
+                                     waits_for_evaluation)
 from rlstream.rollout.routing import FleetRouter, Outstanding, VersionNotLoaded, production_version
 from rlstream.schemas.config import InferenceConfig, RlstreamConfig
 from rlstream.schemas.models import WeightsKind
@@ -149,3 +150,11 @@ def test_a_candidate_waits_only_on_an_evaluate_replica_held_on_its_loaded_versio
     assert not waits_for_evaluation("evaluate", held_version=None, loaded_version=3)  # no hold
     assert not waits_for_evaluation("evaluate", held_version=2, loaded_version=3)  # a stale hold on another version
     assert not waits_for_evaluation("serve", held_version=3, loaded_version=3)  # serve replicas are never held
+
+
+def test_trimming_keeps_the_served_and_the_held_adapters() -> None:
+    adapters = [f"toy-v{v}" for v in (3, 4, 5, 6, 7)]
+    assert adapters_to_unload(adapters, set(), keep_adapters=2) == ["toy-v3", "toy-v4", "toy-v5"]
+    # v3 serves and v4 is being scored: both stay, the two newest others stay, v5 goes
+    assert adapters_to_unload(adapters, {3, 4}, keep_adapters=2) == ["toy-v5"]
+    assert adapters_to_unload(adapters[:2], set(), keep_adapters=2) == []
