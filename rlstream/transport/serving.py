@@ -59,8 +59,9 @@ def session_pin_key(policy: str, session_id: str) -> str:
 
 
 def evaluation_hold_key(policy: str, worker_id: str) -> str:
-    """The version the gate is evaluating on the ``evaluate`` replica ``worker_id`` (string, with an expiry): the
-    replica loads no newer candidate over it until the gate releases it or the hold expires."""
+    """The version an evaluation (the gate's, or ``rlstream up``'s held-out scoring) holds on replica ``worker_id``
+    (string, with an expiry): until it is released or expires, an ``evaluate`` replica loads no newer full-weights
+    candidate over it and no replica trims it away as a LoRA adapter."""
     return f"rlstream:{policy}:evaluating:{worker_id}"
 
 
