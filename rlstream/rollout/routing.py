@@ -47,8 +47,9 @@ class VersionRouter:
     Without a serving pointer: the newest version a replica acknowledged. When no replica has the serving version
     loaded, the newest loaded version not above it. Without any worker heartbeat, requests go to the plain policy
     model and carry the serving version, else the learner's latest published version (0 before the first).
-    ``worker_id`` restricts routing to one replica. ``evaluate`` replicas are never routed to. A ``base_model`` of the form ``policy@N`` pins version N: the
-    route is N's name on a replica that acknowledged it (else the name as given, which the server refuses).
+    ``worker_id`` restricts routing to one replica. ``evaluate`` replicas are never routed to. A ``base_model`` of
+    the form ``policy@N`` pins version N: the route is N's name on a replica that acknowledged it (else the name as
+    given, which the server refuses).
     """
 
     def __init__(self, control: ControlPlane, policy: str, base_model: str, worker_id: str | None = None,
@@ -174,9 +175,9 @@ class FleetRouter:
 
     :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session is
     pinned to, else picks: the canary for its share of sessions (by a hash of the session id), else the serving
-    version (:func:`production_version`); only ``serve`` replicas take requests. A session's version is pinned in Redis
-    (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends a
-    session's calls to the version it started on, while a replica has it loaded. Among the replicas that
+    version (:func:`production_version`); only ``serve`` replicas take requests. A session's version is pinned in
+    Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends
+    a session's calls to the version it started on, while a replica has it loaded. Among the replicas that
     acknowledged the version, a session's calls go to one replica (:func:`session_replica`: its prefix cache) and
     other requests to the one with the fewest requests in flight from this gateway (:attr:`outstanding`, counted by
     :class:`OutstandingTransport`; ties round robin). The pointer and acknowledgements are cached for ``ttl_s``.
