@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 
 from rlstream.ops.lineage import version_lineage
 from rlstream.schemas.codec import AvroCodec
@@ -33,7 +34,7 @@ from rlstream.schemas.models import TrajectoryEvent, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.kafka import make_producer
+from rlstream.transport.kafka import make_consumer, make_producer
 from tests.support.child_process import ChildProcess
 from tests.support.factories import make_reward, make_trajectory
 from tests.support.learner_helpers import tiny_model
@@ -119,6 +120,32 @@ def _latest(cfg: RlstreamConfig) -> int:
     return asyncio.run(read())
 
 
+def _wait_for_open_output(cfg: RlstreamConfig, topic: str, timeout_s: float) -> bool:
+    """Whether, within ``timeout_s``, ``topic`` holds records of a transaction still open (its high watermark, what
+    read_uncommitted sees, above its last stable offset, what read_committed sees): a kill then cuts a transaction
+    with output in it."""
+    async def check() -> bool:
+        uncommitted = make_consumer(cfg.kafka, group_id=None, isolation_level="read_uncommitted")
+        committed = make_consumer(cfg.kafka, group_id=None, isolation_level="read_committed")
+        await uncommitted.start()
+        await committed.start()
+        try:
+            await uncommitted.topics()  # the cluster's metadata, so that the topic's partitions are known
+            tps = [TopicPartition(topic, p) for p in sorted(uncommitted.partitions_for_topic(topic) or ())]
+            assert tps, f"no partitions known for {topic}"
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                high, stable = await uncommitted.end_offsets(tps), await committed.end_offsets(tps)
+                if any(high[tp] > stable[tp] for tp in tps):
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+        finally:
+            await uncommitted.stop()
+            await committed.stop()
+    return asyncio.run(check())
+
+
 def _member_positions(groups: list[TrajectoryGroup], topic: str) -> Counter[tuple[int, int]]:
     return Counter((o.partition, o.offset) for g in groups for o in g.source_offsets if o.topic == topic)
 
@@ -151,6 +178,8 @@ def test_aborted_input_transactions_and_kills_train_each_committed_trajectory_on
             time.sleep(max(0.0, at - (time.monotonic() - began)))
             if which == "streams":
                 assert worker.alive(), worker.log_tail()
+                # at the drawn moment, or as soon after it as the worker has groups in an open transaction
+                _wait_for_open_output(rl_config, names.groups, timeout_s=20.0)
                 worker.kill()
                 worker = Worker(rl_config, "w1", tmp_path, **worker_settings).start()
                 processes.append(worker)
