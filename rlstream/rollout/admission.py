@@ -4,7 +4,9 @@ The learner turns ``groups_per_version`` groups into one new version. Groups sta
 trained roughly ``started // groups_per_version`` versions after the run began; if that is more
 than ``max_policy_lag`` versions beyond what the learner has published since, their data would be
 stale when trained, so the runner waits. It also waits while the served version (the inference
-workers') is more than ``max_policy_lag`` behind the learner's latest.
+workers') is more than ``max_policy_lag`` behind the version the fleet should serve: the learner's latest, or, where a
+promotion gate keeps a serving pointer, that pointer's version (a gate that rejects candidates leaves serving behind
+the learner by decision; waiting for it to catch up would stop the rollout, hence the learner, for good).
 """
 from __future__ import annotations
 
@@ -25,13 +27,17 @@ class AdmissionPolicy:
     groups_per_version: int
     base_version: int = 0
 
-    def decide(self, groups_started: int, learner_version: int, served_version: int | None = None) -> AdmissionDecision:
+    def decide(self, groups_started: int, learner_version: int, served_version: int | None = None,
+               serving_pointer: int | None = None) -> AdmissionDecision:
+        """Admit a new group or say why not; ``serving_pointer``: the version a gate decided should serve, if any."""
         learner_progress = max(0, learner_version - self.base_version)
         versions_ahead = groups_started // self.groups_per_version - learner_progress
         if versions_ahead > self.max_policy_lag:
             return AdmissionDecision(False, f"{versions_ahead} versions ahead of the learner "
                                             f"(max_policy_lag {self.max_policy_lag})")
-        if served_version is not None and learner_version - served_version > self.max_policy_lag:
+        target, whose = (serving_pointer, "serving pointer") if serving_pointer is not None else (
+            learner_version, "learner")
+        if served_version is not None and target - served_version > self.max_policy_lag:
             return AdmissionDecision(False, f"served version {served_version} is more than {self.max_policy_lag} "
-                                            f"behind the learner's {learner_version}")
+                                            f"behind the {whose}'s {target}")
         return AdmissionDecision(True)

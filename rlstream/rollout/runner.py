@@ -130,8 +130,10 @@ class RolloutRunner:
         while not stop.is_set():
             learner = await self.control.latest_version(self.cfg.policy)
             route, from_worker = await self.router.current_with_source()
+            pointer = await self.router.serving.serving(self.cfg.policy)
             decision = self.admission.decide(self.stats.groups_started, learner,
-                                             route.version if from_worker else None)
+                                             route.version if from_worker else None,
+                                             pointer.version if pointer is not None else None)
             if decision.admit:
                 if waited:
                     paused = time.monotonic() - started

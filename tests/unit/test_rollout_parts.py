@@ -88,3 +88,14 @@ def test_constrained_requests_are_recognised() -> None:
     assert constrained({"extra_body": {"structured_outputs": {"regex": "a+"}}})
     assert not constrained({"tools": tools, "tool_choice": "auto"})
     assert not constrained({"response_format": {"type": "text"}})
+
+
+def test_under_a_gate_admission_waits_for_the_serving_pointer_not_the_learner() -> None:
+    policy = AdmissionPolicy(max_policy_lag=2, groups_per_version=8)
+    # the gate rejected v14-v16: serving stays at 13 and the fleet serves it; the rollout must go on
+    assert policy.decide(0, learner_version=16, served_version=13, serving_pointer=13).admit
+    # control: judged against the learner's latest, the same fleet stops the rollout (and so the learner) for good
+    assert not policy.decide(0, learner_version=16, served_version=13).admit
+    # the fleet still loading what the gate promoted: wait
+    waiting = policy.decide(0, learner_version=16, served_version=10, serving_pointer=13)
+    assert not waiting.admit and "serving pointer" in waiting.reason
