@@ -19,6 +19,7 @@ compares with the serving version on the same prompts and seeds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -310,14 +311,12 @@ class PromotionGate:
         route = self.route_of(await self.serving.replicas(self.policy), version)
         if route is None:
             return None
-        if route.evaluates:  # the replica keeps the version loaded until the figures are in
-            await self.serving.hold_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
-        try:
+        # an evaluate replica keeps the version loaded until the figures are in
+        hold = (self.serving.held_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
+                if route.evaluates else contextlib.nullcontext())
+        async with hold:
             figures = await evaluate_version(self.evaluation, version, route.base_url, route.model,
                                              secret_value(self.cfg.inference.api_key))
-        finally:
-            if route.evaluates:
-                await self.serving.release_evaluation(self.policy, route.worker_id)
         if not await self._still_loaded(route, version):
             log.info("version replaced on the replica during its evaluation; figures dropped", version=version)
             return None
@@ -410,7 +409,7 @@ class PromotionGate:
         pointer (``inference.full_weights_follow: serving``) load it on the move's request: ``gate.load_timeout_s``."""
         if record.kind != WeightsKind.full:
             return self.gcfg.load_timeout_s
-        serving = [r for r in await self.serving.replicas(self.policy) if r.serves]
+        serving = await self.serving.serve_replicas(self.policy)
         if serving and all(r.follows == "serving" for r in serving):
             return self.gcfg.load_timeout_s
         return FULL_MOVE_TIMEOUT_S

@@ -105,13 +105,11 @@ async def evaluate_versions(cfg: RlstreamConfig, control: ControlPlane, base_url
             try:
                 where = f"{route.url.rstrip('/')}/v1" if route.url else base_url
                 # the replica keeps the version loaded while it is scored (a LoRA adapter is not trimmed away)
-                await serving.hold_for_evaluation(cfg.policy, route.worker_id or "", route.version, SCORING_HOLD_S)
-                try:
+                async with serving.held_for_evaluation(cfg.policy, route.worker_id or "", route.version,
+                                                       SCORING_HOLD_S):
                     mean, n = await evaluate_heldout(where, heldout, workflow, reward_fn, samples,
                                                      sampling.with_model(route.model),
                                                      api_key=secret_value(cfg.inference.api_key), components=parts)
-                finally:
-                    await serving.release_evaluation(cfg.policy, route.worker_id or "")
             except Exception as exc:
                 log.warning("held-out evaluation failed", version=route.version, model=route.model, error=str(exc))
                 done.discard(route.version)

@@ -25,9 +25,11 @@ the pointer and records the decision on ``promotions``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -442,6 +444,16 @@ class ServingControl:
         evaluation; a newer candidate announced meanwhile waits instead of replacing it halfway)."""
         key, ttl = evaluation_hold_key(policy, worker_id), max(1, int(ttl_s))
         await self.control._retry("hold_for_evaluation", lambda: self.redis.set(key, str(version), ex=ttl))
+
+    @contextlib.asynccontextmanager
+    async def held_for_evaluation(self, policy: str, worker_id: str, version: int,
+                                  ttl_s: float) -> AsyncIterator[None]:
+        """:meth:`hold_for_evaluation` for the ``async with`` block, released when it ends (also on an error)."""
+        await self.hold_for_evaluation(policy, worker_id, version, ttl_s)
+        try:
+            yield
+        finally:
+            await self.release_evaluation(policy, worker_id)
 
     async def release_evaluation(self, policy: str, worker_id: str) -> None:
         """End the hold of :meth:`hold_for_evaluation`."""
