@@ -38,6 +38,7 @@ from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPub
 from rlstream.learner.publish import Announcer
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
+from rlstream.learner.waiting import WaitingForGroups
 from rlstream.transport import metric_names
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.deadletter import DeadLetterSink
@@ -108,6 +109,7 @@ class Learner:
         self._known_version = 0  # the newest version this learner published or resumed from
         self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
         self.loop: TrainPublishLoop | None = None  # train, checkpoint, write a version, announce it
+        self._waiting: WaitingForGroups | None = None  # tells the rollout when this learner has nothing to read
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -183,6 +185,7 @@ class Learner:
                                          self.lcfg.lease_ttl_s),
                 guard=_LearnerLease(self, control), store=self.store, before_step=self._broadcast_step)
             self._known_version = max(state.version, await control.latest_version(self.cfg.policy))
+            self._waiting = WaitingForGroups(control, self.cfg.policy)
             self._tokenizer, self._vocab_size = policy.tokenizer, policy.vocab_size
             self._reporters = Reporters.open(
                 self.lcfg.report_to, log_dir=self.lcfg.logging_dir or self.output_dir / "logs",
@@ -315,6 +318,8 @@ class Learner:
             if not self._buffer:
                 # decoded one at a time below: a record left in the buffer at a stop is not dead-lettered yet
                 self._buffer.extend(await fetch_batch(reader.consumer, timeout_ms=500, max_records=256))
+                if self._waiting is not None:
+                    await (self._waiting.reading() if self._buffer else self._waiting.nothing_to_read())
                 continue
             record = self._buffer.popleft()
             item = await self._decode(reader, record)

@@ -49,6 +49,7 @@ class RunnerStats:
     generations_ok: int = 0
     generations_failed: int = 0
     admission_waits: int = 0
+    admission_resyncs: int = 0
     paused_s: float = 0.0
     versions_used: dict[int, int] = field(default_factory=dict)
     failures: list[GenerationFailure] = field(default_factory=list)
@@ -95,6 +96,8 @@ class RolloutRunner:
         self.stats = RunnerStats()
         self._generation_slots = asyncio.Semaphore(self.rcfg.concurrency)
         self._group_slots = asyncio.Semaphore(max(1, math.ceil(self.rcfg.concurrency / self.rcfg.group_size)))
+        self._groups_in_flight = 0
+        self._last_group_done = time.monotonic()
 
     # -- the run ----------------------------------------------------------------------------
     async def run(self, examples: AsyncIterator[tuple[dict[str, Any], int]], stop: asyncio.Event | None = None) -> RunnerStats:
@@ -146,17 +149,42 @@ class RolloutRunner:
                 self.stats.admission_waits += 1
                 log.info("admission paused", reason=decision.reason, groups_started=self.stats.groups_started,
                          learner_version=learner)
+            if decision.ahead_of_learner and await self._learner_starved():
+                self.admission.resync(self.stats.groups_started, learner)
+                self.stats.admission_resyncs += 1
+                log.warning("admission resynced: the learner waits for groups and none of this runner's is on the "
+                            "way, so the groups counted ahead will never train (filtered, skipped as stale or "
+                            "dead-lettered); counting from the learner's version", learner_version=learner,
+                            groups_started=self.stats.groups_started, reason=decision.reason)
+                await self._emit(mn.ROLLOUT_ADMISSION_RESYNCS, 1.0)
+                continue
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.rcfg.admission_poll_s)
             except asyncio.TimeoutError:
                 pass
         return False
 
+    async def _learner_starved(self) -> bool:
+        """The learner has waited ``admission_resync_s`` for groups, and this runner's last group was done (published)
+        at least as long ago: whatever the count still holds ahead of the learner is not on its way."""
+        resync_after = self.rcfg.admission_resync_s
+        if self._groups_in_flight or time.monotonic() - self._last_group_done < resync_after:
+            return False
+        try:
+            waited = await self.control.learner_waiting_s(self.cfg.policy, patience_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - no answer is no evidence: stay paused, ask again at the next poll
+            log.warning("learner waiting state not read (Redis unreachable?)", error=str(exc))
+            return False
+        return waited is not None and waited >= resync_after
+
     async def _group(self, example: dict[str, Any], round_index: int) -> None:
         group_id = f"{self.cfg.run_id}:{example['id']}:{round_index}"
+        self._groups_in_flight += 1
         try:
             await asyncio.gather(*(self._generation(example, group_id, i) for i in range(self.rcfg.group_size)))
         finally:
+            self._groups_in_flight -= 1
+            self._last_group_done = time.monotonic()
             self._group_slots.release()
 
     async def _generation(self, example: dict[str, Any], group_id: str, index: int) -> None:

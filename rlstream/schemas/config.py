@@ -366,6 +366,10 @@ class RolloutConfig(Section):
                                       "after this long")
     admission_poll_s: float = Field(1.0, gt=0, description="how often a paused runner checks the learner's "
                                     "version again")
+    admission_resync_s: float = Field(10.0, gt=0, description="a runner paused ahead of the learner, with none of "
+                                      "its groups on the way, counts from the learner's version again once the "
+                                      "learner has waited this long for groups (the groups counted ahead were "
+                                      "filtered, skipped as stale or dead-lettered and will never train)")
     producer_id: str = Field("rollout", description="producer_id written into every trajectory")
     prometheus_port: int | None = Field(None, description="serve the runner's metrics to Prometheus on this port")
 

@@ -6,6 +6,7 @@ exponential backoff while Redis is unreachable and says so in the logs.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import ssl
 import time
@@ -39,6 +40,11 @@ def fencing_counter_key(policy: str) -> str:
 def announcements_key(policy: str) -> str:
     """Hash of the policy's version announcements: sha256 of the record's bytes -> :class:`Announcement` fields."""
     return f"rlstream:{policy}:announcements"
+
+
+def learner_waiting_key(policy: str) -> str:
+    """How long the policy's learner has been waiting for groups (seconds, refreshed while it waits; expires)."""
+    return f"rlstream:{policy}:learner:waiting"
 
 
 def worker_key(policy: str, worker_id: str) -> str:
@@ -261,6 +267,27 @@ class ControlPlane:
 
     async def lease_holder(self, policy: str) -> str | None:
         return await self._retry("lease_holder", lambda: self.redis.get(lease_key(policy)))
+
+    # -- learner starvation --------------------------------------------------------------
+    async def report_learner_waiting(self, policy: str, waited_s: float | None, ttl_s: float,
+                                     patience_s: float | None = None) -> None:
+        """The learner has read every group there is and has been waiting ``waited_s`` for the next one (None: it
+        is training again). The mark expires after ``ttl_s`` unless refreshed, so a learner that died leaves none."""
+        key = learner_waiting_key(policy)
+        if waited_s is None:
+            await self._retry("learner_waiting", lambda: self.redis.delete(key), patience_s)
+            return
+        await self._retry("learner_waiting",
+                          lambda: self.redis.set(key, f"{waited_s:.3f}", px=max(1, int(ttl_s * 1000))), patience_s)
+
+    async def learner_waiting_s(self, policy: str, patience_s: float | None = None) -> float | None:
+        """Seconds the policy's learner has been waiting for groups, None when it is not waiting (or not alive)."""
+        raw = await self._retry("learner_waiting", lambda: self.redis.get(learner_waiting_key(policy)), patience_s)
+        try:
+            waited = float(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return waited if waited is not None and math.isfinite(waited) and waited >= 0 else None
 
     # -- inference workers -------------------------------------------------------------
     async def heartbeat_worker(self, policy: str, worker_id: str, version: int, name: str, ttl_s: float) -> None:

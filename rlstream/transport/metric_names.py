@@ -56,6 +56,8 @@ ROLLOUT_PUBLISHED = "rollout/published"
 ROLLOUT_GENERATION_FAILED = "rollout/generation_failed"
 #: Seconds one admission-control pause lasted.
 ROLLOUT_ADMISSION_PAUSED_S = "rollout/admission_paused_s"
+#: 1 per resync of the admission count to the learner's version (groups counted ahead that will never train).
+ROLLOUT_ADMISSION_RESYNCS = "rollout/admission_resyncs"
 
 # --- inference sync worker (source ``inference:<worker>``; step = policy version) --------------------------------
 #: The version just loaded into the server (tags ``worker``, ``kind``).
@@ -202,7 +204,7 @@ PLOTTED = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM
 #: The names the operator tools give a meaning to.
 TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_PERCENTILE, LEARNER_LOSS,
          REPLAY_PUBLISHED, IMPORT_PUBLISHED, IMPORT_DEAD_LETTERED)
-ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S)
+ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S, ROLLOUT_ADMISSION_RESYNCS)
 INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED,
              INFERENCE_FLEET_LOAD_FAILED)
 #: Per learner step: the step's own figures and those of its optimizer step.
@@ -322,6 +324,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
              "(the example and the error are in the metrics topic and the logs)"),
     _histogram(ROLLOUT_ADMISSION_PAUSED_S, "rlstream_rollout_admission_paused_seconds", (), "Duration of one "
                "admission-control pause of the rollout runner"),
+    _counter(ROLLOUT_ADMISSION_RESYNCS, "rlstream_rollout_admission_resyncs_total", (), "Times the rollout runner "
+             "counted from the learner's version again because groups it counted ahead never trained"),
     # inference sync worker
     _gauge(INFERENCE_LOADED_VERSION, "rlstream_inference_loaded_version", _WORKER, "Policy version the worker's "
            "server has loaded last"),

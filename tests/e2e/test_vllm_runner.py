@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from openai import AsyncOpenAI
 
+from rlstream.learner.waiting import WaitingForGroups
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_consumer
 from rlstream.ops.vllm import VllmServer
@@ -167,6 +169,42 @@ def test_admission_control_pauses_until_the_learner_catches_up(
     events = asyncio.run(read_trajectories(cfg, created_topics.trajectories, 3))
     assert len(events) == 3 and all(e.reward is None for e in events)  # rewards come later as RewardEvents
     assert {e.example_id for e in events} == {"q0", "q1"}  # continuous mode cycles the dataset
+
+
+@pytest.mark.parametrize("learner_waits", [True, False], ids=["learner-starved", "control-learner-busy"])
+def test_a_learner_waiting_for_groups_ends_a_pause_held_by_groups_that_never_train(
+    vllm: VllmServer, rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path, learner_waits: bool,
+) -> None:
+    """Two groups run ahead of a learner that never trains them (filtered downstream, say): the count keeps the runner
+    paused until the learner says it has nothing to read; then the runner counts from the learner's version again.
+    Control: a learner that does not say so (busy training) keeps the runner paused."""
+    cfg = runner_config(rl_config, vllm, group_size=1, concurrency=1, mode="continuous", max_groups=4,
+                        groups_per_version=1, max_policy_lag=1, admission_resync_s=1.0)
+    examples = load_examples(write_dataset(tmp_path / "data.jsonl", 2))
+    workflow = load_callable("rlstream.rollout.workflows:single_turn")
+    stop = asyncio.Event()
+    observed: dict[str, Any] = {}
+
+    async def learner(runner: RolloutRunner, control: ControlPlane) -> None:
+        for _ in range(300):
+            if runner.stats.admission_waits:
+                break
+            await asyncio.sleep(0.1)
+        observed["paused_at"] = runner.stats.groups_started
+        waiting = WaitingForGroups(control, cfg.policy)  # the learner's own reporter, on the real Redis
+        deadline = asyncio.get_running_loop().time() + 6.0
+        while runner.stats.groups_started < 4 and asyncio.get_running_loop().time() < deadline:
+            if learner_waits:
+                await waiting.nothing_to_read()
+            await asyncio.sleep(0.2)
+        stop.set()
+
+    runner = asyncio.run(run_runner(cfg, created_topics, workflow, None, examples, stop=stop, on_runner=learner))
+    assert observed["paused_at"] == 2
+    if learner_waits:
+        assert runner.stats.groups_started == 4 and runner.stats.admission_resyncs >= 1
+    else:
+        assert runner.stats.groups_started == 2 and runner.stats.admission_resyncs == 0
 
 
 def test_cli_rollout_run_publishes_scored_groups(

@@ -152,6 +152,36 @@ def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamCon
     assert asyncio.run(read_topic(cfg, created_topics.dlq, DeadLetter, expect=1, timeout_s=3.0)) == []
 
 
+def test_a_learner_with_nothing_to_read_says_so_and_stops_saying_it_once_groups_come(
+        rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path) -> None:
+    """What a paused rollout runner reads to tell groups on their way from groups that will never come."""
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora=True, steps=1)
+
+    async def scenario() -> tuple[list[float], float | None, int]:
+        control = ControlPlane(cfg.redis.url)
+        learner = Learner(cfg, holder="only")
+        run = asyncio.create_task(learner.run())
+        marks: list[float] = []
+        try:
+            for _ in range(600):  # the learner starts, reads the empty topic, then says it waits
+                waited = await control.learner_waiting_s(cfg.policy)
+                if waited is not None:
+                    marks.append(waited)
+                if marks and marks[-1] >= 2.0:
+                    break
+                await asyncio.sleep(0.1)
+            await produce_groups(cfg, [random_group(cfg.policy, cfg.run_id, i) for i in range(2)])
+            state = await asyncio.wait_for(run, timeout=120)
+            return marks, await control.learner_waiting_s(cfg.policy), state.step
+        finally:
+            run.cancel()
+            await control.close()
+
+    marks, after, step = asyncio.run(scenario())
+    assert marks and marks[-1] >= 2.0 and marks == sorted(marks)  # refreshed while it waits, and growing
+    assert step == 1 and after is None  # groups came: the mark is gone
+
+
 def _announce_kwargs(cfg: RlstreamConfig, topics: TopicNames, control: ControlPlane, lease, directory: Path,
                      manifest: dict, version: int) -> dict:
     return dict(codec=AvroCodec(), control=control, lease=lease, topic=topics.policy_versions,

@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# Imported at collection, in the main thread, before any test starts a thread: pydantic parses class sources with
+# `ast` while wandb loads, and CPython 3.11 (before 3.11.8) keeps the AST constructor's recursion counter per
+# interpreter, not per thread, so a parse in another thread at the same moment fails the import (cpython gh-106905)
+# and leaves wandb half-imported for every later test of the worker.
+import wandb
+
 #: a W&B transaction log: a 7-byte header (":W&B", magic, version), then LevelDB-log records in 32 KiB blocks:
 #: crc32 (4 bytes), length (2, little-endian), kind (1: full, 2: first, 3: middle, 4: last), payload
 _WANDB_HEADER, _BLOCK, _RECORD_HEADER = 7, 32768, 7
@@ -21,8 +27,6 @@ def offline_tracking_env(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     monkeypatch.setenv("WANDB_PROJECT", "rlstream-tests")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (root / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this opt-in
-    import wandb
-
     wandb.teardown()  # W&B reads its settings (WANDB_DIR) once per process: the next run reads these
 
 

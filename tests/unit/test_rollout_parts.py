@@ -99,3 +99,19 @@ def test_under_a_gate_admission_waits_for_the_serving_pointer_not_the_learner() 
     # the fleet still loading what the gate promoted: wait
     waiting = policy.decide(0, learner_version=16, served_version=10, serving_pointer=13)
     assert not waiting.admit and "serving pointer" in waiting.reason
+
+
+def test_a_resync_ends_a_pause_held_by_groups_that_never_trained_and_the_count_still_bounds() -> None:
+    policy = AdmissionPolicy(max_policy_lag=2, groups_per_version=8)
+    # 128 groups started, the learner at version 13: 3 versions' worth were filtered or skipped and never trained
+    paused = policy.decide(128, learner_version=13)
+    assert not paused.admit and paused.ahead_of_learner
+    # control: without a resync the learner's version never moves (it has no data), so the pause never ends
+    assert not policy.decide(128, learner_version=13).admit
+    policy.resync(128, learner_version=13)
+    assert policy.decide(128, learner_version=13).admit
+    # from there the count bounds as before: 3 versions' worth of groups, then a pause until the learner moves
+    assert [n for n in range(128, 160) if policy.decide(n, learner_version=13).admit] == list(range(128, 152))
+    assert policy.decide(152, learner_version=14).admit
+    # a pause for the fleet (not for the count) is not one a resync can end
+    assert not policy.decide(0, learner_version=16, served_version=10, serving_pointer=13).ahead_of_learner
