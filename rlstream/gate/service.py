@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from rlstream.gate.evaluation import (EvaluationSet, EvaluationSetError, evaluate_version, load_evaluation_examples,
                                       load_reward_function)
@@ -231,21 +231,33 @@ class PromotionGate:
                                 tags={"policy": self.policy})
 
     async def _trained_on(self, event: PolicyVersion) -> list[Any]:
-        """The rewarded trajectories of the groups ``event`` trained on (its ``trained_on`` ranges of ``groups``)."""
+        """The rewarded trajectories of the groups ``event`` trained on (its ``trained_on`` ranges of ``groups``),
+        read in one pass over the partitions the ranges name (one assignment per version, not one per range)."""
         out: list[Any] = []
+        if not event.trained_on:
+            return out
         reader = TopicReader(self._groups_consumer, self.codec, TrajectoryGroup, on_reject=self._undecodable)
+        ranges: dict[TopicPartition, list[tuple[int, int]]] = {}
+        for rng in event.trained_on:
+            ranges.setdefault(TopicPartition(rng.topic, rng.partition), []).append((rng.first, rng.last + 1))
+        starts = {tp: min(first for first, _ in spans) for tp, spans in ranges.items()}
+        stops = {tp: max(stop for _, stop in spans) for tp, spans in ranges.items()}
 
-        async def read(tp: TopicPartition, first: int, stop: int) -> None:
-            async for item in reader.stream(read_slice(self._groups_consumer, {tp: first}, {tp: stop})):
+        async def in_ranges() -> AsyncIterator[ConsumerRecord]:
+            async for record in read_slice(self._groups_consumer, starts, stops):
+                spans = ranges[TopicPartition(record.topic, record.partition)]
+                if any(first <= record.offset < stop for first, stop in spans):
+                    yield record
+
+        async def read() -> None:
+            async for item in reader.stream(in_ranges()):
                 out.extend(trained_trajectories(item.event))
 
-        for rng in event.trained_on:
-            try:
-                await asyncio.wait_for(read(TopicPartition(rng.topic, rng.partition), rng.first, rng.last + 1),
-                                       timeout=GROUPS_READ_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - lineage is a figure; a read failure must not stop decisions
-                log.warning("groups of a version not read (its feedback latency is not measured)",
-                            version=event.version, error=str(exc) or type(exc).__name__)
+        try:
+            await asyncio.wait_for(read(), timeout=GROUPS_READ_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - lineage is a figure; a read failure must not stop decisions
+            log.warning("groups of a version not read (its feedback latency is not measured)",
+                        version=event.version, error=str(exc) or type(exc).__name__)
         return out
 
     async def _read_feedback(self) -> None:

@@ -125,3 +125,45 @@ async def _pointer(cfg: RlstreamConfig):  # type: ignore[no-untyped-def]
         return await ServingControl(control).serving(cfg.policy)
     finally:
         await control.close()
+
+
+def test_the_gate_reads_exactly_the_groups_a_version_trained_on(rl_config: RlstreamConfig,
+                                                                 created_topics: TopicNames) -> None:
+    """Feedback latency starts from the trajectories of the groups in a version's ``trained_on``: non-contiguous
+    ranges of several partitions, read in one pass, and nothing in between (groups skipped by the learner)."""
+    from rlstream.schemas.models import OffsetRange
+    from tests.support.learner_helpers import produce_groups, random_group
+
+    cfg = rl_config
+    groups = [random_group(cfg.policy, cfg.run_id, i) for i in range(12)]
+
+    async def scenario() -> tuple[set[str], set[str]]:
+        placed = await produce_groups(cfg, groups)
+        # every other offset of a partition was skipped by the learner, not trained
+        trained = sorted((i for i, (_, offset) in enumerate(placed) if offset % 2 == 0), key=lambda i: placed[i])
+        ranges: list[OffsetRange] = []
+        for i in trained:
+            partition, offset = placed[i]
+            last = ranges[-1] if ranges else None
+            if last is not None and last.partition == partition and last.last + 1 == offset:
+                last.last = offset
+            else:
+                ranges.append(OffsetRange(topic=created_topics.groups, partition=partition, first=offset, last=offset))
+        skipped = set(placed) - {placed[i] for i in trained}
+        assert any(r.partition == p and r.first < o for r in ranges for p, o in skipped)  # a gap inside a span
+        control = ControlPlane(str(cfg.redis.url))
+        evaluation = EvaluationSet(examples=[{"id": "0", "prompt": "x"}], reward_function=lambda e, t: 0.0)
+        gate = PromotionGate(cfg, control, evaluation, codec=CODEC)
+        await gate._start()
+        try:
+            version = PolicyVersion(policy=cfg.policy, version=3, base_model="m", uri="/v3", learner_step=3,
+                                    trained_on=ranges)
+            read = {t.trajectory_id for t in await gate._trained_on(version)}
+        finally:
+            await gate._stop()
+            await control.close()
+        expected = {t.trajectory_id for i in trained for t in groups[i].trajectories}
+        return read, expected
+
+    read, expected = asyncio.run(scenario())
+    assert read == expected and expected
