@@ -9,7 +9,8 @@ a crash between the checkpoint and the announcement is repaired on restart (the 
 Lineage is exact: ``trained_on`` holds the offsets of the groups trained into the version and no other record.
 Records that are consumed but not trained on: groups of another policy, of a run outside ``learner.run_ids``,
 validation groups, and stale groups (a turn they train was produced more than ``streams.max_policy_lag`` versions
-before the version the step trains on top of, each turn judged by its own recorded version) are skipped and counted
+before the version the step trains on top of, or, while a promotion gate holds serving behind it, before the serving
+version; each turn judged by its own recorded version) are skipped and counted
 (``learner/groups_skipped``, tag ``reason``); records that do not
 decode, and groups that cannot be tokenised or batched (e.g. a token id outside the vocabulary), go to ``dlq``
 with the reason. A step whose loss or gradient is not finite changes nothing (``learner/nonfinite_skipped``), and
@@ -21,6 +22,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,7 @@ from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.serving import ServingControl, staleness_reference
 from rlstream.transport.signals import on_stop_signals
 from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
 from rlstream.schemas.codec import CodecError, codec_for
@@ -55,6 +58,8 @@ from rlstream.schemas.topics import TopicNames
 log = get_logger(__name__)
 #: how long a training step waits for Redis (lease check, status) before it goes on without it
 REDIS_PATIENCE_IN_STEP_S = 3.0
+#: how often the learner reads the serving pointer (its staleness reference under a promotion gate)
+SERVING_REFRESH_S = 2.0
 SERVICE = "learner"
 #: Why a group was consumed without training (the ``reason`` tag of ``learner/groups_skipped``).
 SKIP_OTHER_POLICY, SKIP_OTHER_RUN, SKIP_VALIDATION = "other_policy", "other_run", "validation"
@@ -110,6 +115,9 @@ class Learner:
         self.training_version = 0  # the version the current step trains on top of (its checkpoint's)
         self.loop: TrainPublishLoop | None = None  # train, checkpoint, write a version, announce it
         self._waiting: WaitingForGroups | None = None  # tells the rollout when this learner has nothing to read
+        self._serving_control: ServingControl | None = None  # the gate's serving pointer (staleness reference)
+        self._serving: int | None = None
+        self._serving_read_at = float("-inf")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -186,6 +194,7 @@ class Learner:
                 guard=_LearnerLease(self, control), store=self.store, before_step=self._broadcast_step)
             self._known_version = max(state.version, await control.latest_version(self.cfg.policy))
             self._waiting = WaitingForGroups(control, self.cfg.policy)
+            self._serving_control = ServingControl(control)
             self._tokenizer, self._vocab_size = policy.tokenizer, policy.vocab_size
             self._reporters = Reporters.open(
                 self.lcfg.report_to, log_dir=self.lcfg.logging_dir or self.output_dir / "logs",
@@ -346,17 +355,32 @@ class Learner:
                                           self.cfg.finetuning.target_model, vocab_size=self._vocab_size)
             if samples:
                 collate(samples, pad_id=0)  # batchable on its own (padding values do not matter here)
-            lag = self.training_version - behaviour_version(group, samples)
-            if lag > self.cfg.streams.max_policy_lag:  # e.g. a backlog left while the learner was down
+            behaviour = behaviour_version(group, samples)
+            reference = staleness_reference(self.training_version, await self._serving_version())
+            if reference - behaviour > self.cfg.streams.max_policy_lag:  # e.g. a backlog left while it was down
                 self.skipped[SKIP_STALE] += 1
-                log.info("stale group skipped", group_id=group.group_id, lag=lag,
+                log.info("stale group skipped", group_id=group.group_id, lag=self.training_version - behaviour,
                          max_policy_lag=self.cfg.streams.max_policy_lag, version=self.training_version,
-                         partition=record.partition, offset=record.offset)
+                         judged_against=reference, partition=record.partition, offset=record.offset)
                 return skipped
             return TakenGroup(record.partition, record.offset, group, samples)
         except Exception as exc:  # noqa: BLE001 - decoded, but it cannot be tokenised or batched: no step can use it
             await reader.reject(decoded.source, exc)
         return skipped
+
+    async def _serving_version(self) -> int | None:
+        """The version a promotion gate lets serve (None without a gate), read at most every
+        ``SERVING_REFRESH_S``; while Redis cannot answer, the last one read."""
+        now = time.monotonic()
+        if self._serving_control is not None and now - self._serving_read_at >= SERVING_REFRESH_S:
+            self._serving_read_at = now
+            try:
+                pointer = await asyncio.wait_for(self._serving_control.serving(self.cfg.policy),
+                                                 timeout=REDIS_PATIENCE_IN_STEP_S)
+                self._serving = pointer.version if pointer is not None else None
+            except Exception as exc:  # noqa: BLE001 - staleness falls back to the last pointer read
+                log.warning("serving pointer not read (Redis unreachable?)", error=str(exc))
+        return self._serving
 
     def _skip_reason(self, group: TrajectoryGroup) -> str | None:
         """Why a decoded group is not for this learner (None when it is)."""

@@ -537,7 +537,8 @@ class StreamsApp:
     async def _emit(self, finished: Finished, partition: int) -> None:
         group = finished.header
         verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
-                                DetachedValues(self.curriculum_table), partition, member_rewards=finished.rewards)
+                                DetachedValues(self.curriculum_table), partition, member_rewards=finished.rewards,
+                                serving_version=self.policy.serving_of(group.policy))
         if verdict.reason is not None:
             self.telemetry.count(mn.STREAMS_GROUPS_FILTERED, reason=verdict.reason)
             log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)

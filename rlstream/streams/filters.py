@@ -1,6 +1,6 @@
 """Filters on finished groups, in DESIGN.md's order: staleness, zero variance, curriculum.
 
-Pure: the caller supplies the latest policy version and a mapping that keeps the online
+Pure: the caller supplies the latest policy version (and the serving one, under a promotion gate) and a mapping that keeps the online
 curriculum's state (a changelog-backed table in the app, a dict in tests).
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, MutableMapping
 from rlstream.schemas.config import StreamsConfig
 from rlstream.schemas.models import CurriculumInfo, TrajectoryGroup
 from rlstream.streams.curriculum import OnlineCurriculum
+from rlstream.transport.serving import staleness_reference
 
 STALE = "stale"
 ZERO_VARIANCE = "zero_variance"
@@ -43,11 +44,15 @@ def curriculum_key(partition: int, policy: str) -> str:
 
 def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version: int | None,
                   curriculum_store: MutableMapping[str, Any], partition: int,
-                  member_rewards: list[float] | None = None) -> Verdict:
+                  member_rewards: list[float] | None = None, serving_version: int | None = None) -> Verdict:
     """Run the three filters; the first one that rejects names the reason. ``member_rewards`` (default: the rewards
-    of ``group.trajectories``) are given when the group comes without its members (streams.assembly.Finished)."""
-    if is_stale(group, latest_version, config.max_policy_lag):
-        return Verdict(group, STALE, f"min policy version {group.min_policy_version} < latest {latest_version} "
+    of ``group.trajectories``) are given when the group comes without its members (streams.assembly.Finished).
+    ``serving_version``: the version a promotion gate lets serve, if any (staleness is then judged against it where
+    it is behind the latest, :func:`rlstream.transport.serving.staleness_reference`)."""
+    reference = staleness_reference(latest_version, serving_version)
+    if is_stale(group, reference, config.max_policy_lag):
+        against = "latest" if reference == latest_version else "serving"
+        return Verdict(group, STALE, f"min policy version {group.min_policy_version} < {against} {reference} "
                                      f"- max_policy_lag {config.max_policy_lag}")
     if group.baseline is not None:  # a single response: its signal is its distance from the keyed baseline
         if group.baseline.count == 0:

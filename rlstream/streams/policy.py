@@ -17,6 +17,7 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
+from rlstream.transport.serving import ServingControl
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
 from rlstream.schemas.codec import AvroCodec
@@ -41,11 +42,15 @@ class PolicyTracker:
         self.on_refused = on_refused  # called with the reason of each refused record (counting)
         self.refused = 0
         self.latest: dict[str, int] = {}
+        self.serving: dict[str, int] = {}  # the version a promotion gate lets serve, per policy (Redis only)
         self.ready = asyncio.Event()
         self._stopping = False
 
     def version_of(self, policy: str) -> int | None:
         return self.latest.get(policy)
+
+    def serving_of(self, policy: str) -> int | None:
+        return self.serving.get(policy)
 
     def observe(self, policy: str, version: int) -> None:
         if version > self.latest.get(policy, -1):
@@ -122,16 +127,22 @@ class PolicyTracker:
         from rlstream.transport.control import ControlPlane
 
         control = ControlPlane(self.cfg.redis.url, retry_max_s=self.cfg.redis.retry_max_s)
+        serving = ServingControl(control)
         try:
             while True:
                 for policy in {self.cfg.policy, *self.latest}:
                     try:
                         version = await control.latest_version(policy)
+                        pointer = await serving.serving(policy)
                     except Exception as exc:  # Redis down: the topic still drives staleness
                         log.warning("redis latest pointer unavailable", policy=policy, error=str(exc))
                         continue
                     if version >= 0:
                         self.observe(policy, version)
+                    if pointer is None:
+                        self.serving.pop(policy, None)
+                    else:
+                        self.serving[policy] = pointer.version
                 await asyncio.sleep(self.redis_poll_s)
         finally:
             await control.close()

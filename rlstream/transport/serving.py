@@ -249,6 +249,16 @@ class ReplicaAck:
                    follows=raw.get("follows") or "newest")
 
 
+def staleness_reference(latest: int | None, serving: int | None) -> int | None:
+    """The version data is judged stale against (``behaviour < reference - max_policy_lag``): the learner's
+    ``latest``, or, while a promotion gate holds ``serving`` behind it, the serving version. The rollout can only
+    sample what serves: judged against the learner, everything a gate that rejected a candidate leaves serving would be
+    stale, and the learner, with nothing it may train, would never make the next candidate."""
+    if latest is None or serving is None:
+        return latest
+    return min(latest, serving)
+
+
 def serve_replicas(replicas: list[ReplicaAck]) -> list[ReplicaAck]:
     """The replicas that take production traffic (``evaluate`` replicas left out)."""
     return [r for r in replicas if r.serves]

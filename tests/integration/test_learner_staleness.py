@@ -75,3 +75,82 @@ def test_stale_groups_are_dropped_counted_and_consumed(rl_config: RlstreamConfig
         assert trained == [offsets[0], offsets[1], offsets[2]]
         assert not learner.skipped and not stale_counts
         assert lag_max == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("gate_holds_serving", [True, False], ids=["serving-held-at-0", "control-no-gate"])
+def test_under_a_gate_groups_of_the_serving_version_are_not_stale(rl_config: RlstreamConfig,
+                                                                  created_topics: TopicNames, tmp_path: Path,
+                                                                  gate_holds_serving: bool) -> None:
+    """A gate that keeps serving at version 0 while the learner moves on: the rollout can only sample version 0, so
+    its groups train (judged against the serving version). Control: without a serving pointer the same groups are
+    stale from the learner's second step on and the learner, with nothing it may train, makes no version."""
+    from rlstream.transport.control import ControlPlane
+    from rlstream.transport.serving import ServingControl
+
+    cfg = rl_config.model_copy(update={
+        "streams": rl_config.streams.model_copy(update={"max_policy_lag": 0}),
+        "learner": rl_config.learner.model_copy(update={
+            "model": str(tiny_model(tmp_path)), "lora": rl_config.learner.lora.model_copy(update={"enabled": True}),
+            "groups_per_step": 1, "publish_every": 1, "total_steps": 3, "device": "cpu", "lease_ttl_s": 3.0})})
+    groups = [at_version(random_group(cfg.policy, cfg.run_id, i), 0) for i in range(3)]
+
+    async def scenario() -> tuple[Learner, int]:
+        control = ControlPlane(cfg.redis.url)
+        try:
+            if gate_holds_serving:
+                serving = ServingControl(control)
+                await serving.promote(cfg.policy, 0, token=await serving.issue_token(cfg.policy),
+                                      reason="the gate holds serving here", decided_by="test", expected_version=-1)
+        finally:
+            await control.close()
+        await place(cfg, created_topics.groups, groups)
+        learner = Learner(cfg, holder="gate-staleness-test")
+        run = asyncio.create_task(learner.run())
+        deadline = asyncio.get_running_loop().time() + 120
+        while not run.done() and learner.skipped[SKIP_STALE] < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        learner.request_stop()
+        return learner, (await run).step
+
+    learner, steps = asyncio.run(scenario())
+    if gate_holds_serving:
+        assert steps == 3 and not learner.skipped
+    else:
+        assert steps == 1 and learner.skipped[SKIP_STALE] == 2
+
+
+def test_the_streams_tracker_follows_the_serving_pointer(rl_config: RlstreamConfig,
+                                                         created_topics: TopicNames) -> None:
+    """Streams judges staleness the way the learner does: it reads the gate's serving pointer from Redis (gone
+    again when there is none), next to the latest version."""
+    from rlstream.streams.policy import PolicyTracker
+    from rlstream.transport.control import ControlPlane
+    from rlstream.transport.serving import ServingControl
+
+    async def scenario() -> tuple[int | None, int | None, int | None]:
+        control = ControlPlane(rl_config.redis.url)
+        serving = ServingControl(control)
+        tracker = PolicyTracker(rl_config, created_topics.policy_versions, CODEC, redis_poll_s=0.1)
+        task = asyncio.create_task(tracker.run())
+
+        async def seen(expected: int | None) -> int | None:
+            for _ in range(100):
+                if tracker.serving_of(rl_config.policy) == expected:
+                    break
+                await asyncio.sleep(0.05)
+            return tracker.serving_of(rl_config.policy)
+
+        try:
+            before = await seen(None)
+            await serving.promote(rl_config.policy, 3, token=await serving.issue_token(rl_config.policy),
+                                  reason="promoted", decided_by="test", expected_version=-1)
+            held = await seen(3)
+            await serving.promote(rl_config.policy, 5, token=await serving.issue_token(rl_config.policy),
+                                  reason="promoted", decided_by="test", expected_version=3)
+            return before, held, await seen(5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await control.close()
+
+    assert asyncio.run(scenario()) == (None, 3, 5)

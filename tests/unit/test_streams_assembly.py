@@ -160,6 +160,16 @@ def test_filters_in_order() -> None:
     assert verdict.reason is None and verdict.group.curriculum is None
 
 
+def test_under_a_gate_staleness_is_judged_against_the_serving_version_where_it_is_behind() -> None:
+    config = StreamsConfig(max_policy_lag=2, min_reward_diff=0.0)
+    sampled_at_3 = finished_group([0.0, 1.0], versions=[3, 3])
+    assert apply_filters(sampled_at_3, config, 12, {}, 0).reason == STALE  # control: 3 < 12 - 2
+    assert apply_filters(sampled_at_3, config, 12, {}, 0, serving_version=3).reason is None  # what serves
+    assert apply_filters(sampled_at_3, config, 12, {}, 0, serving_version=6).reason == STALE  # 3 < 6 - 2
+    verdict = apply_filters(sampled_at_3, config, 12, {}, 0, serving_version=20)  # serving ahead: the latest
+    assert verdict.reason == STALE and "latest 12" in verdict.detail
+
+
 def test_online_curriculum_filter_keeps_state_per_partition() -> None:
     config = StreamsConfig(curriculum=CurriculumConfig(enabled=True, initial_percentile=0.5), curriculum_window=4)
     store: dict[str, Any] = {}
