@@ -45,6 +45,7 @@ XDIST_GROUP_OF_MODULE = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker hook, which reads the groups to suffix the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
@@ -52,6 +53,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: TIER_ORDER.index(_tier(item)))  # stable: file order kept within a tier
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a ``--dist loadgroup`` worker, every grouped test's node id carries its group (``...@vllm``): that suffix is
+    all the scheduler groups by. pytest 9.2 derives node ids from a field pytest-xdist 3.8 does not set, which leaves
+    every group spread over the workers without a word; this stops the run instead."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist's loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): pin "
+                                "a pytest whose node ids pytest-xdist can suffix (constraints-cpu.txt)")
 
 
 @pytest.fixture(scope="session", autouse=True)
