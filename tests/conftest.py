@@ -29,15 +29,17 @@ def _tier(item: pytest.Item) -> str:
 
 
 #: Tests that must share one pytest-xdist worker (``--dist loadgroup``): the modules of the session's one vLLM
-#: server; the three whole-system runs (each starts its own vLLM and learner: run side by side on 2 cores they
-#: starve each other's timing-based assertions); and each module whose module-scoped fixtures are expensive.
+#: server (every module that uses ``vllm_fixture``); the whole-system runs (each starts its own vLLM and learner:
+#: run side by side on 2 cores they starve each other's timing-based assertions); and each module whose module-scoped
+#: fixtures are expensive.
 #: Everything else is spread over the workers.
 XDIST_GROUP_OF_MODULE = {
     "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
     "test_gateway": "vllm", "test_gateway_responses": "vllm", "test_gateway_agents_example": "vllm",
     "test_nat_finetune": "vllm", "test_vllm_zombie_learner": "vllm",
     "test_nat_serve": "vllm", "test_nat_doc_configs": "vllm", "test_gate_vllm": "vllm",
-    "test_tool_agent_data_path": "vllm", "test_shadow_sampling": "up",
+    "test_tool_agent_data_path": "vllm", "test_shadow_sampling": "vllm", "test_gateway_fleet_vllm": "vllm",
+    "test_vllm_fleet_switch": "vllm", "test_vllm_temperature": "vllm",
     "test_wheel_install": "up", "test_up_production": "up",
     "test_streams_recovery": "streams-chaos",
     "test_streams_shutdown": "streams-chaos",

@@ -130,3 +130,29 @@ def test_log_level_is_accepted_in_any_case_and_validated() -> None:
     bad = rlstream("--log-level", "LOUD", "config", "validate")
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "'LOUD' is not one of 'debug', 'info', 'warning', 'error'" in bad.stderr
+
+
+def test_models_tiny_writes_a_model_transformers_loads_under_the_id_a_nat_config_names(tmp_path: Path) -> None:
+    """``rlstream models tiny DIR``: a local stand-in for a model id (no download), with a tool-calling chat
+    template, that transformers loads as it is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from typer.testing import CliRunner
+
+    from rlstream.cli.app import app
+
+    target = tmp_path / "Qwen" / "Qwen2.5-3B-Instruct"
+    result = CliRunner().invoke(app, ["models", "tiny", str(target)])
+    assert result.exit_code == 0, result.output
+    assert str(target.resolve()) in result.output.replace("\n", "")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert model.config.num_hidden_layers == 2 and model.config.model_type == "qwen2"
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                                            {"role": "tool", "content": "42", "tool_call_id": "c1"}], tokenize=False)
+    assert '<tool_call>lookup {"q": "x"}</tool_call>' in prompt and "<|im_start|>tool\n42" in prompt
+    second = CliRunner().invoke(app, ["models", "tiny", str(tmp_path / "other"), "--seed", "1"])
+    assert second.exit_code == 0, second.output
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "other")
+    assert any(not a.equal(b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))

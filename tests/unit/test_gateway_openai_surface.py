@@ -69,6 +69,29 @@ def test_inference_serve_passes_vllm_options_through(monkeypatch: pytest.MonkeyP
     assert seen["tool_call_parser"] == "hermes"
 
 
+def test_inference_serve_starts_vllm_with_lora_and_automatic_tool_choice(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """The command line ``rlstream inference serve`` gives vLLM (the process start itself is cut off)."""
+    import rlstream.ops.vllm as vllm
+    from rlstream.cli.app import app
+
+    seen: list[list[str]] = []
+
+    def spawn(cmd: list[str], **kwargs: Any) -> None:
+        seen.append(list(cmd))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(vllm, "ensure_vllm_venv", lambda venv_dir=None: Path("/venv/bin/python"))
+    monkeypatch.setattr(vllm, "spawn", spawn)
+    result = CliRunner().invoke(app, ["inference", "serve", str(tmp_path), "--served-model", "Qwen/Qwen2.5-3B",
+                                      "--tool-call-parser", "hermes"])
+    assert isinstance(result.exception, RuntimeError), result.output
+    (cmd,) = seen
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path) and "Qwen/Qwen2.5-3B" in cmd
+    assert "--enable-lora" in cmd and "--enable-auto-tool-choice" in cmd
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+
+
 async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [
         {"id": "policy", "object": "model", "root": "/srv/models/qwen", "parent": None},
