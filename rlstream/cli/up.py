@@ -68,6 +68,9 @@ def up(
     feedback_max_s: float = typer.Option(60.0, help="production traffic: latest feedback after an answer"),
     no_gate: bool = typer.Option(False, "--no-gate", help="no promotion gate: every version the sync worker loads "
                                  "serves (by default `rlstream gate` decides which version serves)"),
+    tool_call_parser: str = typer.Option("auto", help="vLLM's tool-call parser (--enable-auto-tool-choice "
+                                         "--tool-call-parser): 'auto' picks the model family's, 'none' starts vLLM "
+                                         "without automatic tool choice"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -85,7 +88,8 @@ def up(
                      runs_dir=runs_dir,
                      heldout_examples=heldout, live=not no_live, model=model, traffic=traffic.value,
                      task=task.value,
-                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate)
+                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate,
+                     tool_call_parser=tool_call_parser)
     try:
         run_up(opts)
     except (InfraError, ConfigError, ModelAssetMissing) as exc:

@@ -111,14 +111,16 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
 
 
 def _start_vllm_servers(sup: Supervisor, model_dir: Path, served: str, run_dir: Path, api_key: str,
-                        extra_args: list[str], ports: dict[str, int]) -> dict[str, VllmServer]:
+                        extra_args: list[str], ports: dict[str, int],
+                        tool_call_parser: str = "auto") -> dict[str, VllmServer]:
     """Start one vLLM server per name in ``ports`` at once (each start is mostly waiting on its own process) and
     hand every started one to the supervisor, also when another failed to start (then its error is raised)."""
     from rlstream.ops.vllm import start_vllm_server
 
     with ThreadPoolExecutor(max_workers=len(ports)) as pool:
         starts = {name: pool.submit(start_vllm_server, model_dir, served_model_name=served, port=port,
-                                    workdir=run_dir / name, api_key=api_key, extra_args=extra_args)
+                                    workdir=run_dir / name, api_key=api_key, extra_args=extra_args,
+                                    tool_call_parser=tool_call_parser)
                   for name, port in ports.items()}
     servers: dict[str, VllmServer] = {}
     for name, start in starts.items():
@@ -168,7 +170,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         if evaluation_server:
             print("starting the evaluation vLLM server too (full-weight candidates are evaluated there)…", flush=True)
         servers = _start_vllm_servers(sup, model_dir, served, run_dir, vllm_key, task_vllm_args(opts, run_dir),
-                                      {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})})
+                                      {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})},
+                                      tool_call_parser=opts.tool_call_parser)
         vllm, eval_vllm = servers["vllm"], servers.get("vllm-eval")
         if user_cfg is None and heldout and opts.task == "tool-agent":  # what no tool use earns on the same prompts
             from rlstream.ops.tool_task import baseline_scores

@@ -62,6 +62,7 @@ class UpOptions:
     # completions per held-out prompt for the gate: few enough that it decides before the next candidate replaces a
     # full-weights server's version (the prompts and seeds are the same for every version)
     gate_samples: int = 2
+    tool_call_parser: str = "auto"  # vLLM's tool-call parser (rlstream.ops.vllm.tool_call_args): auto | none | NAME
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -350,3 +350,32 @@ async def test_a_three_turn_tool_session_is_one_trajectory_and_a_rewritten_histo
                 "tools": [PICK_LETTER_TOOL]})).json()
             assert direct["prompt_token_ids"] == turn.prompt_token_ids
     assert len(events[trajectory_ids[3]].turns) == 1
+
+
+async def test_tool_choice_auto_is_answered_out_of_the_box_and_captured(vllm: VllmServer, rl_config: Any,
+                                                                        created_topics: Any) -> None:
+    """What most agent frameworks send (``tools`` with ``tool_choice: auto``): vLLM answers it only when started with
+    automatic tool choice and a tool-call parser (400 otherwise), which rlstream's launcher does by default."""
+    from openai import AsyncOpenAI
+
+    from rlstream.nat.examples import PICK_LETTER_TOOL
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+                           policy_version=2, session_idle_s=60)
+    async with serving(Gateway(config, publisher)) as url:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", default_headers={"X-Session-Id": "auto-1"})
+        raw = await client.chat.completions.with_raw_response.create(
+            model=SERVED_MODEL, messages=[{"role": "user", "content": "Pick the letter c."}], tools=[PICK_LETTER_TOOL],
+            tool_choice="auto", temperature=0, max_tokens=16)
+        trajectory_id = raw.headers["x-rlstream-trajectory-id"]
+        choice = raw.parse().choices[0]
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.post(f"{url}/v1/sessions/auto-1/end")).status_code == 200
+    await publisher.close()
+    assert choice.finish_reason in {"stop", "length", "tool_calls"}
+    (event,) = [e for e in await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=1)
+                if e.trajectory_id == trajectory_id]
+    (turn,) = event.turns
+    assert turn.trainable and turn.completion_token_ids and event.messages[-1].role == "assistant"

@@ -1,4 +1,4 @@
-"""docs/gateway.md's OpenAI Agents SDK example, run as written (a separate process with only OPENAI_BASE_URL and
+"""The README's OpenAI Agents SDK example, run as written (a separate process with only OPENAI_BASE_URL and
 OPENAI_API_KEY set) against the gateway with an API key in front of real vLLM started as rlstream starts it (tool
 calling on): the streamed Responses calls of its tool round trip become one trajectory with exact token ids."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture
 from tests.support.learner_helpers import read_topic
 
 vllm = vllm_fixture()
-DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+DOC = Path(__file__).resolve().parents[2] / "README.md"
 KEY = "example-gateway-key-0123456789"
 SESSION = "letters-demo-1"
 
@@ -33,7 +33,7 @@ def documented_example() -> str:
     text = DOC.read_text()
     match = re.search(r"<!-- agents-example:start -->\s*```python\n(.*?)```\s*<!-- agents-example:end -->", text,
                       re.S)
-    assert match, "docs/gateway.md lost its agents example"
+    assert match, "the README lost its agents example"
     return match.group(1)
 
 

@@ -4,9 +4,10 @@ Two replicas, each a vLLM server with its own sync worker and its own copy of th
 resolved against ``inference.weights_root``). Replica B's copy of version 2 is corrupted: B refuses it, its
 acknowledgement (read back from its server's /v1/models) lacks it and names the failure, the fleet switch does not
 move serving, the alert metric ``inference/fleet_load_failed`` is raised, and the gateway keeps production
-requests on version 1 although replica A could serve version 2 (``policy@2`` reaches it). Once B's copy is
-repaired, B loads version 2 on the fleet's request, serving moves and new sessions follow, while a session started
-on version 1 stays there.
+requests on version 1 although replica A could serve version 2 (``policy@2`` reaches it, and only A). Production
+requests are spread over both replicas and a session's calls stay on one (each server's own request counter). Once
+B's copy is repaired, B loads version 2 on the fleet's request, serving moves and new sessions follow, while a session
+started on version 1 stays there.
 
 Then ``rlstream rollback --to`` while the learner's announcements keep coming: production goes back and stays there,
 the rolled-back version does not come back by a forward move, and a newer candidate can still be promoted.
@@ -112,6 +113,13 @@ async def answered_version(http: httpx.AsyncClient, url: str, model: str, sessio
     return int(response.headers["x-rlstream-policy-version"])
 
 
+async def requests_served(http: httpx.AsyncClient, server: VllmServer) -> int:
+    """Requests the vLLM server finished (its own Prometheus counter)."""
+    text = (await http.get(f"{server.url}/metrics")).text
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("vllm:request_success_total")))
+
+
 def test_serving_moves_only_when_every_alive_replica_loaded_it(
     vllm: VllmServer, second_vllm: Any, rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -182,9 +190,22 @@ def test_serving_moves_only_when_every_alive_replica_loaded_it(
             assert alerts and {e.tags["worker"] for e in alerts} == {"replica-b"}
 
             async with gateway_serving(gateway) as url, httpx.AsyncClient(timeout=120) as http:
-                # production stays on version 1 on both replicas; version 2 exists on A and is reachable by name
+                async def served() -> tuple[int, int]:
+                    return await requests_served(http, vllm), await requests_served(http, server_b)
+
+                # production stays on version 1 on both replicas, and is spread over them
+                before = await served()
                 assert [await answered_version(http, url, policy) for _ in range(4)] == [1, 1, 1, 1]
-                assert await answered_version(http, url, f"{policy}@2") == 2
+                after = await served()
+                assert after[0] - before[0] >= 1 and after[1] - before[1] >= 1, (before, after)
+                # a session's calls stay on one replica (its prefix cache)
+                assert [await answered_version(http, url, policy, session="sticky") for _ in range(4)] == [1] * 4
+                sticky = await served()
+                assert sorted((sticky[0] - after[0], sticky[1] - after[1])) == [0, 4], (after, sticky)
+                # version 2 exists on A and is reachable by name; B, which refused it, gets none of its requests
+                assert [await answered_version(http, url, f"{policy}@2") for _ in range(3)] == [2, 2, 2]
+                pinned = await served()
+                assert (pinned[0] - sticky[0], pinned[1] - sticky[1]) == (3, 0), (sticky, pinned)
                 missing = await ask(http, url, f"{policy}@9")
                 assert missing.status_code == 404 and "not loaded" in missing.text
                 assert await answered_version(http, url, policy, session="kept-on-1") == 1

@@ -92,6 +92,37 @@ def test_inference_serve_starts_vllm_with_lora_and_automatic_tool_choice(monkeyp
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
 
 
+def test_up_hands_its_tool_call_parser_to_every_vllm_server_it_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    import rlstream.ops.up as up
+    import rlstream.ops.vllm as vllm
+    from rlstream.cli.app import app
+
+    asked: list[Any] = []
+    monkeypatch.setattr(up, "run_up", lambda opts: asked.append(opts))
+    result = CliRunner().invoke(app, ["up", "--tool-call-parser", "llama3_json", "--no-live"])
+    assert result.exit_code == 0, result.output
+    assert asked[0].tool_call_parser == "llama3_json"
+
+    started: dict[str, dict[str, Any]] = {}
+
+    def start(model_dir: Path, **kwargs: Any) -> vllm.VllmServer:
+        started[kwargs["workdir"].name] = kwargs
+        return vllm.VllmServer(url="http://x", model="m", model_dir=str(model_dir), pid=0, log_file="", port=1,
+                               workdir=str(kwargs["workdir"]))
+
+    monkeypatch.setattr(vllm, "start_vllm_server", start)
+
+    class Sup:
+        extra_pids: dict[str, int] = {}
+
+    supervisor: Any = Sup()
+    up._start_vllm_servers(supervisor, tmp_path, "policy", tmp_path, "key", [], {"vllm": 1, "vllm-eval": 2},
+                           tool_call_parser="llama3_json")
+    assert {name: kw["tool_call_parser"] for name, kw in started.items()} == {"vllm": "llama3_json",
+                                                                            "vllm-eval": "llama3_json"}
+
+
 async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [
         {"id": "policy", "object": "model", "root": "/srv/models/qwen", "parent": None},
