@@ -13,7 +13,6 @@ what a kill cuts off would go missing rather than come out twice.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import threading
@@ -27,7 +26,8 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import DeadLetter, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
-from tests.support.streams_helpers import Worker, interleaved_stream, publish, read_dead_letters, read_groups
+from tests.support.streams_helpers import (Worker, interleaved_stream, last_resync, publish, read_dead_letters,
+                                          read_groups, wait_for_processing)
 
 EXAMPLES, GROUP_SIZE = 5_000, 4  # 20,000 trajectories minus the ones that never come
 SHORT_EVERY = 25  # every 25th group misses a member: it leaves on its timeout
@@ -108,26 +108,6 @@ def _exactly_once_problems(groups: list[TrajectoryGroup], dead: list[DeadLetter]
     return problems
 
 
-def _times_processing_began(log_dir: Path) -> int:
-    """How many lives of worker w1 have begun processing (each resync to the progress markers is logged)."""
-    with contextlib.suppress(OSError):
-        return (log_dir / "w1.log").read_text(errors="replace").count("sought to their progress markers")
-    return 0
-
-
-def _last_resync(log_dir: Path) -> str:
-    """The last "sought to their progress markers" line of worker w1 (where each input partition started)."""
-    lines = (log_dir / "w1.log").read_text(errors="replace").splitlines()
-    return next((line for line in reversed(lines) if "sought to their progress markers" in line), "")
-
-
-def _wait_for_processing(worker: Worker, log_dir: Path, before: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _times_processing_began(log_dir) <= before:
-        assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("store", ["memory", "rocksdb"])
 def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamConfig, tmp_path: Path, store: str
@@ -154,7 +134,7 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
             if kill % 3 == 2:  # every third kill: while the restarted worker is starting or restoring its tables
                 delay = rng.uniform(2.0, 8.0)
             else:  # the others: after some seconds of processing
-                _wait_for_processing(worker, tmp_path, started)
+                wait_for_processing(worker, tmp_path, started)
                 delay = rng.uniform(1.0, 10.0)
             time.sleep(delay)
             assert worker.alive(), worker.log_tail()
@@ -172,7 +152,7 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
     # every input partition had records applied before the last restart: each must restart from its recovered
     # progress marker (a partition read as without one restarts from its committed offset: the RocksDB store once
     # looked the markers up only in the partition of the record being processed)
-    resync = _last_resync(tmp_path)
+    resync = last_resync(tmp_path)
     starts = {tp: how for tp, how in json.loads(resync)["seeks"].items()
               if tp.rsplit(":", 1)[0] in (names.trajectories, names.rewards)} if resync else {}
     assert starts and all(how.endswith("(marker)") for how in starts.values()), resync

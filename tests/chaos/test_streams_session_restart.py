@@ -22,8 +22,8 @@ from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.streams.stitching import Stitcher, StitchRules
-from tests.chaos.test_streams_many_kills import _last_resync, _wait_for_processing
-from tests.support.streams_helpers import CODEC, Worker, publish, read_all, wait_for_count
+from tests.support.streams_helpers import (CODEC, Worker, last_resync, publish, read_all, wait_for_count,
+                                          wait_for_processing)
 from tests.unit.test_streams_stitching import conversation
 
 SESSIONS = 6
@@ -79,7 +79,7 @@ def test_an_open_session_survives_a_worker_sigkill_through_its_changelog(rl_conf
     worker = Worker(rl_config, "w1", tmp_path, **SETTINGS).start()
     restarted = None
     try:
-        _wait_for_processing(worker, tmp_path, 0)
+        wait_for_processing(worker, tmp_path, 0)
         asyncio.run(publish(rl_config, before))
         # one sessions-changelog record per call: once all are committed, so are the calls' progress markers
         asyncio.run(wait_for_count(rl_config, f"{rl_config.streams.app_id}-sessions-changelog", len(before),
@@ -101,7 +101,7 @@ def test_an_open_session_survives_a_worker_sigkill_through_its_changelog(rl_conf
     problems = _problems(got, sessions)  # type: ignore[arg-type]
     assert not problems, f"{problems}\nrestarted worker log:\n{restarted.log_tail(60)}"
     # the restarted worker read no call sent before the kill: each calls partition started at its recovered marker
-    seeks = json.loads(_last_resync(tmp_path))["seeks"]
+    seeks = json.loads(last_resync(tmp_path))["seeks"]
     assert {p: seeks[f"{names.calls}:{p}"] for p in sent} == {p: f"{n} (marker)" for p, n in sent.items()}, seeks
     # negative control: the remaining calls alone, stitched without the recovered session table
     s = rl_config.streams

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -203,3 +204,24 @@ async def wait_for_worker_events(cfg: RlstreamConfig, topic: str, worker: str, t
         if any(m.name == mn.STREAMS_EVENTS_IN and m.value > 0 and m.tags.get("worker") == worker for m in metrics):
             return
     raise AssertionError(f"{worker} processed nothing within {timeout_s:.0f} s")
+
+
+def times_processing_began(log_dir: Path) -> int:
+    """How many lives of worker w1 have begun processing (each resync to the progress markers is logged)."""
+    with contextlib.suppress(OSError):
+        return (log_dir / "w1.log").read_text(errors="replace").count("sought to their progress markers")
+    return 0
+
+
+def last_resync(log_dir: Path) -> str:
+    """The last "sought to their progress markers" line of worker w1 (where each input partition started)."""
+    lines = (log_dir / "w1.log").read_text(errors="replace").splitlines()
+    return next((line for line in reversed(lines) if "sought to their progress markers" in line), "")
+
+
+def wait_for_processing(worker: Worker, log_dir: Path, before: int, timeout_s: float = 120.0) -> None:
+    """Until worker w1 begins processing for the ``before + 1``-th time (its resync to the progress markers)."""
+    deadline = time.monotonic() + timeout_s
+    while times_processing_began(log_dir) <= before:
+        assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.2)
