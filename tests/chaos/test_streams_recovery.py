@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -16,8 +17,8 @@ from rlstream.schemas.models import MetricEvent
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.streams.app import prepare_topics
-from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, publish, read_all, read_groups,
-                                   remove_dead_member, wait_for_count, wait_for_worker_events)
+from tests.support.streams_helpers import (Worker, assert_groups_match, interleaved_stream, last_resync, publish, read_all,
+                                          read_groups, remove_dead_member, wait_for_count, wait_for_worker_events)
 
 
 @pytest.mark.parametrize("store", ["memory", "rocksdb"])
@@ -42,6 +43,13 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_nothing(rl_config: Rlst
             assert_groups_match(groups, expected)
         except AssertionError as failure:
             raise AssertionError(f"{failure}\nrestarted worker log:\n{restarted.log_tail(120)}") from None
+        # every input partition had records applied before the kill: the restart starts each from its recovered
+        # progress marker (the RocksDB store once looked the markers up only in the partition of the record being
+        # processed, and the others restarted from their committed offsets)
+        resync = last_resync(tmp_path)
+        starts = {tp: how for tp, how in json.loads(resync)["seeks"].items()
+                  if tp.rsplit(":", 1)[0] in (names.trajectories, names.rewards)} if resync else {}
+        assert starts and all(how.endswith("(marker)") for how in starts.values()), resync
     finally:
         worker.stop()
         if restarted:
