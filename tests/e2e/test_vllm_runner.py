@@ -101,6 +101,13 @@ async def run_runner(cfg: RlstreamConfig, topics: TopicNames, workflow: Any, rew
     return runner
 
 
+async def paused(runner: RolloutRunner, timeout_s: float = 30.0) -> None:
+    """Until the runner's admission control has paused it once."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not runner.stats.admission_waits and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+
+
 def test_runner_records_target_functions_scores_and_survives_a_failed_generation(
     vllm: VllmServer, rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path,
 ) -> None:
@@ -150,10 +157,7 @@ def test_admission_control_pauses_until_the_learner_catches_up(
 
     async def learner(runner: RolloutRunner, control: ControlPlane) -> None:
         # 1 group per version, lag 1: two groups may run ahead of the learner, the third must wait
-        for _ in range(300):
-            if runner.stats.admission_waits:
-                break
-            await asyncio.sleep(0.1)
+        await paused(runner)
         await asyncio.sleep(1.5)
         observed["while_paused"] = runner.stats.groups_started
         observed["waits"] = runner.stats.admission_waits
@@ -186,10 +190,7 @@ def test_a_learner_waiting_for_groups_ends_a_pause_held_by_groups_that_never_tra
     observed: dict[str, Any] = {}
 
     async def learner(runner: RolloutRunner, control: ControlPlane) -> None:
-        for _ in range(300):
-            if runner.stats.admission_waits:
-                break
-            await asyncio.sleep(0.1)
+        await paused(runner)
         observed["paused_at"] = runner.stats.groups_started
         waiting = WaitingForGroups(control, cfg.policy)  # the learner's own reporter, on the real Redis
         deadline = asyncio.get_running_loop().time() + 6.0
