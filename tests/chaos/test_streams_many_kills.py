@@ -29,7 +29,7 @@ from rlstream.schemas.models import DeadLetter, TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from tests.support.streams_helpers import (Worker, interleaved_stream, last_resync, publish, read_dead_letters,
-                                          read_groups, wait_for_processing)
+                                          read_groups, times_processing_began, wait_for_processing)
 
 EXAMPLES, GROUP_SIZE = 5_000, 4  # 20,000 trajectories minus the ones that never come
 SHORT_EVERY = 25  # every 25th group misses a member: it leaves on its timeout
@@ -128,7 +128,7 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
         feeder.start()
         kill_times = []
         for kill in range(KILLS):
-            started = _times_processing_began(tmp_path)
+            started = times_processing_began(tmp_path)
             worker = Worker(rl_config, "w1", tmp_path, **settings).start()
             workers.append(worker)
             if kill % 3 == 2:  # every third kill: while the restarted worker is starting or restoring its tables
