@@ -32,6 +32,11 @@ class EvaluationSetError(ValueError):
     """The evaluation set (dataset file or reward function) cannot be used; the message says why."""
 
 
+class EvaluationFailed(RuntimeError):
+    """An evaluation could not produce figures (requests failing after their retries, connection errors, 5xx): it is
+    no result, and it never decides a promotion."""
+
+
 def load_reward_function(ref: str) -> Callable[..., Any]:
     """Import ``package.module:function`` (the current directory is importable)."""
     module_name, sep, attr = ref.partition(":")

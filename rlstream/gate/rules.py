@@ -19,6 +19,23 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
+class SampleResult:
+    """One held-out (example, sample) episode of one version: the unit the paired tests compare.
+
+    ``key`` is ``"{example_id}#{sample}"``; the candidate and serving versions are run with the same key, prompt and
+    seed, so two versions' results pair by key.
+    """
+
+    key: str
+    reward: float
+    parses: bool
+    refusal: bool
+    length: int
+    tool_calls: int = 0
+    tool_calls_parsed: int = 0
+
+
+@dataclass(frozen=True)
 class EvalFigures:
     """One version's figures on the held-out set (``samples`` completions)."""
 
@@ -31,10 +48,11 @@ class EvalFigures:
     samples: int
     tool_calls: int = 0
     seconds: float = 0.0
+    results: tuple[SampleResult, ...] = ()
 
     def metrics(self) -> dict[str, float]:
-        """The figures as a PromotionDecision carries them."""
-        return {k: float(v) for k, v in asdict(self).items()}
+        """The figures as a PromotionDecision carries them (the per-sample results are not figures)."""
+        return {k: float(v) for k, v in asdict(self).items() if k != "results"}
 
 
 @dataclass(frozen=True)
