@@ -3,9 +3,8 @@
 Each check returns an :class:`Invalid` with a stable reason code (the dead letter's ``error_type``)
 and a message a person can act on, or ``None`` when the event is fine.
 
-Rewards: a reward and each of its components must be finite (``non_finite_reward``: NaN, +-inf) and inside
-``streams.reward_range`` (``reward_out_of_range``: e.g. 1e200, which would otherwise reach the keyed baselines and
-the learner). A ``feedback_id`` is 1 to :data:`MAX_FEEDBACK_ID_CHARS` characters, not blank (``bad_feedback_id``).
+Rewards follow rlstream/schemas/rewards.py (finite, inside ``streams.reward_range``, a usable ``feedback_id``):
+the same rules every reader of ``rewards`` applies.
 """
 from __future__ import annotations
 
@@ -15,7 +14,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from rlstream.schemas.codec import AvroCodec, CodecError, CorruptPayloadError, IncompatibleSchemaError, PayloadTooLargeError, UnknownSchemaError
-from rlstream.schemas.models import RewardEvent, TrajectoryEvent, Turn, WireModel
+from rlstream.schemas.models import TrajectoryEvent, Turn, WireModel
+# the reward rules live in schemas so that every reader of rewards (the gate too) applies the same ones
+from rlstream.schemas.rewards import (BAD_FEEDBACK_ID, DEFAULT_REWARD_RANGE, MAX_FEEDBACK_ID_CHARS, MISSING_ID,  # noqa: F401
+                                      NON_FINITE_REWARD, REWARD_OUT_OF_RANGE, Invalid, RewardRange, check_reward_value,
+                                      check_rewards, validate_reward)
 from rlstream.schemas.skim import SkippedNumbers
 
 T = TypeVar("T")
@@ -29,15 +32,11 @@ UNKNOWN_SCHEMA = "unknown_schema"
 WRONG_EVENT_TYPE = "wrong_event_type"
 TOO_LARGE = "payload_too_large"
 KEY_MISMATCH = "key_mismatch"
-MISSING_ID = "missing_id"
 NO_MESSAGES = "no_messages"
 UNKNOWN_ROLE = "unknown_role"
 BAD_FIRST_ROLE = "bad_first_role"
 CONSECUTIVE_ASSISTANT = "consecutive_assistant"
 TOKEN_LOGPROB_MISMATCH = "token_logprob_mismatch"
-NON_FINITE_REWARD = "non_finite_reward"
-REWARD_OUT_OF_RANGE = "reward_out_of_range"
-BAD_FEEDBACK_ID = "bad_feedback_id"
 GROUP_SIZE_OUT_OF_BOUNDS = "group_size_out_of_bounds"
 GENERATION_INDEX_OUT_OF_RANGE = "generation_index_out_of_range"
 NEGATIVE_POLICY_VERSION = "negative_policy_version"
@@ -51,38 +50,6 @@ GROUP_TOO_LARGE = "group_too_large"
 STATE_TOO_LARGE = "state_too_large"  # holding the record would need a changelog record over the size limit
 PAYLOAD_UNAVAILABLE = "payload_unavailable"  # a waiting member's record could not be read back by its offset
 CORRECTION_AFTER_EMIT = "correction_after_emit"  # a feedback correction that came after its group left (recorded)
-
-#: a feedback id is held in the group state until its group is forgotten: bounded
-MAX_FEEDBACK_ID_CHARS = 256
-
-
-@dataclass(frozen=True)
-class RewardRange:
-    """The closed interval ``[low, high]`` a reward and each of its components must lie in
-    (``streams.reward_range``)."""
-
-    low: float
-    high: float
-
-    def admits(self, value: float) -> bool:
-        """True for a finite ``value`` inside the range (NaN never is)."""
-        return math.isfinite(value) and self.low <= value <= self.high
-
-    def __str__(self) -> str:
-        return f"[{self.low:g}, {self.high:g}]"
-
-
-#: streams.reward_range's default (tests/unit/test_streams_reward_range.py keeps the two equal)
-DEFAULT_REWARD_RANGE = RewardRange(-10.0, 10.0)
-
-
-@dataclass(frozen=True)
-class Invalid:
-    """Why an event is rejected: a reason code and a readable message."""
-
-    reason: str
-    message: str
-
 
 class Rejected(Exception):
     """Raised by :func:`decode_event` for a record that cannot become an event."""
@@ -166,26 +133,6 @@ def decode_trajectory(codec: AvroCodec, value: bytes | None) -> IngestedTrajecto
     return IngestedTrajectory(event, counts)
 
 
-def check_reward_value(name: str, value: float | None, reward_range: RewardRange) -> Invalid | None:
-    """A reward (or a component, ``name`` saying which) must be finite and inside ``reward_range``; ``None`` (a
-    reward still to come) is fine."""
-    if value is None:
-        return None
-    if not math.isfinite(value):
-        return Invalid(NON_FINITE_REWARD, f"{name} is {value}")
-    if not reward_range.admits(value):
-        return Invalid(REWARD_OUT_OF_RANGE, f"{name} {value:g} is outside streams.reward_range {reward_range}")
-    return None
-
-
-def check_rewards(reward: float | None, components: dict[str, float], reward_range: RewardRange) -> Invalid | None:
-    """:func:`check_reward_value` for a reward and each of its components."""
-    invalid = check_reward_value("reward", reward, reward_range)
-    for name, value in components.items():
-        invalid = invalid or check_reward_value(f"reward component {name!r}", value, reward_range)
-    return invalid
-
-
 def check_key(key: bytes | None, example_id: str) -> Invalid | None:
     """Records are keyed by example_id so that a group stays in one partition."""
     if key is not None and key != example_id.encode():
@@ -228,16 +175,3 @@ def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_gro
         if lps is not None and ids is None:
             return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {lps} logprobs without completion token ids")
     return check_rewards(event.reward, event.reward_components, reward_range)
-
-
-def validate_reward(event: RewardEvent, reward_range: RewardRange = DEFAULT_REWARD_RANGE) -> Invalid | None:
-    """A reward must name its trajectory, group and example, be a finite number inside ``reward_range`` (its
-    components too), and carry a usable ``feedback_id`` if any."""
-    for name in ("trajectory_id", "group_id", "example_id"):
-        if not getattr(event, name).strip():
-            return Invalid(MISSING_ID, f"{name} is empty")
-    if event.feedback_id is not None and not (0 < len(event.feedback_id) <= MAX_FEEDBACK_ID_CHARS
-                                              and event.feedback_id.strip()):
-        return Invalid(BAD_FEEDBACK_ID, f"feedback_id {event.feedback_id[:80]!r} ({len(event.feedback_id)} "
-                                        f"characters) must be 1 to {MAX_FEEDBACK_ID_CHARS} characters, not blank")
-    return check_rewards(event.reward, event.components, reward_range)
