@@ -8,7 +8,6 @@ the same rules every reader of ``rewards`` applies.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
