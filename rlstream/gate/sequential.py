@@ -17,7 +17,8 @@ and Wald's bounds ``A = log((1 - beta) / alpha)`` and ``B = log(beta / (1 - alph
 (rolling back a canary that is as good) and ``beta`` the rate of keeping a canary worse by ``delta``; Wald's bounds
 keep both at most about ``alpha / (1 - beta)`` and ``beta / (1 - alpha)``. No decision is taken before each arm has
 ``min_samples`` rewards (the variance estimate needs them). At ``max_samples`` per arm without a decision the test is
-truncated: it rolls back when ``llr > 0`` (the evidence leans to harm), else it finishes.
+``undecided``: the gate never promotes on that (the canary is rejected, or held for an operator: ``gate.canary_undecided``),
+whichever way the llr leans; so is a canary still waiting at ``gate.canary_max_s``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class SequentialOutcome(str, Enum):
     wait = "wait"
     finish = "finish"  # as good: finish the promotion
     rollback = "rollback"  # worse by delta: roll back
+    undecided = "undecided"  # max_samples per arm and still between the bounds: never a promotion
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def sprt(canary: RewardStats, serving: RewardStats, settings: SprtSettings) -> S
     elif llr <= settings.lower:
         outcome = SequentialOutcome.finish
     elif min(n_c, n_s) >= settings.max_samples:
-        outcome = SequentialOutcome.rollback if llr > 0 else SequentialOutcome.finish
+        outcome = SequentialOutcome.undecided
     else:
         outcome = SequentialOutcome.wait
     return SequentialState(outcome, llr, difference, variance, n_c, n_s)

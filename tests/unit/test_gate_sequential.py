@@ -49,10 +49,15 @@ def test_as_good_canary_finishes_by_hand() -> None:
 def test_no_decision_before_min_samples_and_truncation() -> None:
     settings = SprtSettings(min_samples=20, max_samples=30)
     assert sprt(arm(19, 0), arm(0, 19), settings).outcome == SequentialOutcome.wait  # 19 < 20 per arm
-    # at max_samples, between the bounds: the sign of the llr decides (slightly worse canary: roll back)
+    # at max_samples, between the bounds: undecided, whichever way the llr leans (never a promotion)
     leaning = sprt(arm(16, 14), arm(14, 16), settings)
     assert settings.lower < leaning.llr < settings.upper and leaning.llr > 0
-    assert leaning.outcome == SequentialOutcome.rollback
+    assert leaning.outcome == SequentialOutcome.undecided
+    better = sprt(arm(16, 14), arm(15, 15), settings)
+    assert settings.lower < better.llr < 0 and better.outcome == SequentialOutcome.undecided
+    # below max_samples the same figures wait
+    assert sprt(arm(16, 14), arm(14, 16), SprtSettings(min_samples=20, max_samples=31)).outcome == \
+        SequentialOutcome.wait
 
 
 def test_corrected_reward_is_taken_back() -> None:
