@@ -176,6 +176,37 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+                  chunk_size: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
+    r"""
+    Entropy of the policy's next-token distribution at each position, chunked like :func:`token_logprobs`.
+
+    $$H_t = -\sum_v \pi_v \log \pi_v = \operatorname{logsumexp}_v(x_{t,v}) - \sum_v \pi_v\, x_{t,v},
+      \qquad x = z / \tau$$
+
+    Collapsing entropy (the policy becoming deterministic before it is good) is the classic failure of GRPO-style
+    training (DAPO, Yu et al. 2025, raises the upper clip for it); the learner reports the mean over completion
+    tokens every step.
+
+    Args:
+        logits (`torch.Tensor`): shape `(B, T, V)`, any float dtype; may be a non-contiguous view.
+        temperature (`float` or `torch.Tensor`, *optional*): as in :func:`token_logprobs` (one per row allowed).
+        chunk_size (`int`, *optional*): positions per chunk.
+
+    Returns:
+        `torch.Tensor`: entropies in nats, shape `(B, T)`, float32, without gradient.
+    """
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.detach().to(device=logits.device, dtype=torch.float32)
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for block in _position_blocks(tuple(out.shape), chunk_size):
+        x = _tempered(logits[block].float(), temperature, block)
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        out[block] = (lse.squeeze(-1) - (torch.exp(x - lse) * x).sum(-1))
+    return out
+
+
 def _tempered(x: torch.Tensor, temperature: float | torch.Tensor, block: tuple[Any, ...]) -> torch.Tensor:
     """``x / T`` for the positions of ``block`` (``T`` a float, or one temperature per row of the batch)."""
     if isinstance(temperature, torch.Tensor):

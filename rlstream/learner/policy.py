@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from rlstream.learner.batch import Batch
-from rlstream.learner.grpo import DEFAULT_LOGPROB_CHUNK, token_logprobs
+from rlstream.learner.grpo import DEFAULT_LOGPROB_CHUNK, token_entropy, token_logprobs
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import LearnerConfig
 
@@ -127,10 +127,19 @@ def completion_logprobs(model: Any, batch: Batch, temperature: float | torch.Ten
     """Logprobs (B, T) of the completion tokens of ``batch`` under ``model`` (float32), by the chunked selective
     log-softmax of :func:`grpo.token_logprobs` (``chunk_size`` positions at a time), each row at its sampling
     temperature (``batch.temperatures``; ``temperature`` overrides them)."""
+    return completion_logprobs_and_entropy(model, batch, temperature, chunk_size, entropy=False)[0]
+
+
+def completion_logprobs_and_entropy(model: Any, batch: Batch, temperature: float | torch.Tensor | None = None,
+                                    chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+                                    entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`completion_logprobs` and, from the same forward pass, the policy's entropy at each completion
+    position (:func:`grpo.token_entropy`, no gradient; None when ``entropy`` is False)."""
     t = batch.completion_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=t + 1)
     logits = out.logits[:, -t - 1:-1, :]
     if temperature is None:
         temperature = batch.temperatures if batch.temperatures is not None else 1.0
-    return token_logprobs(logits, batch.completion_ids, temperature, chunk_size)
+    logprobs = token_logprobs(logits, batch.completion_ids, temperature, chunk_size)
+    return logprobs, token_entropy(logits, temperature, chunk_size) if entropy else None

@@ -14,7 +14,7 @@ from rlstream.learner.batch import Batch, Sample, behaviour_rows, collate
 from rlstream.learner.distributed import DataParallel
 from rlstream.learner.grpo import (LossConfig, baseline_advantage, group_advantages, grpo_loss, lr_factor, masked_mean,
                                    turn_advantages)
-from rlstream.learner.policy import Policy, completion_logprobs
+from rlstream.learner.policy import Policy, completion_logprobs_and_entropy
 from rlstream.schemas.config import LearnerConfig
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
@@ -65,19 +65,35 @@ def trajectories_of(samples: Sequence[Sample]) -> Trajectories:
                         of_sample=torch.tensor(of_sample, dtype=torch.long))
 
 
-def assign_advantages(samples: Sequence[Sample], scale: str, baseline_min_count: int = 2) -> Trajectories | None:
+def assign_advantages(samples: Sequence[Sample], scale: str, baseline_min_count: int = 2,
+                      single_cap: float | None = None) -> Trajectories | None:
     """Fill ``sample.advantage``: group statistics over *trajectories* (a trajectory of five turns counts once,
     like one of a single turn), and every turn of a trajectory gets its trajectory's advantage; a single response
-    that carries a keyed baseline is scored against it (:func:`grpo.baseline_advantage`)."""
+    that carries a keyed baseline is scored against it (:func:`grpo.baseline_advantage`), its magnitude bounded by
+    ``single_cap`` where advantages are scaled (a window of n equal rewards would allow sqrt(n + 1))."""
     if not samples:
         return None
     trajs = trajectories_of(samples)
     adv = group_advantages(trajs.rewards, trajs.group_index, scale)  # type: ignore[arg-type]
     for s, a in zip(samples, turn_advantages(adv, trajs.of_sample).tolist()):
         b = s.baseline
-        s.advantage = a if b is None else baseline_advantage(s.reward, b.mean, b.std, b.count, scale,  # type: ignore[arg-type]
-                                                              baseline_min_count)
+        if b is None:
+            s.advantage = a
+            continue
+        single = baseline_advantage(s.reward, b.mean, b.std, b.count, scale,  # type: ignore[arg-type]
+                                    baseline_min_count)
+        if single_cap is not None and scale != "none":
+            single = max(-single_cap, min(single_cap, single))
+        s.advantage = single
     return trajs
+
+
+def trajectory_advantages(samples: Sequence[Sample], trajs: Trajectories) -> torch.Tensor:
+    """The advantage each trajectory trains with (group members and single responses alike), shape ``(N,)``."""
+    out = torch.zeros(trajs.count, dtype=torch.float64)
+    for s, t in zip(samples, trajs.of_sample.tolist()):
+        out[t] = float(s.advantage)
+    return out
 
 
 @dataclass
@@ -119,6 +135,7 @@ class StepStats:
     reward_std: float
     advantage_mean: float
     advantage_std: float
+    entropy: float
     grad_norm: float
     learning_rate: float
     tokens: int
@@ -150,7 +167,7 @@ STEP_METRICS: dict[str, str] = {
     "is_ratio_mean": mn.LEARNER_IS_RATIO_MEAN, "is_ratio_min": mn.LEARNER_IS_RATIO_MIN,
     "is_ratio_max": mn.LEARNER_IS_RATIO_MAX, "reward_mean": mn.LEARNER_REWARD_MEAN,
     "reward_std": mn.LEARNER_REWARD_STD, "advantage_mean": mn.LEARNER_ADVANTAGE_MEAN,
-    "advantage_std": mn.LEARNER_ADVANTAGE_STD, "grad_norm": mn.LEARNER_GRAD_NORM,
+    "advantage_std": mn.LEARNER_ADVANTAGE_STD, "entropy": mn.LEARNER_ENTROPY, "grad_norm": mn.LEARNER_GRAD_NORM,
     "learning_rate": mn.LEARNER_LEARNING_RATE, "tokens": mn.LEARNER_TOKENS, "sequences": mn.LEARNER_SEQUENCES,
     "trajectories": mn.LEARNER_TRAJECTORIES, "optimizer_steps": mn.LEARNER_OPTIMIZER_STEPS,
     "nonfinite_skipped": mn.LEARNER_NONFINITE_SKIPPED, "seconds": mn.LEARNER_SECONDS,
@@ -238,16 +255,21 @@ class GRPOTrainerStep:
 
         The first pass over a :class:`PreparedStep` records each micro-batch's logprobs as the batch-start
         policy's (``old_logprobs``; computed once, before any optimizer step of the batch), and the reference
-        logprobs when ``beta > 0``; later passes reuse them, so the ratio measures how far the policy moved.
+        logprobs when ``beta > 0``; later passes reuse them, so the ratio measures how far the policy moved. The
+        first pass also measures the batch-start policy's mean entropy over completion tokens (``entropy``).
         """
         prepared = samples if isinstance(samples, PreparedStep) else self.prepare(samples)
         policy, chunk = self.policy, self.cfg.logprob_chunk_size
-        loss_sum, kl_sum, clip_sum, n_tok = 0.0, 0.0, 0.0, 0.0
+        loss_sum, kl_sum, clip_sum, n_tok, entropy_sum = 0.0, 0.0, 0.0, 0.0, 0.0
+        first_pass = any(mb.old_logprobs is None for mb in prepared.micro_batches)
         is_vals: list[torch.Tensor] = []
         for mb in prepared.micro_batches:
             batch = mb.batch
             mask = batch.completion_mask
-            logprobs = completion_logprobs(policy.model, batch, chunk_size=chunk)
+            logprobs, entropy = completion_logprobs_and_entropy(policy.model, batch, chunk_size=chunk,
+                                                                entropy=mb.old_logprobs is None)
+            if entropy is not None:
+                entropy_sum += float((entropy * mask).sum())
             if mb.old_logprobs is None:
                 mb.old_logprobs = logprobs.detach()
                 if batch.behaviour_logprobs is not None:
@@ -255,7 +277,8 @@ class GRPOTrainerStep:
                     mb.behaviour = torch.where(rows[:, None], batch.behaviour_logprobs, mb.old_logprobs)
                 if self.loss_cfg.beta > 0:
                     with torch.no_grad(), policy.reference_mode() as ref_model:
-                        mb.ref_logprobs = completion_logprobs(ref_model, batch, chunk_size=chunk)
+                        mb.ref_logprobs = completion_logprobs_and_entropy(ref_model, batch, chunk_size=chunk,
+                                                                          entropy=False)[0]
             parts = grpo_loss(logprobs, batch.advantages, mask, self.loss_cfg, old_logprobs=mb.old_logprobs,
                               behaviour_logprobs=mb.behaviour, ref_logprobs=mb.ref_logprobs,
                               total_tokens=prepared.total_tokens, total_sequences=prepared.total_sequences,
@@ -275,12 +298,13 @@ class GRPOTrainerStep:
         is_max = float(is_all.max()) if is_count else -math.inf
         if self.parallel is not None:  # the whole step's gradient and figures, on every rank
             self.parallel.sum_gradients(self.policy.trainable_parameters())
-            loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count = self.parallel.sum(
-                [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count])
+            loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum = self.parallel.sum(
+                [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum])
             is_min, is_max = self.parallel.extreme(is_min, "min"), self.parallel.extreme(is_max, "max")
         if not is_count:
             is_sum, is_count, is_min, is_max = 1.0, 1.0, 1.0, 1.0
-        return {"loss": loss_sum, "kl": kl_sum / max(n_tok, 1.0), "clip_fraction": clip_sum / max(n_tok, 1.0),
+        figures = {"entropy": entropy_sum / max(n_tok, 1.0)} if first_pass else {}
+        return {**figures, "loss": loss_sum, "kl": kl_sum / max(n_tok, 1.0), "clip_fraction": clip_sum / max(n_tok, 1.0),
                 "is_ratio_mean": is_sum / is_count, "is_ratio_min": is_min, "is_ratio_max": is_max, "tokens": n_tok}
 
     def optimizer_step(self, prepared: PreparedStep, iteration: int = 0) -> tuple[dict[str, float], bool]:
@@ -308,7 +332,8 @@ class GRPOTrainerStep:
         """One learner step: trajectory-level advantages, then ``num_iterations`` optimizer steps on the same
         batch against the batch-start policy (stopping at the first non-finite loss or gradient)."""
         started = time.perf_counter()
-        trajs = assign_advantages(samples, self.cfg.scale_rewards, self.cfg.baseline_min_count)
+        trajs = assign_advantages(samples, self.cfg.scale_rewards, self.cfg.baseline_min_count,
+                                  self.cfg.single_advantage_cap)
         prepared = self.prepare(samples)
         applied: list[dict[str, float]] = []
         last: dict[str, float] = {}
@@ -325,13 +350,13 @@ class GRPOTrainerStep:
             return sum(f[key] for f in reported) / len(reported)
 
         rewards = trajs.rewards if trajs is not None else torch.zeros(1, dtype=torch.float64)
-        adv = (group_advantages(trajs.rewards, trajs.group_index, self.cfg.scale_rewards)  # type: ignore[arg-type]
-               if trajs is not None else torch.zeros(1))
+        adv = trajectory_advantages(samples, trajs) if trajs is not None else torch.zeros(1)
         return StepStats(
             loss=mean("loss"), kl=mean("kl"), clip_fraction=mean("clip_fraction"),
             is_ratio_mean=mean("is_ratio_mean"), is_ratio_min=min(f["is_ratio_min"] for f in reported),
             is_ratio_max=max(f["is_ratio_max"] for f in reported), reward_mean=float(rewards.mean()),
             reward_std=_std(rewards), advantage_mean=float(adv.mean()), advantage_std=_std(adv),
+            entropy=float(reported[0].get("entropy", 0.0)),
             grad_norm=mean("grad_norm"), learning_rate=reported[0]["learning_rate"],
             tokens=int(reported[0]["tokens"]), sequences=len(samples),
             trajectories=trajs.count if trajs is not None else 0, optimizer_steps=len(applied),

@@ -304,6 +304,10 @@ class LearnerConfig(Section):
     baseline_min_count: int = Field(2, ge=0, description="a single response (group_size 1) is trained against its "
                                     "keyed baseline once at least this many earlier rewards are behind it; before "
                                     "that its advantage is 0")
+    single_advantage_cap: float = Field(2.4749, gt=0, description="largest |advantage| of a single response "
+                                        "scored against its keyed baseline (scaled modes): (G - 1) / sqrt(G), the "
+                                        "most a member of a group of G = 8 can get, so one production response "
+                                        "weighs no more than a group member (docs/learner.md)")
     loss_constant: int = Field(1024, ge=1, description="normaliser of the Dr. GRPO constant aggregation")
     epsilon_low: float = Field(0.2, ge=0, description="PPO clip: ratio lower bound 1 - epsilon_low")
     epsilon_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound 1 + epsilon_high (DAPO "

@@ -89,6 +89,8 @@ LEARNER_REWARD_MEAN = "learner/reward_mean"
 LEARNER_REWARD_STD = "learner/reward_std"
 LEARNER_ADVANTAGE_MEAN = "learner/advantage_mean"
 LEARNER_ADVANTAGE_STD = "learner/advantage_std"
+#: Mean entropy (nats) of the batch-start policy over the step's completion tokens: collapse shows here first.
+LEARNER_ENTROPY = "learner/entropy"
 LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_LEARNING_RATE = "learner/learning_rate"
 LEARNER_TOKENS = "learner/tokens"
@@ -210,9 +212,9 @@ INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FA
 #: Per learner step: the step's own figures and those of its optimizer step.
 LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEARNER_LOSS, LEARNER_KL,
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
-           LEARNER_REWARD_MEAN, LEARNER_REWARD_STD, LEARNER_ADVANTAGE_MEAN, LEARNER_ADVANTAGE_STD, LEARNER_GRAD_NORM,
-           LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES, LEARNER_OPTIMIZER_STEPS,
-           LEARNER_NONFINITE_SKIPPED, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
+           LEARNER_REWARD_MEAN, LEARNER_REWARD_STD, LEARNER_ADVANTAGE_MEAN, LEARNER_ADVANTAGE_STD, LEARNER_ENTROPY,
+           LEARNER_GRAD_NORM, LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES,
+           LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
 #: The learner's counters outside a step's figures.
 LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
@@ -359,6 +361,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _gauge(LEARNER_ADVANTAGE_MEAN, "rlstream_learner_advantage_mean", _LEARNER, "Mean advantage of the last step"),
     _gauge(LEARNER_ADVANTAGE_STD, "rlstream_learner_advantage_std", _LEARNER, "Advantage standard deviation of the "
            "last step"),
+    _gauge(LEARNER_ENTROPY, "rlstream_learner_entropy", _LEARNER, "Mean policy entropy (nats) over the last "
+           "step's completion tokens"),
     _gauge(LEARNER_GRAD_NORM, "rlstream_learner_grad_norm", _LEARNER, "Gradient norm of the last step"),
     _gauge(LEARNER_LEARNING_RATE, "rlstream_learner_learning_rate", _LEARNER, "Learning rate of the last step"),
     _counter(LEARNER_TOKENS, "rlstream_learner_tokens_total", _LEARNER, "Tokens trained on"),
