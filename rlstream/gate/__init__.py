@@ -2,11 +2,11 @@
 back (docs/gate.md). ``run_gate(cfg)`` is the service."""
 from __future__ import annotations
 
-from rlstream.gate.rules import EvalFigures, Tolerances, Verdict, judge
+from rlstream.gate.rules import DecisionRule, EvalFigures, Verdict, judge, next_anchor
 from rlstream.gate.sequential import RewardStats, SequentialOutcome, SprtSettings, sprt
 
-__all__ = ["EvalFigures", "RewardStats", "SequentialOutcome", "SprtSettings", "Tolerances", "Verdict", "judge",
-           "sprt", "run_gate"]
+__all__ = ["DecisionRule", "EvalFigures", "RewardStats", "SequentialOutcome", "SprtSettings", "Verdict", "judge",
+           "next_anchor", "sprt", "run_gate"]
 
 
 def __getattr__(name: str) -> object:

@@ -1,21 +1,31 @@
-"""The promotion rule: a candidate's held-out figures against the serving version's, on the same prompts.
+"""The promotion rule: paired non-inferiority tests of a candidate against the serving version and the anchor.
 
-A candidate is promoted when it is not worse than the serving version beyond the configured tolerances
-(``gate.*``), on every figure:
+Every version is evaluated on the same held-out prompts and seeds, so per-sample results pair by key
+(:class:`SampleResult`). A candidate is promoted when it passes every one-sided paired non-inferiority test of
+statistics.py (H0: worse by the margin or more; rejected when the ``1 - alpha`` lower confidence bound of the mean
+paired difference is above ``-margin``):
 
-* mean reward: ``candidate >= serving - reward_tolerance``;
-* share of answers that parse (match ``gate.answer_pattern``): ``candidate >= serving - rate_tolerance``;
-* share of tool calls whose arguments parse as a JSON object: ``candidate >= serving - rate_tolerance``;
-* share of refusals (``gate.refusal_patterns``): ``candidate <= serving + rate_tolerance``;
-* mean answer length (completion tokens): within a factor ``1 + length_tolerance`` of the serving version's,
-  either way.
+* against the serving version (measured fresh for this decision): mean reward (margin ``gate.margin``), and the
+  guards: share of answers that parse (``gate.parse_margin``), share of tool calls whose arguments parse
+  (``gate.tool_call_margin``; a sample without tool calls counts 1), share of refusals, lower is better
+  (``gate.refusal_margin``), and answer length: the mean paired difference of ``log(1 + tokens)`` within
+  ``log(1 + gate.length_tolerance)`` either way (two one-sided tests);
+* against the anchor, the best version ever promoted, re-measured fresh: mean reward (``gate.margin``). Each
+  candidate of a chain may lose less than the margin against the version before it, but not more than the margin
+  against the anchor in all, so serving cannot be ratcheted down by small losses.
 
-Without a serving figure (nothing promoted yet and the base weights not evaluable) the candidate needs
-``reward >= min_reward``. A rejection names every figure that failed, with both values.
+The anchor moves to a promoted candidate only when it is shown better than the anchor (the lower bound of the
+reward difference above 0, :func:`next_anchor`). Without a serving figure (nothing promoted yet and the base weights
+not evaluable) the candidate needs ``reward >= gate.min_reward``. A rejection names every test that failed, with its
+figures; :meth:`Verdict.evidence` is what a PromotionDecision records.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from rlstream.gate.statistics import PairedTest, non_inferiority, paired_differences
 
 
 @dataclass(frozen=True)
@@ -56,52 +66,118 @@ class EvalFigures:
 
 
 @dataclass(frozen=True)
-class Tolerances:
-    """How much worse than serving a candidate may be (see the module docstring)."""
+class DecisionRule:
+    """The tests' settings (``gate.*``; see the module docstring)."""
 
-    reward_tolerance: float = 0.05
-    rate_tolerance: float = 0.05
+    margin: float = 0.1
+    alpha: float = 0.05
+    parse_margin: float = 0.1
+    tool_call_margin: float = 0.1
+    refusal_margin: float = 0.05
     length_tolerance: float = 3.0
     min_reward: float = 0.0
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """``promote``, or the reasons it may not be."""
+    """``promote``, the reasons it may not be, and every test behind the decision."""
 
     promote: bool
     failures: list[str] = field(default_factory=list)
+    tests: tuple[PairedTest, ...] = ()
 
     @property
     def reason(self) -> str:
-        return "; ".join(self.failures) if self.failures else "not worse than serving within the tolerances"
+        if self.failures:
+            return "; ".join(self.failures)
+        passed = [t for t in self.tests if t.figure == "reward"]
+        if not passed:
+            return "no version to compare with; reward at or above gate.min_reward"
+        return "non-inferior to " + ", ".join(
+            f"{t.reference} v{t.reference_version} (reward {t.mean_difference:+.3f}, lower bound {t.lower_bound:.3f} "
+            f"> -{t.margin:g} at alpha {t.alpha:g}, n {t.n})" for t in passed)
+
+    def test(self, figure: str, reference: str) -> PairedTest | None:
+        """The test of ``figure`` against ``reference`` (``serving`` or ``anchor``), if it ran."""
+        return next((t for t in self.tests if t.figure == figure and t.reference == reference), None)
+
+    def evidence(self) -> dict[str, float]:
+        """Every test's figures (``test.<reference>.<figure>.<name>``) for a PromotionDecision's metrics map."""
+        out: dict[str, float] = {}
+        for t in self.tests:
+            out.update(t.evidence())
+        return out
 
 
-def judge(candidate: EvalFigures, serving: EvalFigures | None, tolerances: Tolerances) -> Verdict:
-    """Whether ``candidate`` may replace ``serving`` (None: no serving figure to compare with)."""
-    failures: list[str] = []
+@dataclass(frozen=True)
+class _Figure:
+    name: str
+    value: Callable[[SampleResult], float]
+    higher_is_better: bool
+
+
+def _tool_call_share(r: SampleResult) -> float:
+    return r.tool_calls_parsed / r.tool_calls if r.tool_calls else 1.0
+
+
+def _log_length(r: SampleResult) -> float:
+    return math.log1p(max(0, r.length))
+
+
+REWARD = _Figure("reward", lambda r: r.reward, True)
+GUARDS = (
+    (_Figure("answers_parse", lambda r: float(r.parses), True), "parse_margin"),
+    (_Figure("tool_calls_parse", _tool_call_share, True), "tool_call_margin"),
+    (_Figure("refusals", lambda r: float(r.refusal), False), "refusal_margin"),
+)
+LENGTHS = (_Figure("length_not_longer", _log_length, False), _Figure("length_not_shorter", _log_length, True))
+
+
+def paired_test(figure: _Figure, candidate: EvalFigures, reference: EvalFigures, reference_role: str,
+                margin: float, alpha: float) -> PairedTest:
+    """One figure's paired non-inferiority test of ``candidate`` against ``reference`` on their shared keys."""
+    diffs = paired_differences(((r.key, figure.value(r)) for r in candidate.results),
+                               ((r.key, figure.value(r)) for r in reference.results), figure.higher_is_better)
+    return non_inferiority(diffs, margin, alpha, figure=figure.name, reference=reference_role,
+                           reference_version=reference.version)
+
+
+def _failure(t: PairedTest) -> str:
+    if t.n < 2:
+        return f"{t.figure} vs {t.reference} v{t.reference_version}: {t.n} paired samples, too few to test"
+    return (f"{t.figure} vs {t.reference} v{t.reference_version}: mean difference {t.mean_difference:+.3f} "
+            f"(std {t.std:.3f}, n {t.n}), lower bound {t.lower_bound:.3f} <= -{t.margin:.3g} "
+            f"(t {t.statistic:.2f}, p {t.p_value:.3f} >= alpha {t.alpha:g})")
+
+
+def judge(candidate: EvalFigures, serving: EvalFigures | None, rule: DecisionRule,
+          anchor: EvalFigures | None = None) -> Verdict:
+    """Whether ``candidate`` may replace ``serving`` (None: no serving figure to compare with), also tested against
+    ``anchor`` (the best version ever promoted, measured for this decision) when it is another version."""
     if candidate.samples == 0:
         return Verdict(False, ["no held-out completion could be scored"])
     if serving is None:
-        if candidate.reward_mean < tolerances.min_reward:
-            failures.append(f"reward {candidate.reward_mean:.3f} below gate.min_reward {tolerances.min_reward:.3f} "
-                            "(no serving version to compare with)")
-        return Verdict(not failures, failures)
-    c, s, t = candidate, serving, tolerances
-    if c.reward_mean < s.reward_mean - t.reward_tolerance:
-        failures.append(f"reward {c.reward_mean:.3f} < serving v{s.version} {s.reward_mean:.3f} - "
-                        f"{t.reward_tolerance:g}")
-    if c.answer_parse_rate < s.answer_parse_rate - t.rate_tolerance:
-        failures.append(f"answers that parse {c.answer_parse_rate:.3f} < serving {s.answer_parse_rate:.3f} - "
-                        f"{t.rate_tolerance:g}")
-    if c.tool_call_parse_rate < s.tool_call_parse_rate - t.rate_tolerance:
-        failures.append(f"tool calls that parse {c.tool_call_parse_rate:.3f} < serving "
-                        f"{s.tool_call_parse_rate:.3f} - {t.rate_tolerance:g}")
-    if c.refusal_rate > s.refusal_rate + t.rate_tolerance:
-        failures.append(f"refusals {c.refusal_rate:.3f} > serving {s.refusal_rate:.3f} + {t.rate_tolerance:g}")
-    factor = 1.0 + t.length_tolerance
-    low, high = s.answer_length / factor, s.answer_length * factor
-    if s.answer_length > 0 and not low <= c.answer_length <= high:
-        failures.append(f"answer length {c.answer_length:.1f} tokens outside [{low:.1f}, {high:.1f}] "
-                        f"(serving {s.answer_length:.1f} x/÷ {factor:g})")
-    return Verdict(not failures, failures)
+        if candidate.reward_mean < rule.min_reward:
+            return Verdict(False, [f"reward {candidate.reward_mean:.3f} below gate.min_reward {rule.min_reward:.3f} "
+                                   "(no serving version to compare with)"])
+        return Verdict(True)
+    tests = [paired_test(REWARD, candidate, serving, "serving", rule.margin, rule.alpha)]
+    tests += [paired_test(f, candidate, serving, "serving", getattr(rule, margin), rule.alpha) for f, margin in GUARDS]
+    if serving.answer_length > 0:
+        tests += [paired_test(f, candidate, serving, "serving", math.log1p(rule.length_tolerance), rule.alpha)
+                  for f in LENGTHS]
+    if anchor is not None and anchor.version != serving.version:
+        tests.append(paired_test(REWARD, candidate, anchor, "anchor", rule.margin, rule.alpha))
+    failures = [_failure(t) for t in tests if not t.passed]
+    return Verdict(not failures, failures, tuple(tests))
+
+
+def next_anchor(verdict: Verdict, candidate: int, anchor: int | None) -> int | None:
+    """The anchor after ``verdict`` about ``candidate``: the candidate when it is promoted and shown better than the
+    anchor (the reward test's lower bound above 0; against serving when the anchor serves), else ``anchor``."""
+    if not verdict.promote:
+        return anchor
+    test = verdict.test("reward", "anchor") or verdict.test("reward", "serving")
+    if anchor is None or test is None or test.superior:
+        return candidate
+    return anchor

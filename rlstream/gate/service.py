@@ -5,34 +5,40 @@ fenced learner announced (transport/trusted_versions.py), and decides about the 
 version: it evaluates the candidate on the held-out set under the candidate's own model name on a replica that
 acknowledged loading it (an ``evaluate`` replica first: a dedicated evaluation server for full-weight versions;
 never through the serving name, never through the gateway), compares it with the serving
-version's figures on the same prompts and seeds (rules.py), and promotes it (the serving pointer moves once every
+version's and the anchor's (the best version promoted) on the same prompts and seeds, both measured fresh for this
+decision, by the paired non-inferiority tests of rules.py / statistics.py, and promotes it (the serving pointer moves once every
 alive replica has it loaded: transport/serving.py) or rejects it with the reason. With ``gate.canary_share`` above 0
 a promoted version first serves that share of new sessions; the sequential test of sequential.py over the online
 rewards of feedback.py finishes the promotion or rolls the canary back. Every decision is a PromotionDecision on
 ``promotions``. Candidates that arrive while one is evaluated or a canary runs are not decided one by one: the next
 decision is about the newest.
 
-The serving version's figures are kept per version once measured: a version is measured when it is a candidate,
-so a server that holds one set of full weights (which cannot serve the serving version beside a candidate) still
-compares with the serving version on the same prompts and seeds.
+No figure is kept between decisions: each decision measures the candidate, the serving version and the anchor on a
+replica that has each loaded, with the sample size gate.power asks for (statistics.sample_size). An evaluation that
+produces no result (:class:`rlstream.gate.evaluation.EvaluationFailed`) decides nothing: it is counted in
+``gate/evaluation_failures`` and the decision is tried again. The anchor after each decision is on its record
+(``candidate_metrics["anchor_version"]``) and on the serving pointer (``anchor_version``: replicas keep it loaded,
+a restarted gate reads it back).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from rlstream.gate.evaluation import (EvaluationSet, EvaluationSetError, evaluate_version, load_evaluation_examples,
-                                      load_reward_function)
+from rlstream.gate.evaluation import (EvaluationFailed, EvaluationSet, EvaluationSetError, evaluate_version,
+                                      load_evaluation_examples, load_reward_function)
 from rlstream.gate.feedback import FeedbackClock, OnlineRewards, trained_trajectories
-from rlstream.gate.rules import EvalFigures, Tolerances, Verdict, judge
+from rlstream.gate.rules import DecisionRule, EvalFigures, Verdict, judge, next_anchor
 from rlstream.gate.sequential import SequentialOutcome, SequentialState, SprtSettings, sprt
+from rlstream.gate.statistics import sample_size
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.masking import secret_value
@@ -44,8 +50,8 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import create_topics, make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.serving import (ReplicaAck, ServingControl, ServingMoveRefused, move_serving_when_loaded,
-                                        publish_decision)
+from rlstream.transport.serving import (ReplicaAck, ServingControl, ServingMoveRefused, ServingPointer,
+                                        move_serving_when_loaded, publish_decision)
 from rlstream.transport.signals import stop_event
 from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch, read_slice, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
@@ -65,6 +71,8 @@ EVALUATION_HOLD_S = 120.0
 ERROR_BACKOFF_S = 2.0
 #: Who the gate's decisions are recorded as.
 DECIDED_BY = "gate"
+#: The metrics-map key of a decision's anchor (the best version promoted, after the decision).
+ANCHOR_KEY = "anchor_version"
 
 
 def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
@@ -82,6 +90,29 @@ def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
         max_tokens=g.max_tokens or cfg.rollout.max_tokens, answer_pattern=g.answer_pattern,
         refusal_patterns=tuple(g.refusal_patterns), concurrency=g.concurrency,
         request_timeout_s=cfg.inference.request_timeout_s)
+
+
+@dataclass(frozen=True)
+class EvaluationPlan:
+    """How much of the held-out set one decision uses: ``examples`` x ``samples`` paired samples, ``needed`` the
+    sample size the power asks for (above ``examples x samples`` when the set is too small for it)."""
+
+    examples: int
+    samples: int
+    needed: int
+
+    @property
+    def pairs(self) -> int:
+        return self.examples * self.samples
+
+
+def evaluation_plan(needed: int, available_examples: int, max_samples: int) -> EvaluationPlan:
+    """The examples (first) and samples per example that give at least ``needed`` paired samples: as many examples
+    as there are (independent prompts weigh more than more samples of one), then the fewest samples per example;
+    everything when the set holds fewer than ``needed``."""
+    examples = max(1, min(available_examples, needed))
+    samples = max(1, min(max_samples, math.ceil(needed / examples)))
+    return EvaluationPlan(examples, samples, needed)
 
 
 @dataclass(frozen=True)
@@ -125,13 +156,15 @@ class PromotionGate:
         self.metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics, source="gate",
                                         run_id=cfg.run_id, prometheus_port=self.gcfg.prometheus_port)
         self.trust = TrustedVersions(control, cfg.inference.max_version_jump)
-        self.tolerances = Tolerances(self.gcfg.reward_tolerance, self.gcfg.rate_tolerance,
-                                     self.gcfg.length_tolerance, self.gcfg.min_reward)
+        self.rule = DecisionRule(margin=self.gcfg.margin, alpha=self.gcfg.alpha, parse_margin=self.gcfg.parse_margin,
+                                 tool_call_margin=self.gcfg.tool_call_margin, refusal_margin=self.gcfg.refusal_margin,
+                                 length_tolerance=self.gcfg.length_tolerance, min_reward=self.gcfg.min_reward)
+        self.difference_std = self.gcfg.difference_std  # the prior; then what the last decision measured
         self.sprt = SprtSettings(alpha=self.gcfg.canary_alpha, beta=self.gcfg.canary_beta,
                                  delta=self.gcfg.canary_min_effect, min_samples=self.gcfg.canary_min_samples,
                                  max_samples=self.gcfg.canary_max_samples)
         self.known: dict[int, PolicyVersion] = {}  # trusted records of the policy
-        self.figures: dict[int, EvalFigures] = {}  # measured versions (0: the base weights)
+        self.anchor: int | None = None  # the best version promoted (None: not known yet; the serving version then)
         self.decided = 0  # the newest candidate decided about (or given up on)
         self.canary: Canary | None = None
         self.clock = FeedbackClock()
@@ -183,8 +216,9 @@ class PromotionGate:
         self._groups_consumer = make_consumer(self.cfg.kafka, group_id=None, isolation_level="read_committed")
         await self._groups_consumer.start()
         pointer = await self.serving.serving(self.policy)
-        if pointer is not None:  # what serves already was measured by an earlier gate, or never will be
+        if pointer is not None:
             self.clock.served_version = pointer.version
+        self.anchor = pointer.anchor_version if pointer is not None else None  # what the last gate recorded
         log.info("gate started", policy=self.policy, examples=len(self.evaluation.examples),
                  samples=self.evaluation.samples, canary_share=self.gcfg.canary_share)
 
@@ -316,26 +350,50 @@ class PromotionGate:
         replicas = await self.serving.replicas(self.policy)
         return any(r.worker_id == route.worker_id and version in r.loaded for r in replicas)
 
-    async def measure(self, version: int) -> EvalFigures | None:
-        """The figures of ``version`` (kept once measured), or None when no replica has it loaded now."""
-        if version in self.figures:
-            return self.figures[version]
+    async def measure(self, version: int, evaluation: EvaluationSet, role: str) -> EvalFigures | None:
+        """``version``'s figures on ``evaluation``, measured now (nothing is kept between decisions), or None when
+        no replica has it loaded (or one replaced it meanwhile). Raises :class:`EvaluationFailed` (counted in
+        ``gate/evaluation_failures``, tag ``role``) when the evaluation produced no result."""
         route = self.route_of(await self.serving.replicas(self.policy), version)
         if route is None:
+            log.info("no replica has the version loaded; not measured", version=version, role=role)
             return None
         # an evaluate replica keeps the version loaded until the figures are in
         hold = (self.serving.held_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
                 if route.evaluates else contextlib.nullcontext())
-        async with hold:
-            figures = await evaluate_version(self.evaluation, version, route.base_url, route.model,
-                                             secret_value(self.cfg.inference.api_key))
+        try:
+            async with hold:
+                figures = await evaluate_version(evaluation, version, route.base_url, route.model,
+                                                 secret_value(self.cfg.inference.api_key))
+        except EvaluationFailed as exc:
+            await self.metrics.emit(mn.GATE_EVALUATION_FAILURES, 1.0, step=version,
+                                    tags={"policy": self.policy, "role": role})
+            log.warning("evaluation failed: no decision, tried again later", version=version, role=role,
+                        error=str(exc))
+            raise
         if not await self._still_loaded(route, version):
             log.info("version replaced on the replica during its evaluation; figures dropped", version=version)
             return None
-        self.figures[version] = figures
-        log.info("version evaluated", version=version, model=route.model, reward_mean=round(figures.reward_mean, 3),
-                 answer_parse_rate=round(figures.answer_parse_rate, 3), seconds=round(figures.seconds, 2))
+        log.info("version evaluated", version=version, role=role, model=route.model,
+                 reward_mean=round(figures.reward_mean, 3), answer_parse_rate=round(figures.answer_parse_rate, 3),
+                 samples=figures.samples, seconds=round(figures.seconds, 2))
         return figures
+
+    def plan(self) -> EvaluationPlan:
+        """This decision's sample size: what ``gate.power`` asks for at the paired reward std the last decision
+        measured (``gate.difference_std`` before the first), within the held-out set (all of it when too small)."""
+        needed = sample_size(self.difference_std, self.rule.margin, self.rule.alpha, self.gcfg.power)
+        plan = evaluation_plan(needed, len(self.evaluation.examples), self.evaluation.samples)
+        if plan.pairs < needed:
+            log.warning("the held-out set is too small for the power asked; all of it is used", needed=needed,
+                        examples=plan.examples, samples=plan.samples, pairs=plan.pairs, power=self.gcfg.power,
+                        margin=self.rule.margin, difference_std=round(self.difference_std, 3))
+        return plan
+
+    def sized(self, plan: EvaluationPlan) -> EvaluationSet:
+        """The held-out set cut to ``plan`` (the first examples, the first samples of each: the same for every
+        version of one decision)."""
+        return replace(self.evaluation, examples=self.evaluation.examples[:plan.examples], samples=plan.samples)
 
     # -- deciding about a candidate ---------------------------------------------------------------
     def next_candidate(self, serving_version: int | None) -> int | None:
@@ -344,40 +402,82 @@ class PromotionGate:
         return max(newer) if newer else None
 
     async def step(self) -> None:
-        """Decide about the newest candidate above the serving version, when there is one."""
+        """Decide about the newest candidate above the serving version, when there is one: the candidate, the
+        serving version and the anchor are measured now on the same prompts and seeds, and judged (rules.py)."""
         pointer = await self.serving.serving(self.policy)
         serving_version = pointer.version if pointer is not None else None
         if pointer is not None and pointer.floor > self.decided:
             self.decided = pointer.floor  # a rolled-back version (or older) never comes back by a promotion
         baseline_version = serving_version if serving_version is not None else 0
+        anchor_version = self.anchor_for(pointer, baseline_version)
         candidate = self.next_candidate(serving_version)
-        if baseline_version not in self.figures:
-            await self.measure(baseline_version)  # while it is loaded (a full-weights server replaces it)
         if candidate is None:
             return
         route = await self._wait_loaded(candidate)
         if route is None:
             return
-        serving_figures = self.figures.get(baseline_version)
-        if serving_figures is None:
-            serving_figures = await self.measure(baseline_version)
-        candidate_figures = await self.measure(candidate)
-        if candidate_figures is None:
-            return  # replaced during the evaluation: the next step takes the newest
+        plan = self.plan()
+        evaluation = self.sized(plan)
+        try:
+            candidate_figures = await self.measure(candidate, evaluation, "candidate")
+            if candidate_figures is None:
+                return  # replaced during the evaluation: the next step takes the newest
+            serving_figures = await self.measure(baseline_version, evaluation, "serving")
+            anchor_figures = (serving_figures if anchor_version == baseline_version
+                              else await self.measure(anchor_version, evaluation, "anchor"))
+        except EvaluationFailed:
+            await asyncio.sleep(ERROR_BACKOFF_S)
+            return  # no result is no decision: the next step measures again
+        if serving_figures is None and serving_version is not None:
+            log.warning("serving version not measurable now; no decision", candidate=candidate,
+                        serving=serving_version)
+            await asyncio.sleep(ERROR_BACKOFF_S)
+            return
+        if anchor_figures is None and serving_figures is not None:
+            log.warning("anchor not measurable now (no replica has it loaded); no decision", candidate=candidate,
+                        anchor=anchor_version)
+            await asyncio.sleep(ERROR_BACKOFF_S)
+            return
         await self.metrics.emit(mn.GATE_EVAL_REWARD_MEAN, candidate_figures.reward_mean, step=candidate,
                                 tags={"policy": self.policy, "role": "candidate"})
         if serving_figures is not None:
             await self.metrics.emit(mn.GATE_EVAL_REWARD_MEAN, serving_figures.reward_mean, step=baseline_version,
                                     tags={"policy": self.policy, "role": "serving"})
         self.decided = candidate
-        verdict = judge(candidate_figures, serving_figures, self.tolerances)
+        verdict = judge(candidate_figures, serving_figures, self.rule, anchor_figures)
+        measured = verdict.test("reward", "serving")
+        if measured is not None and measured.n >= 2:
+            self.difference_std = max(measured.std, 1e-3)  # the pilot of the next decision's sample size
+        evidence = {**verdict.evidence(), "plan.needed": float(plan.needed), "plan.examples": float(plan.examples),
+                    "plan.samples": float(plan.samples)}
+        if verdict.promote:
+            evidence[ANCHOR_KEY] = float(next_anchor(verdict, candidate, anchor_version) or candidate)
+        else:
+            evidence[ANCHOR_KEY] = float(anchor_version)
         if not verdict.promote:
             await self.record(DecisionKind.reject, candidate, f"rejected: {verdict.reason}", serving_version,
-                              candidate_figures, serving_figures)
+                              candidate_figures, serving_figures, extra=evidence)
         elif self.gcfg.canary_share > 0 and serving_version is not None:
             await self.start_canary(candidate, serving_version, candidate_figures, serving_figures, verdict)
         else:
-            await self.promote(candidate, serving_version, candidate_figures, serving_figures, verdict)
+            await self.promote(candidate, serving_version, candidate_figures, serving_figures, verdict, evidence)
+
+    def anchor_for(self, pointer: ServingPointer | None, serving_version: int) -> int:
+        """The anchor of this decision: the best version promoted, unless an operator's rollback left it behind (at
+        or below the pointer's floor, above serving), or none is known yet: then the serving version."""
+        anchor = self.anchor
+        if anchor is None or (pointer is not None and serving_version < anchor <= pointer.floor):
+            anchor = serving_version
+        self.anchor = anchor
+        return anchor
+
+    async def _move_anchor(self, version: int) -> None:
+        """Make ``version`` the anchor, on the serving pointer too (replicas keep it loaded; a restart reads it)."""
+        self.anchor = version
+        try:
+            await self.serving.set_anchor(self.policy, version, await self.serving.issue_token(self.policy))
+        except ServingMoveRefused as exc:  # a newer decision took over; the next promotion records it again
+            log.warning("anchor not recorded on the serving pointer", anchor=version, error=str(exc))
 
     async def _wait_loaded(self, candidate: int) -> ReplicaRoute | None:
         """A replica that loaded ``candidate``; None when a newer candidate came meanwhile, or after
@@ -399,20 +499,28 @@ class PromotionGate:
             await self.pump()
 
     async def promote(self, candidate: int, serving_version: int | None, candidate_figures: EvalFigures,
-                      serving_figures: EvalFigures | None, verdict: Verdict) -> None:
+                      serving_figures: EvalFigures | None, verdict: Verdict,
+                      evidence: dict[str, float] | None = None) -> None:
+        """Move serving to ``candidate``; ``evidence`` (the tests' figures and the anchor after the decision) goes
+        into the decision's ``candidate_metrics``."""
+        evidence = evidence if evidence is not None else verdict.evidence()
         record = self.known[candidate]
         outcome = await move_serving_when_loaded(
             self.serving, self.policy, candidate, decision=DecisionKind.promote, reason=f"promoted: {verdict.reason}",
             decided_by=DECIDED_BY, expected_version=serving_version if serving_version is not None else -1,
             uri=record.uri, sha256=_digest(record), timeout_s=await self._move_timeout(record), producer=self.producer,
-            codec=self.codec, topic=self.topics.promotions, candidate_metrics=candidate_figures.metrics(),
+            codec=self.codec, topic=self.topics.promotions,
+            candidate_metrics={**candidate_figures.metrics(), **evidence},
             serving_metrics=serving_figures.metrics() if serving_figures else {})
         if outcome.moved and outcome.decision is not None:
             await self._decided(outcome.decision)
+            if ANCHOR_KEY in evidence and int(evidence[ANCHOR_KEY]) != self.anchor:
+                await self._move_anchor(int(evidence[ANCHOR_KEY]))
             await self._observe_serving()
         else:
             await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",
-                              serving_version, candidate_figures, serving_figures)
+                              serving_version, candidate_figures, serving_figures,
+                              extra={**evidence, ANCHOR_KEY: float(self.anchor if self.anchor is not None else -1)})
 
     async def _move_timeout(self, record: PolicyVersion) -> float:
         """How long a move waits for the fleet. A serve replica following the newest announced version holds one

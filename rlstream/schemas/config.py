@@ -431,21 +431,34 @@ class GateConfig(Section):
                                  "prompt or messages, optionally tools); default finetuning.validation_dataset")
     reward_function: str | None = Field(None, description="module:function(example, completion_text) scoring one "
                                         "evaluation answer; default rollout.reward_function")
-    examples: int = Field(24, ge=1, description="evaluation examples used (the first ones of the dataset)")
-    samples: int = Field(4, ge=1, description="completions per evaluation example (each with its own fixed seed, "
-                         "the same for every version)")
+    examples: int = Field(24, ge=1, description="most evaluation examples used (the first ones of the dataset)")
+    samples: int = Field(16, ge=1, description="most completions per evaluation example (each with its own fixed "
+                         "seed, the same for every version); the gate uses as many as the power asks for "
+                         "(gate.power), all of them when the set is too small for it")
     temperature: float | None = Field(None, ge=0, description="sampling temperature of the evaluation; default "
                                       "rollout.temperature")
     max_tokens: int | None = Field(None, ge=1, description="completion token limit of the evaluation; default "
                                    "rollout.max_tokens")
     concurrency: int = Field(8, ge=1, description="evaluation requests in flight at once")
-    reward_tolerance: float = Field(0.05, ge=0, description="a candidate whose mean held-out reward is below the "
-                                    "serving version's minus this is rejected")
-    rate_tolerance: float = Field(0.05, ge=0, description="a candidate whose share of answers that parse or tool "
-                                  "calls that parse is below the serving version's minus this, or whose share of "
-                                  "refusals is above the serving version's plus this, is rejected")
-    length_tolerance: float = Field(3.0, ge=0, description="a candidate whose mean answer length (tokens) is above "
-                                    "the serving version's times (1 + this), or below it divided by that, is rejected")
+    margin: float = Field(0.1, gt=0, description="non-inferiority margin of the mean held-out reward: a candidate "
+                          "passes when the one-sided lower confidence bound (level gate.alpha) of its mean paired "
+                          "reward difference to the serving version, and to the anchor (the best version promoted), "
+                          "is above -margin")
+    alpha: float = Field(0.025, gt=0, lt=0.5, description="level of the gate's one-sided paired non-inferiority tests: "
+                         "the probability of promoting a candidate worse by the margin")
+    power: float = Field(0.95, gt=0.5, lt=1, description="probability that a candidate equal to the serving version "
+                         "passes the reward test; sets the evaluation's sample size (examples x samples)")
+    difference_std: float = Field(0.5, gt=0, description="standard deviation of the paired per-sample reward "
+                                  "differences assumed for the first decision's sample size; later decisions use the "
+                                  "one the previous decision measured")
+    parse_margin: float = Field(0.1, ge=0, description="non-inferiority margin of the share of answers that parse")
+    tool_call_margin: float = Field(0.1, ge=0, description="non-inferiority margin of the share of tool calls whose "
+                                    "arguments parse")
+    refusal_margin: float = Field(0.05, ge=0, description="non-inferiority margin of the share of refusals (a "
+                                  "candidate may refuse at most this much more often)")
+    length_tolerance: float = Field(3.0, ge=0, description="answer-length guard: the mean paired difference of "
+                                    "log(1 + tokens) must lie within log(1 + this) of the serving version's, either way "
+                                    "(default: within a factor 4)")
     min_reward: float = Field(0.0, description="with nothing to compare with (no serving version and the base "
                               "weights not evaluable), a candidate needs at least this mean held-out reward")
     answer_pattern: str = Field(r"\S", description="regular expression an answer must contain to count as parsed "
@@ -464,8 +477,9 @@ class GateConfig(Section):
                                "canary worse by canary_min_effect")
     canary_min_effect: float = Field(0.1, gt=0, description="drop of the mean online reward (canary minus serving) "
                                      "that the canary's sequential test is built to detect")
-    canary_min_samples: int = Field(20, ge=2, description="rewards per arm (canary, serving) before the canary's "
-                                    "sequential test decides")
+    canary_min_samples: int = Field(50, ge=2, description="rewards per arm (canary, serving) before the canary's "
+                                    "sequential test decides (below about 50, skewed rewards make its normal "
+                                    "approximation raise false rollbacks above canary_alpha)")
     canary_max_samples: int = Field(2000, ge=2, description="rewards per arm at which an undecided canary test is "
                                     "truncated (rolled back when its evidence leans to harm, else finished)")
     canary_max_s: float = Field(1800.0, gt=0, description="seconds after which an undecided canary is decided "

@@ -199,6 +199,8 @@ GATE_FEEDBACK_WAITING = "gate/feedback_waiting"
 GATE_CANARY_ROLLBACK_S = "gate/canary_rollback_s"
 #: 1 per policy-versions record the gate refused as untrusted (tag ``reason``); it never evaluates it.
 GATE_VERSION_REFUSED = "gate/version_refused"
+#: 1 per evaluation that produced no result (EvaluationFailed): no decision is taken, the gate tries again later.
+GATE_EVALUATION_FAILURES = "gate/evaluation_failures"
 
 # --- groups of names ---------------------------------------------------------------------------------------------
 #: The names ``rlstream plot`` draws, in the order of its legend.
@@ -231,7 +233,8 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
-        GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED)
+        GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED,
+        GATE_EVALUATION_FAILURES)
 #: Every name rlstream emits (a name in several groups appears once).
 ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY + GATE))
 
@@ -474,4 +477,6 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
                "start to its automatic rollback"),
     _counter(GATE_VERSION_REFUSED, "rlstream_gate_version_refused_total", ("policy", "reason"), "policy-versions "
              "records the gate refused as untrusted (never evaluated)"),
+    _counter(GATE_EVALUATION_FAILURES, "rlstream_gate_evaluation_failures_total", ("policy", "role"), "Held-out "
+             "evaluations that produced no result (the decision is held and tried again)"),
 )}

@@ -155,6 +155,7 @@ class ServingPointer:
     pending_version: int | None = None
     canary_version: int | None = None
     canary_share: float = 0.0
+    anchor_version: int | None = None  # the gate's anchor: the best version promoted (kept loaded, re-measured)
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "ServingPointer | None":
@@ -165,7 +166,8 @@ class ServingPointer:
                    decided_by=raw.get("decided_by", ""), fencing_token=int(raw.get("fencing_token") or 0),
                    floor=int(raw.get("floor") or -1), pending_version=_int_or_none(raw.get("pending_version")),
                    canary_version=_int_or_none(raw.get("canary_version")),
-                   canary_share=float(raw.get("canary_share") or 0.0))
+                   canary_share=float(raw.get("canary_share") or 0.0),
+                   anchor_version=_int_or_none(raw.get("anchor_version")))
 
     def wanted_versions(self) -> set[int]:
         """The versions every replica should hold loaded: serving, pending and canary."""
@@ -175,11 +177,13 @@ class ServingPointer:
 @dataclass(frozen=True)
 class WantedVersions:
     """The versions the serving pointer asks the fleet to hold (each None when unset; also before the first
-    promotion, when only ``pending`` may be set)."""
+    promotion, when only ``pending`` may be set). ``anchor``: the gate's anchor, kept loaded beside the others (LoRA)
+    so each decision can measure it again."""
 
     serving: int | None = None
     pending: int | None = None
     canary: int | None = None
+    anchor: int | None = None
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "WantedVersions":
@@ -187,11 +191,12 @@ class WantedVersions:
             value = _int_or_none(raw.get(name))
             return value if value is not None and value > 0 else None
 
-        return cls(positive("version"), positive("pending_version"), positive("canary_version"))
+        return cls(positive("version"), positive("pending_version"), positive("canary_version"),
+                   positive("anchor_version"))
 
     def all(self) -> set[int]:
         """Every version set: what replicas keep loaded (LoRA versions side by side)."""
-        return {v for v in (self.serving, self.pending, self.canary) if v is not None}
+        return {v for v in (self.serving, self.pending, self.canary, self.anchor) if v is not None}
 
 
 #: Replica roles (``inference.role``): ``serve`` replicas take production traffic and count in the fleet rule;
@@ -428,6 +433,11 @@ class ServingControl:
     async def request_load(self, policy: str, version: int | None, token: int) -> None:
         """Ask every replica to load ``version`` (``pending_version``; None clears it). Fenced like a move."""
         await self._set_fields(policy, token, {"pending_version": "" if version is None else str(version)})
+
+    async def set_anchor(self, policy: str, version: int, token: int) -> None:
+        """Record the gate's anchor (the best version promoted) on the pointer: replicas keep it loaded and a
+        restarted gate reads it back. Fenced like a move."""
+        await self._set_fields(policy, token, {"anchor_version": str(version)})
 
     async def set_canary(self, policy: str, version: int | None, share: float, token: int) -> None:
         """Start (or end, with ``version`` None) a canary: ``share`` of new sessions go to ``version``."""

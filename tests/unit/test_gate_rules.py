@@ -6,51 +6,139 @@ from datetime import datetime, timezone
 import pytest
 
 from rlstream.gate.feedback import FeedbackClock, OnlineRewards, TrainedTrajectory, percentile
-from rlstream.gate.rules import EvalFigures, Tolerances, judge
+from rlstream.gate.rules import DecisionRule, EvalFigures, SampleResult, judge, next_anchor
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 
 pytestmark = pytest.mark.unit
 
-SERVING = EvalFigures(version=3, reward_mean=0.60, answer_parse_rate=0.95, tool_call_parse_rate=1.0,
-                      refusal_rate=0.02, answer_length=8.0, samples=96)
+N = 60
+#: A fixed, varied pattern of per-sample rewards (the prompts differ in difficulty).
+BASE = [0.2 + 0.6 * ((i * 7) % 10) / 9 for i in range(N)]
+#: A zero-mean disturbance per sample (a version's own sampling noise), std about 0.04.
+NOISE = [0.05 * (1 if (i * 5) % 3 == 0 else -0.5) for i in range(N)]
 
 
-def candidate(**changes: float) -> EvalFigures:
-    base = dict(version=4, reward_mean=0.60, answer_parse_rate=0.95, tool_call_parse_rate=1.0, refusal_rate=0.02,
-                answer_length=8.0, samples=96)
-    return EvalFigures(**{**base, **changes})  # type: ignore[arg-type]
+def figures(version: int, shift: float = 0.0, noisy: bool = True, **changes: object) -> EvalFigures:
+    """A version whose per-sample reward is BASE + shift (+ its own noise), with guards set by ``changes``."""
+    parses = changes.get("parses", 1.0)
+    refusals = changes.get("refusals", 0.0)
+    length = int(changes.get("length", 8))  # type: ignore[call-overload]
+    calls_ok = changes.get("calls_ok", 1.0)
+    results = []
+    for i in range(N):
+        noise = NOISE[(i + version) % N] if noisy else 0.0
+        results.append(SampleResult(
+            key=f"{i}#0", reward=min(1.0, max(0.0, BASE[i] + shift + noise)),
+            parses=i < N * float(parses),  # type: ignore[arg-type]
+            refusal=i < N * float(refusals), length=length,  # type: ignore[arg-type]
+            tool_calls=1, tool_calls_parsed=int(i < N * float(calls_ok))))  # type: ignore[arg-type]
+    mean = sum(r.reward for r in results) / N
+    return EvalFigures(version=version, reward_mean=mean, answer_parse_rate=float(parses),  # type: ignore[arg-type]
+                       tool_call_parse_rate=float(calls_ok), refusal_rate=float(refusals),  # type: ignore[arg-type]
+                       answer_length=float(length), samples=N, tool_calls=N, results=tuple(results))
 
 
-def test_not_worse_within_tolerance_is_promoted() -> None:
-    verdict = judge(candidate(reward_mean=0.56, answer_parse_rate=0.91, refusal_rate=0.06, answer_length=15.9),
-                    SERVING, Tolerances(reward_tolerance=0.05, rate_tolerance=0.05, length_tolerance=1.0))
+RULE = DecisionRule(margin=0.1, alpha=0.025)
+SERVING = figures(3)
+
+
+def test_an_equal_or_slightly_worse_candidate_passes_every_test_and_records_the_evidence() -> None:
+    verdict = judge(figures(4, shift=-0.03), SERVING, RULE)
     assert verdict.promote, verdict.reason
+    reward = verdict.test("reward", "serving")
+    assert reward is not None and reward.n == N and reward.mean_difference == pytest.approx(-0.03, abs=0.02)
+    evidence = verdict.evidence()
+    for name in ("mean_difference", "std", "n", "statistic", "p_value", "lower_bound", "margin", "alpha"):
+        assert f"test.serving.reward.{name}" in evidence
+    assert evidence["test.serving.reward.margin"] == 0.1 and evidence["test.serving.reward.alpha"] == 0.025
+    assert "non-inferior to serving v3" in verdict.reason
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"reward_mean": 0.54}, "reward 0.540 < serving v3 0.600"),
-    ({"answer_parse_rate": 0.89}, "answers that parse 0.890"),
-    ({"tool_call_parse_rate": 0.90}, "tool calls that parse 0.900"),
-    ({"refusal_rate": 0.08}, "refusals 0.080"),
-    ({"answer_length": 32.5}, "answer length 32.5"),
-    ({"answer_length": 1.9}, "answer length 1.9"),
+    ({"shift": -0.15}, "reward vs serving v3: mean difference -0.1"),
+    ({"parses": 0.8}, "answers_parse vs serving v3"),
+    ({"calls_ok": 0.8}, "tool_calls_parse vs serving v3"),
+    ({"refusals": 0.2}, "refusals vs serving v3"),
+    ({"length": 40}, "length_not_longer vs serving v3"),
+    ({"length": 1}, "length_not_shorter vs serving v3"),
 ])
-def test_worse_beyond_tolerance_is_rejected_with_the_figure(changes: dict[str, float], named: str) -> None:
-    verdict = judge(candidate(**changes), SERVING, Tolerances())
+def test_worse_beyond_a_margin_is_rejected_with_the_test_figures(changes: dict[str, float], named: str) -> None:
+    verdict = judge(figures(4, **changes), SERVING, RULE)  # type: ignore[arg-type]
     assert not verdict.promote
-    assert named in verdict.reason
+    assert named in verdict.reason, verdict.reason
+    assert "lower bound" in verdict.reason and "alpha 0.025" in verdict.reason
 
 
-def test_every_failing_figure_is_named() -> None:
-    verdict = judge(candidate(reward_mean=0.1, refusal_rate=0.5), SERVING, Tolerances())
-    assert len(verdict.failures) == 2
+def test_every_failing_test_is_named() -> None:
+    verdict = judge(figures(4, shift=-0.3, refusals=0.3), SERVING, RULE)
+    assert [f.split(" vs ")[0] for f in verdict.failures] == ["reward", "refusals"]
 
 
 def test_without_serving_figures_min_reward_decides() -> None:
-    assert judge(candidate(reward_mean=0.2), None, Tolerances(min_reward=0.1)).promote
-    verdict = judge(candidate(reward_mean=0.05), None, Tolerances(min_reward=0.1))
+    assert judge(figures(4), None, DecisionRule(min_reward=0.1)).promote
+    verdict = judge(figures(4, shift=-1.0), None, DecisionRule(min_reward=0.1))
     assert not verdict.promote and "gate.min_reward" in verdict.reason
-    assert not judge(candidate(samples=0), SERVING, Tolerances()).promote
+    empty = EvalFigures(version=4, reward_mean=0.0, answer_parse_rate=0.0, tool_call_parse_rate=0.0,
+                        refusal_rate=0.0, answer_length=0.0, samples=0)
+    assert not judge(empty, SERVING, RULE).promote
+
+
+def test_figures_without_per_sample_results_cannot_pass() -> None:
+    bare = EvalFigures(version=4, reward_mean=0.9, answer_parse_rate=1.0, tool_call_parse_rate=1.0,
+                       refusal_rate=0.0, answer_length=8.0, samples=N)
+    verdict = judge(bare, SERVING, RULE)
+    assert not verdict.promote and "too few to test" in verdict.reason
+
+
+def test_the_anchor_rejects_what_serving_would_let_through() -> None:
+    anchor = figures(1, shift=0.12)
+    candidate = figures(4, shift=-0.03)  # within the margin of serving, 0.15 below the anchor
+    assert judge(candidate, SERVING, RULE).promote
+    verdict = judge(candidate, SERVING, RULE, anchor)
+    assert not verdict.promote
+    assert verdict.failures == [f for f in verdict.failures if f.startswith("reward vs anchor v1")]
+    assert "test.anchor.reward.lower_bound" in verdict.evidence()
+    same = judge(candidate, SERVING, RULE, SERVING)  # the anchor serves: one test, not two
+    assert same.promote and same.test("reward", "anchor") is None
+
+
+def test_the_anchor_moves_only_to_a_candidate_shown_better() -> None:
+    better = judge(figures(4, shift=0.1), SERVING, RULE)
+    assert next_anchor(better, 4, 3) == 4
+    equal = judge(figures(4), SERVING, RULE)
+    assert equal.promote and next_anchor(equal, 4, 3) == 3
+    rejected = judge(figures(4, shift=-0.3), SERVING, RULE)
+    assert next_anchor(rejected, 4, 3) == 3
+    assert next_anchor(judge(figures(4), None, RULE), 4, None) == 4  # the first promotion
+
+
+def _point_rule(candidate: EvalFigures, serving: EvalFigures, tolerance: float = 0.05) -> bool:
+    """The rule the gate had before its tests: a point comparison of the means."""
+    return candidate.reward_mean >= serving.reward_mean - tolerance
+
+
+def test_a_chain_of_small_losses_cannot_ratchet_serving_down() -> None:
+    """Ten candidates, each 0.04 (less than half the margin) worse than the version serving at its decision."""
+    def run(decide: object) -> float:
+        serving, anchor, loss = figures(0), figures(0), 0.0
+        for k in range(1, 11):
+            candidate = figures(k, shift=-0.04 * k)
+            promoted, becomes_anchor = decide(candidate, serving, anchor)  # type: ignore[operator]
+            if promoted:
+                if becomes_anchor:
+                    anchor = candidate
+                serving, loss = candidate, 0.04 * k
+        return loss
+
+    def new_rule(candidate: EvalFigures, serving: EvalFigures, anchor: EvalFigures) -> tuple[bool, bool]:
+        verdict = judge(candidate, serving, RULE, anchor)
+        return verdict.promote, next_anchor(verdict, candidate.version, anchor.version) == candidate.version
+
+    def old_rule(candidate: EvalFigures, serving: EvalFigures, anchor: EvalFigures) -> tuple[bool, bool]:
+        return _point_rule(candidate, serving), False
+
+    assert run(old_rule) == pytest.approx(0.4)  # negative control: every candidate promoted
+    assert run(new_rule) <= RULE.margin
 
 
 def _reward(tid: str, value: float, at: float) -> RewardEvent:
