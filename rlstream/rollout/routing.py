@@ -1,10 +1,19 @@
 """Which model name to request, and which policy version that is: the serving pointer and the replicas'
 acknowledgements (rlstream/transport/serving.py, docs/promotion.md).
 
-``policy`` is the serving version; before the first promotion (no serving pointer) it is the newest version a
-replica acknowledged. ``policy@N`` is version N, on a replica that acknowledged loading it. Only ``serve`` replicas
-take these requests: an ``evaluate`` replica (``inference.role``) holds candidates for the promotion gate and is
-never routed to.
+Production traffic (the gateway's :class:`FleetRouter`): ``policy`` is the serving version, or the canary for its
+share; with no serving pointer (the gate promotes version 0, the base weights, as soon as it sees it) it is nothing:
+:class:`NoServingVersion` (the gateway answers 503), never an unevaluated candidate. ``policy@N`` is version N on a
+replica that acknowledged loading it; for an N that is neither serving nor the canary the caller needs the
+``evaluate`` scope (:class:`VersionForbidden` otherwise). A session pinned to a version stays on it while that
+version may serve (serving, canary, or an older promoted version still loaded); one pinned to a version above the
+serving one that is not the canary (rolled back) moves to serving at its next call.
+
+Training traffic (:class:`VersionRouter`: the rollout runner, the shadow sampler) goes to the serving version, and,
+before any pointer exists (no promotion gate), to the newest version a replica acknowledged.
+
+Only ``serve`` replicas take these requests: an ``evaluate`` replica (``inference.role``) holds candidates for the
+promotion gate and is never routed to.
 """
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ import hashlib
 import itertools
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 import httpx
@@ -32,13 +41,34 @@ class Route:
     url: str = field(default="", compare=False)
 
 
-def production_version(pointer: ServingPointer | None, replicas: list[ReplicaAck]) -> int | None:
-    """The version ``policy`` means: the serving one; without a serving pointer the newest version a serve replica
-    acknowledged (None when none acknowledged anything; ``evaluate`` replicas do not count)."""
+#: The key scope that may name any version (``policy@N`` for an N that neither serves nor is the canary).
+SCOPE_EVALUATE = "evaluate"
+
+
+def production_version(pointer: ServingPointer | None, replicas: list[ReplicaAck],
+                       unpromoted: bool = False) -> int | None:
+    """The version ``policy`` means: the serving one; None without a serving pointer. ``unpromoted`` (no promotion
+    gate: ``gateway.serve_unpromoted``, and training traffic): without a pointer, the newest version a serve replica
+    acknowledged (``evaluate`` replicas do not count)."""
     if pointer is not None:
         return pointer.version
+    if not unpromoted:
+        return None
     versions = [v for r in serve_replicas(replicas) for v in r.loaded]
     return max(versions) if versions else None
+
+
+def released(pointer: ServingPointer | None, version: int) -> bool:
+    """Whether ``version`` is what ``policy`` serves now: the serving version or the canary (``policy@N`` for any
+    other N needs the ``evaluate`` scope)."""
+    return pointer is not None and version in (pointer.version, pointer.canary_version)
+
+
+def session_may_stay(pointer: ServingPointer | None, version: int) -> bool:
+    """Whether a session pinned to ``version`` stays on it: released (:func:`released`) or older than serving (it
+    served when the session started). A version above serving that is not the canary was rolled back (or never
+    promoted): its sessions move to serving at their next call."""
+    return pointer is not None and (version <= pointer.version or version == pointer.canary_version)
 
 
 class VersionRouter:
@@ -72,7 +102,7 @@ class VersionRouter:
                     if self.worker_id is None or r.worker_id == self.worker_id]
         pointer = await self.serving.serving(self.policy)
         _, pinned = parse_model_name(self.base_model, self.policy)
-        wanted = pinned if pinned is not None else production_version(pointer, replicas)
+        wanted = pinned if pinned is not None else production_version(pointer, replicas, unpromoted=True)
         candidates = [(v, r.worker_id, name or self.base_model, r.url) for r in replicas
                       for v, name in r.loaded.items()
                       if wanted is None or (v == wanted if pinned is not None else v <= wanted)]
@@ -170,23 +200,35 @@ class VersionNotLoaded(LookupError):
     """No alive replica acknowledged loading the version a request names."""
 
 
+class NoServingVersion(LookupError):
+    """``policy`` names no version: no serving pointer exists yet (nothing was promoted, not even version 0)."""
+
+
+class VersionForbidden(PermissionError):
+    """``policy@N`` names a version that is neither serving nor the canary, and the caller lacks the ``evaluate``
+    scope."""
+
+
 class FleetRouter:
     """The gateway's router: one version per request and per session, sent only to replicas that acknowledged it.
 
-    :meth:`route` takes the version a model name pins (``policy@N``), or the version the request's session is
-    pinned to, else picks: the canary for its share of sessions (by a hash of the session id), else the serving
-    version (:func:`production_version`); only ``serve`` replicas take requests. A session's version is pinned in
-    Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its last call), so every gateway sends
-    a session's calls to the version it started on, while a replica has it loaded. Among the replicas that
+    :meth:`route` takes the version a model name pins (``policy@N``: the serving version or the canary, any other
+    with the ``evaluate`` scope), or the version the request's session is pinned to, else picks: the canary for its
+    share of sessions (by a hash of the session id), else the serving version (:func:`production_version`; no
+    serving pointer: :class:`NoServingVersion`, unless ``serve_unpromoted``); only ``serve`` replicas take requests.
+    A session's version is pinned in Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its
+    last call), so every gateway sends a session's calls to the version it started on, while a replica has it loaded
+    and it may still serve (:func:`session_may_stay`: a rollback moves its sessions at their next call). Among the replicas that
     acknowledged the version, a session's calls go to one replica (:func:`session_replica`: its prefix cache) and
     other requests to the one with the fewest requests in flight from this gateway (:attr:`outstanding`, counted by
     :class:`OutstandingTransport`; ties round robin). The pointer and acknowledgements are cached for ``ttl_s``.
     """
 
     def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5,
-                 session_ttl_s: float = 3600.0) -> None:
+                 session_ttl_s: float = 3600.0, serve_unpromoted: bool = False) -> None:
         self.serving = ServingControl(control)
         self.policy, self.base_model, self.ttl_s, self.session_ttl_s = policy, base_model, ttl_s, session_ttl_s
+        self.serve_unpromoted = serve_unpromoted  # no promotion gate: no pointer means the newest loaded version
         self._snapshot: tuple[float, ServingPointer | None, list[ReplicaAck]] | None = None
         self._turn = itertools.count()
         self._latest = 0
@@ -214,26 +256,36 @@ class FleetRouter:
         return Route(replica.loaded[version] or self.base_model, version, replica.worker_id, replica.url)
 
     async def route(self, pinned: int | None = None, session_version: int | None = None,
-                    session_id: str | None = None) -> Route:
+                    session_id: str | None = None, scopes: Collection[str] = ()) -> Route:
         """The route of one request (``session_id``: the gateway's scoped session id; ``session_version``: a
-        version the caller already knows the session is on); raises :class:`VersionNotLoaded` for a pinned version
-        no replica has."""
+        version the caller already knows the session is on; ``scopes``: the caller's key scopes). Raises
+        :class:`VersionForbidden` for a pinned version that is neither serving nor the canary without the
+        ``evaluate`` scope, :class:`VersionNotLoaded` for a pinned version no replica has, and
+        :class:`NoServingVersion` when nothing serves yet (no serving pointer)."""
         pointer, replicas = await self._state()
         if pinned is not None:
+            if not released(pointer, pinned) and SCOPE_EVALUATE not in scopes:
+                raise VersionForbidden(
+                    f"version {pinned} of {self.policy!r} is neither serving nor the canary: naming it needs a key "
+                    f"with the {SCOPE_EVALUATE!r} scope")
             route = self._on(pinned, replicas)
             if route is None:
                 raise VersionNotLoaded(f"version {pinned} of {self.policy!r} is not loaded on any replica")
             return route
-        if session_version is not None:  # a session stays on its version while a replica has it
-            route = self._on(session_version, replicas, session_id)
+        if pointer is None and not self.serve_unpromoted:
+            raise NoServingVersion(f"no version of {self.policy!r} serves yet: nothing was promoted (the promotion "
+                                   "gate promotes version 0, the base weights, once the learner announced it)")
+        if session_version is not None and (self.serve_unpromoted or session_may_stay(pointer, session_version)):
+            route = self._on(session_version, replicas, session_id)  # stays on its version while a replica has it
             if route is not None:
                 return route
         fresh = self._pick(pointer, replicas, session_id)
         if session_id is None:
             return fresh
         held = await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s)
-        route = self._on(held, replicas, session_id) if held != fresh.version else fresh
-        if route is None:  # its version is loaded nowhere any more: the session moves on, pinned anew
+        stays = held == fresh.version or self.serve_unpromoted or session_may_stay(pointer, held)
+        route = (self._on(held, replicas, session_id) if held != fresh.version else fresh) if stays else None
+        if route is None:  # its version is loaded nowhere any more, or was rolled back: moves on, pinned anew
             await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s, replace=True)
             return fresh
         return route
@@ -246,7 +298,7 @@ class FleetRouter:
                 route = self._on(pointer.canary_version, replicas, session_id)
                 if route is not None:
                     return route
-        version = production_version(pointer, replicas)
+        version = production_version(pointer, replicas, unpromoted=self.serve_unpromoted)
         if version is not None:
             route = self._on(version, replicas, session_id)
             if route is not None:

@@ -119,7 +119,8 @@ def test_fleet_rule_and_recorded_decision(rl_config: RlstreamConfig, created_top
 
 
 def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamConfig) -> None:
-    from rlstream.rollout.routing import FleetRouter, VersionNotLoaded, VersionRouter
+    from rlstream.rollout.routing import (FleetRouter, NoServingVersion, VersionForbidden, VersionNotLoaded,
+                                          VersionRouter)
 
     policy = rl_config.policy
 
@@ -132,21 +133,31 @@ def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamCon
             await serving.record_replica(policy, ReplicaAck("b", 2, "p-v2", url="http://b:1",
                                                             loaded={0: "base", 2: "p-v2"}), 30)
             fleet = FleetRouter(control, policy, "base", ttl_s=0)
-            # no serving pointer yet: the newest acknowledged version (what a deployment without a gate does)
+            # no serving pointer yet: training traffic gets the newest acknowledged version (no gate) ...
             assert (await VersionRouter(control, policy, "base", ttl_s=0).current()).version == 3
-            assert (await fleet.route()).version == 3
+            with pytest.raises(NoServingVersion):  # ... production traffic gets nothing, never a candidate
+                await fleet.route()
+            with pytest.raises(NoServingVersion):
+                await fleet.route(session_id="early")
+            # control: a gateway told there is no gate (serve_unpromoted) routes to the newest acknowledged
+            assert (await FleetRouter(control, policy, "base", ttl_s=0, serve_unpromoted=True).route()).version == 3
             await serving.promote(policy, 2, token=await serving.issue_token(policy), reason="x", decided_by="t")
             assert (await VersionRouter(control, policy, "base", ttl_s=0).current()).model == "p-v2"
             routes = [await fleet.route() for _ in range(4)]
             assert {(r.version, r.model) for r in routes} == {(2, "p-v2")}
             assert {r.url for r in routes} == {"http://a:1", "http://b:1"}  # both replicas acknowledged it
-            pinned = [await fleet.route(pinned=3) for _ in range(3)]
+            with pytest.raises(VersionForbidden):  # an unpromoted version needs the evaluate scope
+                await fleet.route(pinned=3, scopes={"inference"})
+            assert (await fleet.route(pinned=2)).version == 2  # the serving version needs none
+            pinned = [await fleet.route(pinned=3, scopes={"inference", "evaluate"}) for _ in range(3)]
             assert {(r.version, r.url) for r in pinned} == {(3, "http://a:1")}  # only the replica that has it
             assert (await VersionRouter(control, policy, f"{policy}@3", ttl_s=0).current()).model == "p-v3"
             with pytest.raises(VersionNotLoaded):
-                await fleet.route(pinned=7)
-            assert (await fleet.route(session_version=3, session_id="s")).version == 3  # a session keeps its own
+                await fleet.route(pinned=7, scopes={"evaluate"})
+            # a session cannot carry a caller onto a candidate either
+            assert (await fleet.route(session_version=3, session_id="s")).version == 2
             await serving.set_canary(policy, 3, 0.5, await serving.issue_token(policy))
+            assert (await fleet.route(pinned=3)).version == 3  # the canary may be named without the scope
             picks = {sid: (await fleet.route(session_id=sid)).version for sid in (f"s{i}" for i in range(200))}
             canary = sum(1 for v in picks.values() if v == 3)
             assert 60 < canary < 140 and set(picks.values()) == {2, 3}
@@ -171,6 +182,47 @@ def test_routers_follow_serving_pin_versions_and_sessions(rl_config: RlstreamCon
             await control.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("rolled_back", [True, False], ids=["rollback", "control-no-rollback"])
+def test_a_rollback_moves_pinned_sessions_at_their_next_call(rl_config: RlstreamConfig, rolled_back: bool) -> None:
+    from rlstream.rollout.routing import FleetRouter
+
+    policy = rl_config.policy
+
+    async def scenario() -> tuple[set[int], set[int], set[int]]:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        try:
+            for wid in ("a", "b"):  # both replicas keep every version loaded: only the pointer decides
+                await serving.record_replica(policy, ReplicaAck(wid, 3, "p-v3", url=f"http://{wid}:1", loaded={
+                    0: "base", 2: "p-v2", 3: "p-v3"}), 30)
+            await serving.promote(policy, 2, token=await serving.issue_token(policy), reason="x", decided_by="t")
+            await serving.set_canary(policy, 3, 0.5, await serving.issue_token(policy))
+            fleet = FleetRouter(control, policy, "base", ttl_s=0, session_ttl_s=600)
+            sessions = [f"s{i}" for i in range(100)]
+            first = {sid: (await fleet.route(session_id=sid)).version for sid in sessions}
+            on_canary = [sid for sid, v in first.items() if v == 3]
+            on_serving = [sid for sid, v in first.items() if v == 2]
+            assert on_canary and on_serving
+            if rolled_back:  # the canary ends and its version is rolled back below the serving one
+                await serving.set_canary(policy, None, 0.0, await serving.issue_token(policy))
+                await serving.rollback(policy, 0, token=await serving.issue_token(policy), reason="bad",
+                                       decided_by="ops")
+            else:  # control: the canary goes on; its sessions stay on it
+                pass
+            canary_next = {(await fleet.route(session_id=sid)).version for sid in on_canary}
+            serving_next = {(await fleet.route(session_id=sid)).version for sid in on_serving}
+            fresh = {(await fleet.route(session_id=f"new{i}")).version for i in range(50)}
+            return canary_next, serving_next, fresh
+        finally:
+            await control.close()
+
+    canary_next, serving_next, fresh = asyncio.run(scenario())
+    if rolled_back:  # every session, pinned or not, is on version 0 at its next call
+        assert (canary_next, serving_next, fresh) == ({0}, {0}, {0})
+    else:
+        assert (canary_next, serving_next, fresh) == ({3}, {2}, {2, 3})
 
 
 def test_status_tail_and_lineage_show_the_decisions(rl_config: RlstreamConfig,

@@ -54,9 +54,11 @@ def test_fleet_readiness_leaves_evaluate_replicas_out() -> None:
 
 
 def test_production_version_ignores_what_evaluate_replicas_loaded() -> None:
-    assert production_version(None, [SERVE, EVAL]) == 1
-    assert production_version(None, [EVAL]) is None
-    assert production_version(None, [SERVE, ReplicaAck("x", 3, "policy", loaded={3: "policy"})]) == 3  # control
+    assert production_version(None, [SERVE, EVAL], unpromoted=True) == 1
+    assert production_version(None, [EVAL], unpromoted=True) is None
+    control = [SERVE, ReplicaAck("x", 3, "policy", loaded={3: "policy"})]
+    assert production_version(None, control, unpromoted=True) == 3  # control
+    assert production_version(None, control) is None  # production: no pointer is no version
 
 
 class _Serving:
@@ -75,9 +77,10 @@ class _Serving:
         return self.pointer
 
 
-def _router(acks: list[ReplicaAck], pointer: ServingPointer | None) -> FleetRouter:
+def _router(acks: list[ReplicaAck], pointer: ServingPointer | None, serve_unpromoted: bool = True) -> FleetRouter:
     router = FleetRouter.__new__(FleetRouter)  # the real routing choices over an in-memory pointer and acks
     router.serving, router.policy, router.base_model, router.ttl_s = _Serving(acks, pointer), "policy", "policy", 0.0
+    router.serve_unpromoted = serve_unpromoted
     router._snapshot, router._latest, router._turn = None, 0, itertools.count()
     router.outstanding = Outstanding()
     return router
@@ -89,11 +92,11 @@ def test_fleet_router_never_routes_to_an_evaluate_replica(pointer: ServingPointe
     routes = [asyncio.run(router.route()) for _ in range(4)]
     assert {(r.version, r.worker_id, r.url) for r in routes} == {(1, "serve-0", "http://serve:8000")}
     with pytest.raises(VersionNotLoaded):  # a candidate only the evaluation server holds is loaded nowhere
-        asyncio.run(router.route(pinned=3))
+        asyncio.run(router.route(pinned=3, scopes={"evaluate"}))
     # control: the same acknowledgement from a serve replica takes traffic
     as_serve = ReplicaAck("eval-0", 3, "policy", url="http://eval:8000", loaded={3: "policy"}, role="serve")
-    assert asyncio.run(_router([SERVE, as_serve], pointer).route(pinned=3)).worker_id == "eval-0"
-    if pointer is None:  # without a pointer the newest acknowledged version serves
+    assert asyncio.run(_router([SERVE, as_serve], pointer).route(pinned=3, scopes={"evaluate"})).worker_id == "eval-0"
+    if pointer is None:  # without a pointer and without a gate (serve_unpromoted) the newest acknowledged serves
         assert asyncio.run(_router([SERVE, as_serve], None).route()).version == 3
 
 
