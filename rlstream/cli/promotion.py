@@ -40,7 +40,8 @@ def rollback_command(
 ) -> None:
     """Move serving back to an older version once every alive replica has it loaded (fenced; recorded as a
     rollback on promotions). The versions rolled back from never serve again by themselves: the next promotion is
-    a newer candidate."""
+    a newer candidate. A running canary ends with it (recorded as its rejection); ``--to`` the serving version ends
+    the canary alone."""
     _move(to, "rollback", reason, policy, timeout_s, config, override)
 
 
@@ -53,7 +54,8 @@ def promote_command(
     override: Optional[list[str]] = OverrideOption,
 ) -> None:
     """Force a version to serve, without the gate (fenced; recorded as force_promote on promotions), once every
-    alive replica has it loaded."""
+    alive replica has it loaded. A running canary ends with it (recorded as its rejection unless it is the version
+    promoted)."""
     _move(version, "force_promote", reason, policy, timeout_s, config, override)
 
 

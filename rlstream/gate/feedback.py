@@ -6,7 +6,12 @@ feedback-to-serving latency.
 canary and the serving version only. A trajectory that carries its reward counts at once; a reward whose trajectory
 is not read yet waits (bounded); a repeated reward of a trajectory replaces the earlier one (a correction). This is
 read from the topics rather than from ``groups`` because the staleness filter drops the serving version's groups once
-the learner moved on, which would starve the serving arm.
+the learner moved on, which would starve the serving arm. Only rewards that pass the reward rules every reader of
+``rewards`` applies (rlstream/schemas/rewards.py: finite, inside ``streams.reward_range``) reach it: the gate leaves
+the others out and counts them (``invalid``, ``gate/invalid_rewards``). Its arms' statistics are saved in Redis
+(:meth:`OnlineRewards.state`, transport/serving.py's ``CanaryState``) and read back by a restarted gate
+(:meth:`OnlineRewards.resumed`); trajectories answered before the restart whose feedback comes after it are not
+counted (their versions are not kept).
 
 **Feedback-to-serving latency** (:class:`FeedbackClock`). For each rewarded trajectory that was trained: the time
 from its feedback's arrival (the ``created_at`` of its first RewardEvent; the trajectory's own ``created_at`` when
@@ -24,6 +29,7 @@ from datetime import datetime
 
 from rlstream.gate.sequential import RewardStats
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent, TrajectorySource, TrajectoryGroup
+from rlstream.transport.serving import ArmStats
 
 #: Rewards kept while their trajectory is not read yet, and trajectory ids remembered, at most.
 MAX_PENDING = 100_000
@@ -38,6 +44,7 @@ class OnlineRewards:
     since: datetime
     canary: RewardStats = field(default_factory=RewardStats)
     serving: RewardStats = field(default_factory=RewardStats)
+    invalid: int = 0  # rewards left out by the reward rules while the canary ran
     _version_of: dict[str, int] = field(default_factory=dict)
     _reward_of: dict[str, float] = field(default_factory=dict)
     _waiting: "OrderedDict[str, float]" = field(default_factory=OrderedDict)
@@ -75,7 +82,20 @@ class OnlineRewards:
 
     def figures(self) -> dict[str, float]:
         return {"canary_reward_mean": self.canary.mean, "canary_rewards": float(self.canary.count),
-                "serving_reward_mean": self.serving.mean, "serving_rewards": float(self.serving.count)}
+                "serving_reward_mean": self.serving.mean, "serving_rewards": float(self.serving.count),
+                "invalid_rewards": float(self.invalid)}
+
+    def state(self) -> tuple[ArmStats, ArmStats]:
+        """(canary, serving) arm statistics, as saved in Redis."""
+        return (ArmStats(self.canary.count, self.canary.mean, self.canary.m2),
+                ArmStats(self.serving.count, self.serving.mean, self.serving.m2))
+
+    @classmethod
+    def resumed(cls, canary_version: int, serving_version: int, since: datetime, canary: ArmStats,
+                serving: ArmStats, invalid: int = 0) -> "OnlineRewards":
+        """The statistics a saved canary state holds, to go on from."""
+        return cls(canary_version, serving_version, since, RewardStats(canary.count, canary.mean, canary.m2),
+                   RewardStats(serving.count, serving.mean, serving.m2), invalid)
 
 
 @dataclass(frozen=True)

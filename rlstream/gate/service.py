@@ -42,6 +42,7 @@ from rlstream.gate.statistics import sample_size
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.masking import secret_value
+from rlstream.schemas.rewards import Invalid, RewardRange, check_rewards, validate_reward
 from rlstream.schemas.models import (DecisionKind, MetricEvent, PolicyVersion, PromotionDecision, RewardEvent,
                                      TrajectoryEvent, TrajectoryGroup, WeightsKind)
 from rlstream.schemas.topics import TopicNames
@@ -50,8 +51,9 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import create_topics, make_consumer, make_producer
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.serving import (ReplicaAck, ServingControl, ServingMoveRefused, ServingPointer,
-                                        move_serving_when_loaded, publish_decision)
+from rlstream.transport.serving import (CanaryState, FleetReadiness, ReplicaAck, ServingControl, ServingMoveRefused,
+                                        ServingPointer, canary_replicas, fleet_readiness, move_serving_when_loaded,
+                                        publish_decision)
 from rlstream.transport.signals import stop_event
 from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch, read_slice, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
@@ -128,15 +130,20 @@ class ReplicaRoute:
 
 @dataclass
 class Canary:
-    """A running canary: ``version`` gets ``share`` of new sessions while ``serving`` serves the rest."""
+    """A running canary: ``version`` gets ``share`` of new sessions while ``serving`` serves the rest; ``uri`` and
+    ``sha256`` name its files for the move that finishes it; the metrics are the offline figures it started on;
+    ``held``: undecided and waiting for an operator (``gate.canary_undecided: hold``)."""
 
     version: int
     serving: int
     started_at: float
-    record: PolicyVersion
+    share: float
+    uri: str
+    sha256: str
     rewards: OnlineRewards
-    candidate_figures: EvalFigures
-    serving_figures: EvalFigures | None
+    candidate_metrics: dict[str, float]
+    serving_metrics: dict[str, float]
+    held: bool = False
 
 
 class PromotionGate:
@@ -168,6 +175,7 @@ class PromotionGate:
         self.decided = 0  # the newest candidate decided about (or given up on)
         self.canary: Canary | None = None
         self.clock = FeedbackClock()
+        self.reward_range = RewardRange(*cfg.streams.reward_range)  # the rules streams applies to the same rewards
         self.decisions: list[PromotionDecision] = []
         self._versions_consumer: Any = None
         self._versions: TopicReader[PolicyVersion] | None = None
@@ -219,6 +227,7 @@ class PromotionGate:
         if pointer is not None:
             self.clock.served_version = pointer.version
         self.anchor = pointer.anchor_version if pointer is not None else None  # what the last gate recorded
+        await self._resume_canary(pointer)
         log.info("gate started", policy=self.policy, examples=len(self.evaluation.examples),
                  samples=self.evaluation.samples, canary_share=self.gcfg.canary_share)
 
@@ -295,11 +304,17 @@ class PromotionGate:
         return out
 
     async def _read_feedback(self) -> None:
+        """Rewards (every one: feedback arrival times; the canary's arms) and, while a canary runs, trajectories.
+        A reward that fails the reward rules streams applies (rlstream/schemas/rewards.py) is counted and left out."""
         for record in await fetch_batch(self._feedback_consumer, timeout_ms=0, max_records=2000):
             if record.topic == self.topics.rewards:
                 try:
                     reward = self.codec.decode(record.value, RewardEvent)
                 except Exception:  # noqa: BLE001 - streams dead-letters it; the gate only reads
+                    continue
+                invalid = validate_reward(reward, self.reward_range)
+                if invalid is not None:
+                    await self._invalid_reward(invalid, reward.trajectory_id)
                     continue
                 self.clock.on_reward(reward)
                 if self.canary is not None:
@@ -309,7 +324,18 @@ class PromotionGate:
                     trajectory = self.codec.decode(record.value, TrajectoryEvent)
                 except Exception:  # noqa: BLE001
                     continue
+                invalid = check_rewards(trajectory.reward, trajectory.reward_components, self.reward_range)
+                if invalid is not None:
+                    await self._invalid_reward(invalid, trajectory.trajectory_id)
+                    continue
                 self.canary.rewards.on_trajectory(trajectory, self.policy)
+
+    async def _invalid_reward(self, invalid: Invalid, trajectory_id: str) -> None:
+        if self.canary is not None:
+            self.canary.rewards.invalid += 1
+        log.warning("invalid reward left out by the gate", reason=invalid.reason, error=invalid.message,
+                    trajectory_id=trajectory_id)
+        await self.metrics.emit(mn.GATE_INVALID_REWARDS, 1.0, tags={"policy": self.policy, "reason": invalid.reason})
 
     async def _observe_serving(self) -> None:
         """Measure feedback-to-serving when the serving pointer reached a newer version."""
@@ -458,7 +484,7 @@ class PromotionGate:
             await self.record(DecisionKind.reject, candidate, f"rejected: {verdict.reason}", serving_version,
                               candidate_figures, serving_figures, extra=evidence)
         elif self.gcfg.canary_share > 0 and serving_version is not None:
-            await self.start_canary(candidate, serving_version, candidate_figures, serving_figures, verdict)
+            await self.start_canary(candidate, serving_version, candidate_figures, serving_figures, verdict, evidence)
         else:
             await self.promote(candidate, serving_version, candidate_figures, serving_figures, verdict, evidence)
 
@@ -536,53 +562,158 @@ class PromotionGate:
 
     # -- canaries ---------------------------------------------------------------------------------
     async def start_canary(self, candidate: int, serving_version: int, candidate_figures: EvalFigures,
-                           serving_figures: EvalFigures | None, verdict: Verdict) -> None:
-        """Give the candidate ``gate.canary_share`` of new sessions once every alive replica loaded it."""
+                           serving_figures: EvalFigures | None, verdict: Verdict,
+                           evidence: dict[str, float] | None = None) -> None:
+        """Give the candidate ``gate.canary_share`` of new sessions (and of sessionless callers): a LoRA candidate
+        once every alive serve replica loaded it, a full-weights one on its share of the serve replicas
+        (:func:`canary_replicas`; the others keep serving). With fewer than two serve replicas a full-weights
+        candidate cannot run beside serving: it is promoted on the offline test alone, and the record says so."""
+        record = self.known[candidate]
+        evidence = evidence if evidence is not None else verdict.evidence()
+        share = self.gcfg.canary_share
+        workers: tuple[str, ...] = ()
+        if record.kind == WeightsKind.full:
+            workers = canary_replicas([r.worker_id for r in await self.serving.serve_replicas(self.policy)], share)
+            if not workers:
+                log.warning("no canary for a full-weights version with fewer than two serve replicas; promoted on "
+                            "the offline test", version=candidate)
+                await self.promote(candidate, serving_version, candidate_figures, serving_figures, verdict,
+                                   {**evidence, "canary_skipped": 1.0})
+                return
         token = await self.serving.issue_token(self.policy)
         try:
-            await self.serving.request_load(self.policy, candidate, token)
+            if workers:  # the canary's replicas load it as soon as the pointer names them
+                await self.serving.set_canary(self.policy, candidate, share, token, workers)
+            else:
+                await self.serving.request_load(self.policy, candidate, token)
+            readiness = await self._canary_readiness(candidate, workers)
             deadline = time.monotonic() + self.gcfg.load_timeout_s
-            readiness = await self.serving.readiness(self.policy, candidate)
             while not readiness.ready and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
                 await self.pump()
-                readiness = await self.serving.readiness(self.policy, candidate)
+                readiness = await self._canary_readiness(candidate, workers)
             if not readiness.ready:
-                await self.serving.request_load(self.policy, None, token)
+                await (self.serving.set_canary(self.policy, None, 0.0, token) if workers
+                       else self.serving.request_load(self.policy, None, token))
                 await self.record(DecisionKind.reject, candidate, f"rejected: canary not started: {readiness.reason}",
-                                  serving_version, candidate_figures, serving_figures, token)
+                                  serving_version, candidate_figures, serving_figures, token, extra=evidence)
                 return
-            await self.serving.set_canary(self.policy, candidate, self.gcfg.canary_share, token)
-            await self.serving.request_load(self.policy, None, token)
+            if not workers:
+                await self.serving.set_canary(self.policy, candidate, share, token)
+                await self.serving.request_load(self.policy, None, token)
         except ServingMoveRefused as exc:
             await self.record(DecisionKind.reject, candidate, f"rejected: canary not started: {exc}",
-                              serving_version, candidate_figures, serving_figures)
+                              serving_version, candidate_figures, serving_figures, extra=evidence)
             return
         now = time.time()
-        self.canary = Canary(candidate, serving_version, now, self.known[candidate],
+        self.canary = Canary(candidate, serving_version, now, share, record.uri, _digest(record),
                              OnlineRewards(candidate, serving_version, datetime.fromtimestamp(now, timezone.utc)),
-                             candidate_figures, serving_figures)
-        await self.record(DecisionKind.canary, candidate, f"canary on {self.gcfg.canary_share:.0%} of new sessions: "
-                          f"{verdict.reason}", serving_version, candidate_figures, serving_figures, token)
+                             {**candidate_figures.metrics(), **evidence},
+                             serving_figures.metrics() if serving_figures else {})
+        await self._save_canary(self.canary)
+        where = f" on replicas {', '.join(workers)}" if workers else ""
+        await self._record_canary(DecisionKind.canary, candidate, f"canary on {share:.0%} of new sessions{where}: "
+                                  f"{verdict.reason}", serving_version, token, self.canary, {})
+
+    async def _canary_readiness(self, candidate: int, workers: tuple[str, ...]) -> FleetReadiness:
+        """Whether the canary can take its share: every alive serve replica has it (LoRA), or every replica of its
+        share (full weights)."""
+        replicas = await self.serving.replicas(self.policy)
+        if workers:
+            replicas = [r for r in replicas if r.worker_id in workers]
+        return fleet_readiness(replicas, candidate)
+
+    async def _save_canary(self, canary: Canary) -> None:
+        """Save the canary's test state in Redis (a restarted gate resumes it)."""
+        arm_canary, arm_serving = canary.rewards.state()
+        await self.serving.save_canary_state(self.policy, CanaryState(
+            canary.version, canary.serving, canary.share, canary.started_at, arm_canary, arm_serving,
+            canary.rewards.invalid, canary.held, canary.candidate_metrics, canary.serving_metrics, canary.uri,
+            canary.sha256))
+
+    async def _resume_canary(self, pointer: ServingPointer | None) -> None:
+        """Take over the canary the serving pointer names, with the test state a previous gate saved (from zero
+        when none matches: its earlier feedback is then not counted); forget a saved state whose canary ended."""
+        saved = await self.serving.canary_state(self.policy)
+        running = pointer.canary_version if pointer is not None else None
+        if running is None:
+            if saved is not None:
+                log.info("the saved canary ended while the gate was down; its state is dropped", version=saved.version)
+                await self.serving.clear_canary_state(self.policy)
+            return
+        assert pointer is not None
+        if saved is None or saved.version != running:
+            log.warning("a running canary with no saved test state: its test starts from zero", version=running)
+            saved = CanaryState(running, pointer.version, pointer.canary_share, time.time())
+        self.canary = Canary(saved.version, saved.serving, saved.started_at, saved.share, saved.uri, saved.sha256,
+                             OnlineRewards.resumed(saved.version, saved.serving,
+                                                   datetime.fromtimestamp(saved.started_at, timezone.utc),
+                                                   saved.canary, saved.serving_arm, saved.invalid_rewards),
+                             dict(saved.candidate_metrics), dict(saved.serving_metrics), held=saved.held)
+        self.decided = max(self.decided, saved.version)
+        log.info("canary resumed", version=saved.version, serving=saved.serving, canary_n=saved.canary.count,
+                 serving_n=saved.serving_arm.count, held=saved.held)
 
     async def step_canary(self) -> None:
-        """Run the sequential test on the canary's online rewards; finish or roll back when it decides."""
+        """Run the sequential test on the canary's online rewards; finish or roll back when it decides. Undecided
+        at ``gate.canary_max_s`` or ``gate.canary_max_samples`` per arm: rejected, or held for an operator
+        (``gate.canary_undecided``), never promoted. A canary an operator ended (``rlstream rollback`` /
+        ``rlstream promote`` clear it on the pointer, and record why) is dropped."""
         canary = self.canary
         assert canary is not None
+        pointer = await self.serving.serving(self.policy)
+        if pointer is None or pointer.canary_version != canary.version:
+            log.warning("the canary was ended by another decision; its test is dropped", version=canary.version,
+                        serving=pointer.version if pointer else None)
+            await self.serving.clear_canary_state(self.policy)
+            self.canary = None
+            return
         state = sprt(canary.rewards.canary, canary.rewards.serving, self.sprt)
         elapsed = time.time() - canary.started_at
         outcome = state.outcome
         if outcome == SequentialOutcome.wait and elapsed >= self.gcfg.canary_max_s:
-            outcome = SequentialOutcome.rollback if state.llr > 0 else SequentialOutcome.finish
-        if outcome == SequentialOutcome.wait:
+            outcome = SequentialOutcome.undecided
+        if outcome == SequentialOutcome.wait or canary.held:
+            await self._save_canary(canary)
             await asyncio.sleep(POLL_S)
             return
         online = {**canary.rewards.figures(), **state.figures(), "canary_seconds": elapsed}
-        if outcome == SequentialOutcome.rollback:
+        if outcome == SequentialOutcome.undecided:
+            await self.undecided_canary(canary, state, online)
+            if canary.held:
+                return
+        elif outcome == SequentialOutcome.rollback:
             await self.rollback_canary(canary, state, online)
         else:
             await self.finish_canary(canary, state, online)
+        await self.serving.clear_canary_state(self.policy)
         self.canary = None
+
+    def _online_summary(self, canary: Canary, state: SequentialState) -> str:
+        return (f"online reward {canary.rewards.canary.mean:.3f} (n={state.canary_n}) vs serving "
+                f"{canary.rewards.serving.mean:.3f} (n={state.serving_n}), {canary.rewards.invalid} invalid rewards "
+                f"left out, sequential test llr {state.llr:.2f} within ({self.sprt.lower:.2f}, {self.sprt.upper:.2f})")
+
+    async def undecided_canary(self, canary: Canary, state: SequentialState, online: dict[str, float]) -> None:
+        """The test did not decide in time or samples: the canary ends rejected (serving stays), or, with
+        ``gate.canary_undecided: hold``, keeps its share until an operator promotes or rolls back."""
+        limit = (f"{self.sprt.max_samples} rewards per arm" if min(state.canary_n, state.serving_n)
+                 >= self.sprt.max_samples else f"gate.canary_max_s {self.gcfg.canary_max_s:g}s")
+        why = (f"canary v{canary.version} undecided after {online['canary_seconds']:.1f}s ({limit}): "
+               f"{self._online_summary(canary, state)}")
+        token = await self.serving.issue_token(self.policy)
+        if self.gcfg.canary_undecided == "hold":
+            canary.held = True
+            await self._save_canary(canary)
+            await self._record_canary(DecisionKind.canary, canary.version, f"held for an operator: {why}",
+                                      canary.serving, token, canary, {**online, "canary_held": 1.0})
+            return
+        try:
+            await self.serving.set_canary(self.policy, None, 0.0, token)
+        except ServingMoveRefused as exc:  # a newer decision (an operator's) took over: nothing left to end
+            log.warning("canary not ended by the gate", version=canary.version, error=str(exc))
+        await self._record_canary(DecisionKind.reject, canary.version, f"rejected: {why}", canary.serving, token,
+                                  canary, {**online, "canary_undecided": 1.0})
 
     async def rollback_canary(self, canary: Canary, state: SequentialState, online: dict[str, float]) -> None:
         token = await self.serving.issue_token(self.policy)
@@ -596,33 +727,44 @@ class PromotionGate:
                   f"{canary.rewards.canary.mean:.3f} (n={state.canary_n}) vs serving {canary.rewards.serving.mean:.3f} "
                   f"(n={state.serving_n}), sequential test llr {state.llr:.2f} >= {self.sprt.upper:.2f} "
                   f"(alpha {self.sprt.alpha:g}, effect {self.sprt.delta:g})")
-        await self.record(DecisionKind.rollback, canary.serving, reason, canary.serving,
-                          canary.candidate_figures, canary.serving_figures, token,
-                          extra={**online, "canary_version": float(canary.version)})
+        await self._record_canary(DecisionKind.rollback, canary.serving, reason, canary.serving, token, canary, online)
 
     async def finish_canary(self, canary: Canary, state: SequentialState, online: dict[str, float]) -> None:
         token = await self.serving.issue_token(self.policy)
         reason = (f"canary v{canary.version} finished after {online['canary_seconds']:.1f}s: online reward "
                   f"{canary.rewards.canary.mean:.3f} (n={state.canary_n}) vs serving {canary.rewards.serving.mean:.3f} "
-                  f"(n={state.serving_n}), sequential test llr {state.llr:.2f}")
+                  f"(n={state.serving_n}), sequential test llr {state.llr:.2f} <= {self.sprt.lower:.2f}")
         outcome = await move_serving_when_loaded(
             self.serving, self.policy, canary.version, decision=DecisionKind.finish_canary, reason=reason,
-            decided_by=DECIDED_BY, token=token, expected_version=canary.serving, uri=canary.record.uri,
-            sha256=_digest(canary.record), timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
+            decided_by=DECIDED_BY, token=token, expected_version=canary.serving, uri=canary.uri,
+            sha256=canary.sha256, timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
             codec=self.codec, topic=self.topics.promotions,
-            candidate_metrics={**canary.candidate_figures.metrics(), **online},
-            serving_metrics=canary.serving_figures.metrics() if canary.serving_figures else {})
+            candidate_metrics={**canary.candidate_metrics, **online}, serving_metrics=canary.serving_metrics)
         try:
             await self.serving.set_canary(self.policy, None, 0.0, token)
         except ServingMoveRefused as exc:
             log.warning("canary not ended by the gate", version=canary.version, error=str(exc))
         if outcome.moved and outcome.decision is not None:
             await self._decided(outcome.decision)
+            anchor = canary.candidate_metrics.get(ANCHOR_KEY)
+            if anchor is not None and int(anchor) != self.anchor:
+                await self._move_anchor(int(anchor))
             await self._observe_serving()
         else:
-            await self.record(DecisionKind.reject, canary.version, f"canary ended, serving could not move: "
-                              f"{outcome.reason}", canary.serving, canary.candidate_figures, canary.serving_figures,
-                              token, extra=online)
+            await self._record_canary(DecisionKind.reject, canary.version, f"canary ended, serving could not move: "
+                                      f"{outcome.reason}", canary.serving, token, canary, online)
+
+    async def _record_canary(self, decision: DecisionKind, version: int, reason: str, serving_before: int | None,
+                             token: int, canary: Canary, online: dict[str, float]) -> None:
+        """A canary decision on ``promotions``: the offline figures it started on, its online figures and version."""
+        event = PromotionDecision(policy=self.policy, version=version, decision=decision, reason=reason,
+                                  serving_before=serving_before,
+                                  candidate_metrics={**canary.candidate_metrics, **online,
+                                                     "canary_version": float(canary.version)},
+                                  serving_metrics=canary.serving_metrics, decided_by=DECIDED_BY,
+                                  fencing_token=token)
+        await publish_decision(self.producer, self.codec, self.topics.promotions, event)
+        await self._decided(event)
 
     # -- records ----------------------------------------------------------------------------------
     async def record(self, decision: DecisionKind, version: int, reason: str, serving_before: int | None,

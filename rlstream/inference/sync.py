@@ -19,8 +19,9 @@ the newest version of its policy, loads it, then loads each newer version as it 
   weights, so which full version it holds depends on the replica (:func:`loads_on_announcement`,
   :func:`full_version_for_serve`): an ``evaluate`` replica (``inference.role``) and a ``serve`` replica with
   ``inference.full_weights_follow: newest`` load every newer announced version; a ``serve`` replica with
-  ``full_weights_follow: serving`` loads only what the serving pointer asks for (pending first, else the newest of
-  serving and canary; an older version on a rollback, from its trusted record), and keeps the base weights while
+  ``full_weights_follow: serving`` loads only what the serving pointer asks for (pending first, else the canary on
+  the replicas it runs on and serving on the others; an older version on a rollback, from its trusted record), and
+  keeps the base weights while
   there is no pointer, so a candidate the gate rejects never answers its production requests;
 * a failed load is retried ``load_retries`` times with backoff, then reported; the worker stays on
   the version it had (the server is never left half-loaded).
@@ -102,20 +103,22 @@ def loads_on_announcement(role: str, full_weights_follow: str, kind: WeightsKind
     return kind == WeightsKind.lora or role == ROLE_EVALUATE or full_weights_follow != "serving"
 
 
-def full_version_for_serve(full_weights_follow: str, newest_announced: int | None,
-                           wanted: WantedVersions) -> int | None:
+def full_version_for_serve(full_weights_follow: str, newest_announced: int | None, wanted: WantedVersions,
+                           worker_id: str | None = None) -> int | None:
     """The full-weights version a ``serve`` replica holds (one set of full weights per server); None: keep what is
     loaded (the base weights before any version).
 
     ``newest``: the newest announced version. ``serving``: the version the serving pointer asks for: the pending one
-    (a promotion or rollback waiting for the fleet, older than serving on a rollback), else the newest of serving and
-    canary; None while the pointer asks for nothing (no pointer yet)."""
+    (a promotion or rollback waiting for the fleet, older than serving on a rollback), else the canary on the replicas
+    the canary runs on (``wanted.canary_workers``: its share of the fleet) and the serving version on every other;
+    None while the pointer asks for nothing (no pointer yet)."""
     if full_weights_follow != "serving":
         return newest_announced
     if wanted.pending is not None:
         return wanted.pending
-    asked = [v for v in (wanted.serving, wanted.canary) if v is not None]
-    return max(asked) if asked else None
+    if wanted.canary is not None and worker_id is not None and worker_id in wanted.canary_workers:
+        return wanted.canary
+    return wanted.serving
 
 
 def adapters_to_unload(adapters: list[str], keep_versions: set[int], keep_adapters: int) -> list[str]:
@@ -440,7 +443,8 @@ class InferenceSyncWorker:
             return
         self.wanted = self.pointer_wants.all()
         if self.follows_serving:
-            await self._hold_full(full_version_for_serve("serving", None, self.pointer_wants), now)
+            await self._hold_full(full_version_for_serve("serving", None, self.pointer_wants, self.icfg.worker_id),
+                                  now)
         loaded = {self._adapter_version(n) for n in self.adapters} | {self.state.version}
         for version in sorted(self.wanted - loaded, reverse=True):
             known = self.known.get(version)

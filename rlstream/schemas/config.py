@@ -469,8 +469,10 @@ class GateConfig(Section):
         description="regular expressions (case-insensitive) that mark an answer as a refusal")
     load_timeout_s: float = Field(120.0, gt=0, description="how long the gate waits for a replica to load a "
                                   "candidate before evaluating it, and for the fleet to load it before moving serving")
-    canary_share: float = Field(0.0, ge=0, le=1, description="share of new production sessions a promoted version "
-                                "first gets as a canary before it serves everyone (0: no canary)")
+    canary_share: float = Field(0.2, ge=0, le=1, description="share of new production sessions (and of sessionless "
+                                "callers, by a hash of their API key and user field) a version that passed the "
+                                "offline test first gets as a canary before it serves everyone (0: no canary, the "
+                                "version serves at once); rlstream up sets 0 unless its traffic is production")
     canary_alpha: float = Field(0.05, gt=0, lt=1, description="false-alarm rate of the canary's sequential test: "
                                 "the probability of rolling back a canary that is as good as serving")
     canary_beta: float = Field(0.2, gt=0, lt=1, description="probability that the canary's sequential test keeps a "
@@ -480,10 +482,15 @@ class GateConfig(Section):
     canary_min_samples: int = Field(50, ge=2, description="rewards per arm (canary, serving) before the canary's "
                                     "sequential test decides (below about 50, skewed rewards make its normal "
                                     "approximation raise false rollbacks above canary_alpha)")
-    canary_max_samples: int = Field(2000, ge=2, description="rewards per arm at which an undecided canary test is "
-                                    "truncated (rolled back when its evidence leans to harm, else finished)")
-    canary_max_s: float = Field(1800.0, gt=0, description="seconds after which an undecided canary is decided "
-                                "as at canary_max_samples")
+    canary_max_samples: int = Field(2000, ge=2, description="rewards per arm at which a canary whose sequential test "
+                                    "has not decided is undecided (see canary_undecided; never promoted)")
+    canary_max_s: float = Field(1800.0, gt=0, description="seconds after which a canary whose sequential test has "
+                                "not decided (no feedback at all included) is undecided (see canary_undecided)")
+    canary_undecided: Literal["reject", "hold"] = Field("reject", description="what an undecided canary (at "
+                                                        "canary_max_s or canary_max_samples) becomes: reject (the "
+                                                        "canary ends, serving stays) or hold (it keeps its share and "
+                                                        "the gate waits for an operator's rlstream promote or "
+                                                        "rollback); never a promotion")
     group_id: str = Field("rlstream-gate", description="the gate's consumer group on policy-versions (the policy "
                           "name is appended)")
     prometheus_port: int | None = Field(None, description="serve the gate's metrics to Prometheus on this port")

@@ -9,6 +9,10 @@ token (the promotion gate, or an operator through ``rlstream promote`` / ``rlstr
 * backward only through :meth:`ServingControl.rollback` (the target must be older than the current version);
 * ``force_promote`` moves it to any version (an operator's decision).
 
+A backward or forced move (an operator's ``rollback`` or ``force_promote``) ends a running canary in the same
+compare-and-set (``canary_version``, ``canary_share`` and ``canary_workers`` cleared): no session is sent to it after
+the move, and the gate, finding its canary gone, drops its test (docs/gate.md).
+
 Every move carries a fencing token issued by ``rlstream:{policy}:serving:fencing``; the pointer keeps the token of
 its last move and refuses a move with an older one (a paused decider that wakes up after a newer decision changes
 nothing), and a move that names ``expected_version`` is refused when the pointer is elsewhere.
@@ -58,6 +62,11 @@ def serving_fencing_key(policy: str) -> str:
 def session_pin_key(policy: str, session_id: str) -> str:
     """The version a gateway session is pinned to (string; expires ``session_ttl_s`` after the session's last call)."""
     return f"rlstream:{policy}:session:{session_id}"
+
+
+def canary_state_key(policy: str) -> str:
+    """The running canary's test state (hash, see :class:`CanaryState`), so that a restarted gate resumes it."""
+    return f"rlstream:{policy}:canary"
 
 
 def evaluation_hold_key(policy: str, worker_id: str) -> str:
@@ -139,6 +148,11 @@ def _int_or_none(raw: str | None) -> int | None:
     return int(raw) if raw not in (None, "") else None
 
 
+def _workers(raw: str | None) -> tuple[str, ...]:
+    """The ``canary_workers`` field: worker ids, comma-separated."""
+    return tuple(w for w in (raw or "").split(",") if w)
+
+
 @dataclass(frozen=True)
 class ServingPointer:
     """``rlstream:{policy}:serving``. ``floor``: forward moves must go above it (the version a rollback left).
@@ -156,6 +170,7 @@ class ServingPointer:
     canary_version: int | None = None
     canary_share: float = 0.0
     anchor_version: int | None = None  # the gate's anchor: the best version promoted (kept loaded, re-measured)
+    canary_workers: tuple[str, ...] = ()  # a full-weights canary: the serve replicas that hold it (the others serve)
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "ServingPointer | None":
@@ -167,7 +182,8 @@ class ServingPointer:
                    floor=int(raw.get("floor") or -1), pending_version=_int_or_none(raw.get("pending_version")),
                    canary_version=_int_or_none(raw.get("canary_version")),
                    canary_share=float(raw.get("canary_share") or 0.0),
-                   anchor_version=_int_or_none(raw.get("anchor_version")))
+                   anchor_version=_int_or_none(raw.get("anchor_version")),
+                   canary_workers=_workers(raw.get("canary_workers")))
 
     def wanted_versions(self) -> set[int]:
         """The versions every replica should hold loaded: serving, pending and canary."""
@@ -178,12 +194,14 @@ class ServingPointer:
 class WantedVersions:
     """The versions the serving pointer asks the fleet to hold (each None when unset; also before the first
     promotion, when only ``pending`` may be set). ``anchor``: the gate's anchor, kept loaded beside the others (LoRA)
-    so each decision can measure it again."""
+    so each decision can measure it again. ``canary_workers``: the serve replicas a full-weights canary runs on
+    (empty for a LoRA canary, which every replica loads beside serving)."""
 
     serving: int | None = None
     pending: int | None = None
     canary: int | None = None
     anchor: int | None = None
+    canary_workers: tuple[str, ...] = ()
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "WantedVersions":
@@ -192,11 +210,68 @@ class WantedVersions:
             return value if value is not None and value > 0 else None
 
         return cls(positive("version"), positive("pending_version"), positive("canary_version"),
-                   positive("anchor_version"))
+                   positive("anchor_version"), _workers(raw.get("canary_workers")))
 
     def all(self) -> set[int]:
         """Every version set: what replicas keep loaded (LoRA versions side by side)."""
         return {v for v in (self.serving, self.pending, self.canary, self.anchor) if v is not None}
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """One arm's online rewards: count, mean and the sum of squared deviations from the mean (Welford's ``m2``)."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """What the gate needs to resume a running canary's sequential test after a restart: the candidate, the version
+    it is tested against, its share, when it started, each arm's statistics, the rewards left out as invalid, whether
+    it is held for an operator, the offline figures it started on (for its decision records), and its files (for the
+    move that finishes it)."""
+
+    version: int
+    serving: int
+    share: float
+    started_at: float
+    canary: ArmStats = field(default_factory=ArmStats)
+    serving_arm: ArmStats = field(default_factory=ArmStats)
+    invalid_rewards: int = 0
+    held: bool = False
+    candidate_metrics: dict[str, float] = field(default_factory=dict)
+    serving_metrics: dict[str, float] = field(default_factory=dict)
+    uri: str = ""
+    sha256: str = ""
+
+    def to_hash(self) -> dict[str, str]:
+        """The Redis hash's fields (:meth:`from_hash` reads them back; floats by ``repr``, exact)."""
+        out = {"version": str(self.version), "serving": str(self.serving), "share": repr(self.share),
+               "started_at": repr(self.started_at), "invalid_rewards": str(self.invalid_rewards),
+               "held": "1" if self.held else "0", "candidate_metrics": json.dumps(self.candidate_metrics),
+               "serving_metrics": json.dumps(self.serving_metrics), "uri": self.uri, "sha256": self.sha256}
+        for name, arm in (("canary", self.canary), ("serving_arm", self.serving_arm)):
+            out.update({f"{name}_count": str(arm.count), f"{name}_mean": repr(arm.mean), f"{name}_m2": repr(arm.m2)})
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> "CanaryState | None":
+        if "version" not in raw:
+            return None
+        try:
+            def arm(name: str) -> ArmStats:
+                return ArmStats(int(raw[f"{name}_count"]), float(raw[f"{name}_mean"]), float(raw[f"{name}_m2"]))
+
+            return cls(int(raw["version"]), int(raw["serving"]), float(raw["share"]), float(raw["started_at"]),
+                       arm("canary"), arm("serving_arm"), int(raw.get("invalid_rewards") or 0), raw.get("held") == "1",
+                       {str(k): float(v) for k, v in json.loads(raw.get("candidate_metrics") or "{}").items()},
+                       {str(k): float(v) for k, v in json.loads(raw.get("serving_metrics") or "{}").items()},
+                       raw.get("uri", ""), raw.get("sha256", ""))
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            log.warning("unreadable canary state ignored", error=str(exc))
+            return None
 
 
 #: Replica roles (``inference.role``): ``serve`` replicas take production traffic and count in the fleet rule;
@@ -264,6 +339,18 @@ def staleness_reference(latest: int | None, serving: int | None) -> int | None:
     return min(latest, serving)
 
 
+def canary_replicas(worker_ids: list[str], share: float) -> tuple[str, ...]:
+    """The serve replicas a full-weights canary runs on (one set of full weights per server): ``round(share x n)`` of
+    them, at least one and never all (the others keep serving), chosen by a stable hash of their ids; ``()`` when
+    fewer than two replicas serve (no canary can run beside serving)."""
+    ids = sorted(set(worker_ids))
+    if len(ids) < 2 or share <= 0:
+        return ()
+    count = min(len(ids) - 1, max(1, round(share * len(ids))))
+    ranked = sorted(ids, key=lambda w: hashlib.blake2b(w.encode(), digest_size=8).digest())
+    return tuple(sorted(ranked[:count]))
+
+
 def serve_replicas(replicas: list[ReplicaAck]) -> list[ReplicaAck]:
     """The replicas that take production traffic (``evaluate`` replicas left out)."""
     return [r for r in replicas if r.serves]
@@ -325,6 +412,7 @@ elseif mode == 'force' then
   if version == current then return -3 end
   if version < current and current > floor then redis.call('HSET', KEYS[1], 'floor', current) end
 end
+if mode ~= 'forward' then redis.call('HDEL', KEYS[1], 'canary_version', 'canary_share', 'canary_workers') end
 redis.call('HSET', KEYS[1], 'version', ARGV[2], 'uri', ARGV[5], 'sha256', ARGV[6], 'moved_at', ARGV[7],
            'reason', ARGV[8], 'decided_by', ARGV[9], 'fencing_token', ARGV[3])
 if redis.call('HGET', KEYS[1], 'pending_version') == ARGV[2] then redis.call('HDEL', KEYS[1], 'pending_version') end
@@ -439,12 +527,32 @@ class ServingControl:
         restarted gate reads it back. Fenced like a move."""
         await self._set_fields(policy, token, {"anchor_version": str(version)})
 
-    async def set_canary(self, policy: str, version: int | None, share: float, token: int) -> None:
-        """Start (or end, with ``version`` None) a canary: ``share`` of new sessions go to ``version``."""
+    async def set_canary(self, policy: str, version: int | None, share: float, token: int,
+                         workers: tuple[str, ...] = ()) -> None:
+        """Start (or end, with ``version`` None) a canary: ``share`` of new sessions go to ``version``; ``workers``:
+        the serve replicas a full-weights canary runs on (the others keep serving)."""
         if version is not None and not 0.0 <= share <= 1.0:
             raise ValueError(f"canary share {share} is not within [0, 1]")
+        if any("," in w for w in workers):
+            raise ValueError(f"a worker id of {workers} holds a comma")
         await self._set_fields(policy, token, {"canary_version": "" if version is None else str(version),
-                                               "canary_share": "" if version is None else repr(share)})
+                                               "canary_share": "" if version is None else repr(share),
+                                               "canary_workers": "" if version is None else ",".join(workers)})
+
+    # -- the canary's test state ---------------------------------------------------------
+    async def save_canary_state(self, policy: str, state: "CanaryState") -> None:
+        """Write the running canary's test state (a restarted gate resumes the test from it)."""
+        mapping = state.to_hash()
+        await self.control._retry("save_canary", lambda: self.redis.hset(canary_state_key(policy), mapping=mapping))
+
+    async def canary_state(self, policy: str) -> "CanaryState | None":
+        """The saved canary test state, or None (none saved, or unreadable)."""
+        raw = await self.control._retry("canary_state", lambda: self.redis.hgetall(canary_state_key(policy)))
+        return CanaryState.from_hash(raw or {})
+
+    async def clear_canary_state(self, policy: str) -> None:
+        """Forget the canary's test state (the canary ended)."""
+        await self.control._retry("clear_canary", lambda: self.redis.delete(canary_state_key(policy)))
 
     # -- sessions ----------------------------------------------------------------------
     async def pin_session(self, policy: str, session_id: str, version: int, ttl_s: float,

@@ -6,8 +6,10 @@ hash); no evaluation runs here (the offline figures are given)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,9 @@ from rlstream.gate.rules import EvalFigures, Verdict
 from rlstream.gate.service import PromotionGate
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.config import RlstreamConfig
-from rlstream.schemas.models import DecisionKind, PolicyVersion, PromotionDecision, TrajectorySource
+from rlstream.gate.feedback import OnlineRewards
+from rlstream.gate.sequential import SequentialOutcome, SprtSettings, sprt
+from rlstream.schemas.models import DecisionKind, PolicyVersion, PromotionDecision, TrajectoryEvent, TrajectorySource
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.kafka import make_producer
@@ -35,43 +39,78 @@ def figures(version: int) -> EvalFigures:
                        refusal_rate=0.0, answer_length=4.0, samples=8)
 
 
-async def run_canary(cfg: RlstreamConfig, names: TopicNames, canary_p: float, serving_p: float,
-                     per_arm: int) -> tuple[PromotionGate, float]:
-    """Serving v1, canary v2 on a quarter of sessions; ``per_arm`` rewarded production trajectories per version
-    (Bernoulli rewards, fixed seed); returns the gate once the canary is decided, and the seconds it took."""
+async def setup_fleet(cfg: RlstreamConfig, control: ControlPlane, loaded: tuple[int, ...] = (1, 2)) -> ServingControl:
+    """Serving v1 (pointer), one replica acknowledging ``loaded``."""
     policy = cfg.policy
-    control = ControlPlane(str(cfg.redis.url))
     serving = ServingControl(control)
-    producer = make_producer(cfg.kafka)
-    await producer.start()
     token = await serving.issue_token(policy)
     await serving.promote(policy, 1, token=token, reason="start", decided_by="test", expected_version=-1)
-    await serving.record_replica(policy, ReplicaAck("w0", 2, f"{policy}-v2", loaded={1: f"{policy}-v1",
-                                                                                       2: f"{policy}-v2"}), 120.0)
+    await serving.record_replica(policy, ReplicaAck("w0", max(loaded), f"{policy}-v{max(loaded)}",
+                                                    loaded={v: f"{policy}-v{v}" for v in loaded}), 120.0)
+    return serving
+
+
+async def new_gate(cfg: RlstreamConfig, control: ControlPlane) -> PromotionGate:
     evaluation = EvaluationSet(examples=[{"id": "0", "prompt": "x"}], reward_function=lambda e, t: 0.0)
     gate = PromotionGate(cfg, control, evaluation, codec=CODEC)
     await gate._start()
+    gate.known[2] = PolicyVersion(policy=cfg.policy, version=2, base_model="m", uri="/v2", learner_step=2)
+    return gate
+
+
+def production(cfg: RlstreamConfig, version: int, tag: str, reward: float | None = None) -> TrajectoryEvent:
+    trajectory = make_trajectory(policy=cfg.policy, policy_version=version, reward=reward, group_size=1,
+                                 example_id=f"ex-{version}-{tag}", run_id=cfg.run_id)
+    trajectory.source = TrajectorySource.production
+    return trajectory
+
+
+async def send_feedback(producer: Any, names: TopicNames, feedback: list[tuple[TrajectoryEvent, float]]) -> None:
+    """Each production trajectory, then its reward (a RewardEvent)."""
+    for trajectory, value in feedback:
+        await producer.send(names.trajectories, CODEC.encode(trajectory), key=trajectory.example_id.encode())
+        reward = make_reward(trajectory, value)
+        await producer.send(names.rewards, CODEC.encode(reward), key=reward.example_id.encode())
+    await producer.flush()
+
+
+def bernoulli(cfg: RlstreamConfig, per_arm: int, canary_p: float, serving_p: float, seed: int = 7,
+              tag: str = "") -> list[tuple[TrajectoryEvent, float]]:
+    rng = random.Random(seed)
+    return [(production(cfg, version, f"{tag}{i}"), float(rng.random() < p))
+            for i in range(per_arm) for version, p in ((2, canary_p), (1, serving_p))]
+
+
+async def drive(gate: PromotionGate, seconds: float = 60.0) -> None:
+    """Pump and step the canary until it is decided (asserted) or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while gate.canary is not None and time.monotonic() < deadline:
+        await gate.pump(timeout_ms=200)
+        await gate.step_canary()
+    assert gate.canary is None, f"the canary was not decided within {seconds:g} s"
+
+
+async def run_canary(cfg: RlstreamConfig, names: TopicNames, canary_p: float = 0.5, serving_p: float = 0.5,
+                     per_arm: int = 0, feedback: list[tuple[TrajectoryEvent, float]] | None = None,
+                     extra: list[Any] | None = None) -> tuple[PromotionGate, float]:
+    """Serving v1, canary v2 on a quarter of sessions; ``per_arm`` rewarded production trajectories per version
+    (Bernoulli rewards, fixed seed), or ``feedback`` as given, and ``extra`` records ((topic, event) pairs);
+    returns the gate once the canary is decided, and the seconds it took."""
+    control = ControlPlane(str(cfg.redis.url))
+    serving = await setup_fleet(cfg, control)
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    gate = await new_gate(cfg, control)
     try:
-        gate.known[2] = PolicyVersion(policy=policy, version=2, base_model="m", uri="/v2", learner_step=2)
         started = time.monotonic()
         await gate.start_canary(2, 1, figures(2), figures(1), Verdict(True))
-        pointer = await serving.serving(policy)
+        pointer = await serving.serving(cfg.policy)
         assert pointer is not None and (pointer.version, pointer.canary_version, pointer.canary_share) == (1, 2, 0.25)
-        rng = random.Random(7)
-        for i in range(per_arm):
-            for version, p in ((2, canary_p), (1, serving_p)):
-                trajectory = make_trajectory(policy=policy, policy_version=version, reward=None, group_size=1,
-                                             example_id=f"ex-{version}-{i}", run_id=cfg.run_id)
-                trajectory.source = TrajectorySource.production
-                await producer.send(names.trajectories, CODEC.encode(trajectory), key=trajectory.example_id.encode())
-                reward = make_reward(trajectory, float(rng.random() < p))
-                await producer.send(names.rewards, CODEC.encode(reward), key=reward.example_id.encode())
-        await producer.flush()
-        deadline = time.monotonic() + 60.0
-        while gate.canary is not None and time.monotonic() < deadline:
-            await gate.pump(timeout_ms=200)
-            await gate.step_canary()
-        assert gate.canary is None, "the canary was not decided within 60 s"
+        for topic, event in extra or []:
+            await producer.send(topic, CODEC.encode(event), key=event.example_id.encode())
+        await send_feedback(producer, names, feedback if feedback is not None
+                            else bernoulli(cfg, per_arm, canary_p, serving_p))
+        await drive(gate)
         return gate, time.monotonic() - started
     finally:
         await gate._stop()
@@ -90,7 +129,8 @@ async def decisions(cfg: RlstreamConfig, names: TopicNames) -> list[PromotionDec
 
 def canary_config(rl_config: RlstreamConfig) -> RlstreamConfig:
     return rl_config.model_copy(update={"gate": rl_config.gate.model_copy(update={
-        "canary_share": 0.25, "canary_min_samples": 20, "canary_min_effect": 0.1, "load_timeout_s": 10.0})})
+        "canary_share": 0.25, "canary_min_samples": 20, "canary_min_effect": 0.1, "load_timeout_s": 10.0,
+        "canary_alpha": 0.05, "canary_beta": 0.2})})
 
 
 def test_worse_canary_is_rolled_back_automatically(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:

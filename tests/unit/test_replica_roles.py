@@ -123,8 +123,13 @@ def test_which_full_version_a_serve_replica_holds() -> None:
     assert full_version_for_serve("serving", 5, WantedVersions(pending=4)) == 4  # the first promotion
     # a rollback: pending is older than serving and wins
     assert full_version_for_serve("serving", 5, WantedVersions(serving=4, pending=2)) == 2
-    # a canary: the newest of serving and canary
-    assert full_version_for_serve("serving", 5, WantedVersions(serving=2, canary=3)) == 3
+    # a canary runs on its share of the replicas only: the others keep serving
+    wanted = WantedVersions(serving=2, canary=3, canary_workers=("w1",))
+    assert full_version_for_serve("serving", 5, wanted, "w1") == 3
+    assert full_version_for_serve("serving", 5, wanted, "w0") == 2
+    # a pointer naming no canary replicas (or a replica that does not say who it is) keeps serving everywhere
+    assert full_version_for_serve("serving", 5, WantedVersions(serving=2, canary=3), "w1") == 2
+    assert full_version_for_serve("serving", 5, wanted) == 2
 
 
 def test_which_announced_versions_load_at_once() -> None:
