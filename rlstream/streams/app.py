@@ -538,7 +538,8 @@ class StreamsApp:
         group = finished.header
         verdict = apply_filters(group, self.cfg.streams, self.policy.version_of(group.policy),
                                 DetachedValues(self.curriculum_table), partition, member_rewards=finished.rewards,
-                                serving_version=self.policy.serving_of(group.policy))
+                                serving_version=self.policy.serving_of(group.policy),
+                                baseline_min_count=self.cfg.learner.baseline_min_count)
         if verdict.reason is not None:
             self.telemetry.count(mn.STREAMS_GROUPS_FILTERED, reason=verdict.reason)
             log.info("group filtered", group_id=group.group_id, reason=verdict.reason, detail=verdict.detail)

@@ -44,11 +44,14 @@ def curriculum_key(partition: int, policy: str) -> str:
 
 def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version: int | None,
                   curriculum_store: MutableMapping[str, Any], partition: int,
-                  member_rewards: list[float] | None = None, serving_version: int | None = None) -> Verdict:
+                  member_rewards: list[float] | None = None, serving_version: int | None = None,
+                  baseline_min_count: int = 1) -> Verdict:
     """Run the three filters; the first one that rejects names the reason. ``member_rewards`` (default: the rewards
     of ``group.trajectories``) are given when the group comes without its members (streams.assembly.Finished).
     ``serving_version``: the version a promotion gate lets serve, if any (staleness is then judged against it where
-    it is behind the latest, :func:`rlstream.transport.serving.staleness_reference`)."""
+    it is behind the latest, :func:`rlstream.transport.serving.staleness_reference`). ``baseline_min_count``: the
+    learner's ``learner.baseline_min_count``; a single response with fewer earlier rewards behind its baseline would
+    train with advantage 0, so it is filtered here (counted) instead of being emitted."""
     reference = staleness_reference(latest_version, serving_version)
     if is_stale(group, reference, config.max_policy_lag):
         against = "latest" if reference == latest_version else "serving"
@@ -58,6 +61,10 @@ def apply_filters(group: TrajectoryGroup, config: StreamsConfig, latest_version:
         if group.baseline.count == 0:
             return Verdict(group, ZERO_VARIANCE, f"no earlier reward for baseline key {group.baseline.key!r} yet "
                                                  "(this reward starts it)")
+        if group.baseline.count < baseline_min_count:
+            return Verdict(group, ZERO_VARIANCE, f"{group.baseline.count} earlier reward(s) for baseline key "
+                                                 f"{group.baseline.key!r}, fewer than learner.baseline_min_count "
+                                                 f"{baseline_min_count} (it would train with advantage 0)")
         if abs(group.reward_mean - group.baseline.mean) < config.min_reward_diff:
             return Verdict(group, ZERO_VARIANCE, f"reward {group.reward_mean:.4g} within {config.min_reward_diff} "
                                                  f"of its baseline {group.baseline.mean:.4g}")

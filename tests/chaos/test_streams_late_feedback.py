@@ -16,7 +16,8 @@ from tests.support.factories import make_reward, make_trajectory
 from tests.support.streams_helpers import CODEC, Worker, publish, read_dead_letters, read_groups, wait_for_count
 
 REWARDS = [0.2, 0.8, 0.5, 0.9, 0.1, 0.6]
-SETTINGS = {"streams.group_timeout_s": 2, "streams.min_reward_diff": 0}
+#: a single with one earlier reward trains too (learner.baseline_min_count 1): every single after the first is emitted
+SETTINGS = {"streams.group_timeout_s": 2, "streams.min_reward_diff": 0, "learner.baseline_min_count": 1}
 
 
 def test_feedback_sent_while_the_worker_is_down_joins_after_its_restart(rl_config: RlstreamConfig,

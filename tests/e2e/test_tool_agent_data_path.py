@@ -43,6 +43,7 @@ KEY = "tool-agent-key-0123456789abcdef"
 #: tool results in the prompt's worked exchanges (every trajectory's messages start with them)
 DEMONSTRATED_RESULTS = sum(item.get("type") == "function_call_output" for item in DEMONSTRATION)
 #: the first agent run's reward starts the keyed baseline (that single is filtered); the other three train
+#: (learner.baseline_min_count 1: the second, with one reward behind its baseline, too)
 CHOICES = ("required", "required", "none", "required")
 
 
@@ -57,7 +58,7 @@ def test_a_forced_lookup_call_is_captured_rewarded_trained_and_loaded(
     cfg.learner = cfg.learner.model_copy(update={
         "model": str(base_dir), "lora": cfg.learner.lora.model_copy(update={"enabled": True}),
         "groups_per_step": len(CHOICES) - 1, "publish_every": 1, "total_steps": 1, "device": "cpu",
-        "lease_ttl_s": 10.0, "run_ids": [cfg.run_id], "output_dir": tmp_path / "learner"})
+        "lease_ttl_s": 10.0, "run_ids": [cfg.run_id], "output_dir": tmp_path / "learner", "baseline_min_count": 1})
     cfg.inference.url = vllm.url
     cfg.inference.worker_id = "tool-agent-sync"
     cfg.inference.weights_roots = [str(tmp_path / "learner")]

@@ -60,7 +60,7 @@ def test_hostile_rewards_are_dead_lettered_and_their_task_keeps_training(rl_conf
                                                                          tmp_path: Path) -> None:
     asyncio.run(prepare_topics(rl_config))
     names = TopicNames.from_config(rl_config.topics)
-    overrides = {"streams.group_timeout_s": 2, "streams.min_reward_diff": 0}
+    overrides = {"streams.group_timeout_s": 2, "streams.min_reward_diff": 0, "learner.baseline_min_count": 1}
     worker = Worker(rl_config, "w1", tmp_path, **overrides).start()
     try:
         singles = [single(rl_config, i) for i in range(5)]

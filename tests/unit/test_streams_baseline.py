@@ -88,6 +88,10 @@ def test_filter_and_learner_use_the_baseline() -> None:
     assert apply_filters(group, config, 0, {}, 0).reason is None  # one member, yet a signal
     first = group.model_copy(update={"baseline": group.baseline.model_copy(update={"count": 0})})
     assert apply_filters(first, config, 0, {}, 0).reason == ZERO_VARIANCE
+    # one earlier reward: the learner (baseline_min_count 2) would give advantage 0, so it is not emitted
+    second = group.model_copy(update={"baseline": group.baseline.model_copy(update={"count": 1})})
+    assert apply_filters(second, config, 0, {}, 0, baseline_min_count=2).reason == ZERO_VARIANCE
+    assert apply_filters(second, config, 0, {}, 0, baseline_min_count=1).reason is None  # control: it would train
     # scaled by the std of the window with the reward in it: (3 * 0.2^2 + 4/5 * 0.4^2) / 4 = 0.062
     with_reward = 0.4 / (math.sqrt(0.062) + 1e-4)
     assert baseline_advantage(0.9, 0.5, 0.2, 4) == pytest.approx(with_reward)
