@@ -10,7 +10,10 @@ both train through :class:`TrainPublishLoop`, so its safety rules live here once
   :meth:`TrainPublishLoop.announce_pending` on restart);
 * the announcement goes through the caller's :class:`~rlstream.learner.publish.Announcer` (transactional, one id
   per policy: Kafka fences a zombie) and a fenced or lease-less announcement stops publication
-  (:data:`REFUSED_FENCED`, :meth:`LeaseGuard.lost`).
+  (:data:`REFUSED_FENCED`, :meth:`LeaseGuard.lost`);
+* the base weights are version 0, announced like any version before the first one is trained
+  (:meth:`TrainPublishLoop.announce_base`): the promotion gate serves it first, so nothing unevaluated serves and
+  ``rlstream rollback --to 0`` has a version to go back to.
 """
 from __future__ import annotations
 
@@ -134,6 +137,19 @@ class TrainPublishLoop:
             if saved.version is None:
                 saved.refused = REFUSED_FENCED
         return saved
+
+    async def announce_base(self) -> PolicyVersion | None:
+        """Announce the untrained weights as version 0 when nothing of the policy was announced yet (the Redis
+        latest pointer is unset) and this learner starts from them; None when it did nothing (a restart, a resumed
+        learner) or the lease is gone or Kafka fenced the announcer (the guard is told)."""
+        if self.state.version != 0 or await self.control.latest_version(self.target.policy) >= 0:
+            return None
+        if not await self.guard.confirm():
+            return None
+        event = await self.announce_pending({})
+        if event is not None:
+            log.info("base weights announced as version 0", policy=self.target.policy, uri=event.uri)
+        return event
 
     async def announce_pending(self, figures: dict[str, float],
                                before_commit: Callable[[], None] | None = None) -> PolicyVersion | None:

@@ -206,6 +206,7 @@ class Learner:
                                                        self.cfg.run_id, prometheus_port=self.lcfg.prometheus_port)
             await self._report_lease(not self.lease_lost)
             await self._finish_interrupted_publication(state, control)
+            await self.loop.announce_base()  # version 0: what serves before the gate promoted anything
             await consumer.start()
             await self._assign_and_seek(consumer, state)
             # records that do not decode (or that no step can use, see _decode) go to dlq with the reason

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from rlstream.learner.batch import collate
 from rlstream.learner.checkpoint import CheckpointError, verify_manifest
@@ -39,8 +40,9 @@ def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConf
     learner = Learner(cfg, holder="first")
     state = asyncio.run(learner.run())
     assert state.step == 2 and state.version == 2
-    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=2))
-    assert [v.version for v in versions] == [1, 2]
+    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=3))
+    assert [v.version for v in versions] == [0, 1, 2]  # version 0: the base weights, announced first
+    assert (versions[0].learner_step, versions[0].group_count, versions[0].trained_on) == (0, 0, [])
     latest = versions[-1]
     assert latest.kind == (WeightsKind.lora if lora else WeightsKind.full)
     directory = Path(latest.uri)
@@ -75,8 +77,11 @@ def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConf
         ours = completion_logprobs(learner.policy.model, batch)
         reloaded = completion_logprobs(load_published(directory).eval(), batch)
         base = completion_logprobs(load_published(version_dir(directory.parent, 1)).eval(), batch)
+        untrained = completion_logprobs(load_published(version_dir(directory.parent, 0)).eval(), batch)
+        pretrained = completion_logprobs(AutoModelForCausalLM.from_pretrained(cfg.learner.model).eval(), batch)
     assert torch.equal(ours * batch.completion_mask, reloaded * batch.completion_mask)
     assert not torch.allclose(base, reloaded)  # version 2 differs from version 1: training moved the weights
+    assert torch.allclose(untrained, pretrained, atol=1e-5)  # version 0 answers as the base model does
 
     # tampering is detected
     victim = directory / sorted(names)[0]
@@ -105,6 +110,7 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
         await control.release_lease(cfg.policy, first)
         await asyncio.wait_for(task, timeout=120)
         assert await control.latest_version(cfg.policy) == 1  # the second learner published once it held the lease
+        assert (await second.loop.announce_base()) is None  # version 0 exists: never announced twice
         stale = first  # its token is older than the second learner's
         from rlstream.transport.kafka import make_producer
 
@@ -126,8 +132,8 @@ def test_second_learner_waits_and_a_fenced_out_learner_cannot_publish(
         finally:
             await producer.stop()
             await control.close()
-        versions = await read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1, timeout_s=3)
-        assert [v.version for v in versions] == [1]
+        versions = await read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=2, timeout_s=3)
+        assert [v.version for v in versions] == [0, 1]
 
     asyncio.run(scenario())
 
@@ -144,12 +150,51 @@ def test_validation_groups_are_consumed_but_never_trained(rl_config: RlstreamCon
     learner = Learner(cfg, holder="only")
     state = asyncio.run(learner.run())
     assert state.step == 1 and learner.validation_groups_skipped == 1
-    (version,) = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1))
+    base, version = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=2))
+    assert (base.version, version.version) == (0, 1)
     assert version.group_count == 2  # the two training groups; the validation group was only consumed
     # exact lineage: the two trained groups' offsets, not the consumed validation group's (was: 3, ranges of reads)
     assert sum(r.last - r.first + 1 for r in version.trained_on) == 2
     assert {(r.partition, o) for r in version.trained_on for o in range(r.first, r.last + 1)} == set(placed[1:])
     assert asyncio.run(read_topic(cfg, created_topics.dlq, DeadLetter, expect=1, timeout_s=3.0)) == []
+
+
+def test_version_0_is_announced_once_and_a_restart_leaves_the_serving_pointer_alone(
+        rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path) -> None:
+    from rlstream.transport.serving import ServingControl
+
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora=True, steps=1)
+    asyncio.run(produce_groups(cfg, [random_group(cfg.policy, cfg.run_id, i) for i in range(2)]))
+    assert asyncio.run(Learner(cfg, holder="first").run()).version == 1
+
+    async def serve_base() -> tuple[int, int]:
+        control = ControlPlane(cfg.redis.url)
+        try:
+            serving = ServingControl(control)
+            pointer = await serving.promote(cfg.policy, 0, token=await serving.issue_token(cfg.policy),
+                                            reason="base", decided_by="gate", expected_version=-1)
+            return pointer.version, pointer.fencing_token
+        finally:
+            await control.close()
+
+    before = asyncio.run(serve_base())
+    restarted = _configure(rl_config, Path(cfg.learner.model), lora=True, steps=2)
+    asyncio.run(produce_groups(restarted, [random_group(cfg.policy, cfg.run_id, i) for i in range(2, 4)]))
+    assert asyncio.run(Learner(restarted, holder="second").run()).version == 2
+
+    async def after() -> tuple[tuple[int, int], int]:
+        control = ControlPlane(cfg.redis.url)
+        try:
+            pointer = await ServingControl(control).serving(cfg.policy)
+            assert pointer is not None
+            return (pointer.version, pointer.fencing_token), await control.latest_version(cfg.policy)
+        finally:
+            await control.close()
+
+    pointer, latest = asyncio.run(after())
+    assert (pointer, latest) == (before, 2)  # the restart neither re-announced version 0 nor touched serving
+    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=4, timeout_s=3))
+    assert [v.version for v in versions] == [0, 1, 2]
 
 
 def test_a_learner_with_nothing_to_read_says_so_and_stops_saying_it_once_groups_come(
