@@ -44,12 +44,12 @@ from rlstream.ops.ports import free_port  # noqa: E402
 from rlstream.ops.processes import stop_pid  # noqa: E402
 from rlstream.ops.toy import build_tiny_model  # noqa: E402
 from rlstream.ops.vllm import start_vllm_server  # noqa: E402
-from rlstream.rollout.gateway.app import Gateway, create_app  # noqa: E402
-from rlstream.rollout.gateway.auth import AccessConfig, KeyStore  # noqa: E402
-from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner  # noqa: E402
-from rlstream.rollout.gateway.config import GatewayConfig  # noqa: E402
-from rlstream.rollout.gateway.filtering import upstream_request  # noqa: E402
-from rlstream.rollout.gateway.server import serving  # noqa: E402
+from rlstream.gateway.app import Gateway, create_app  # noqa: E402
+from rlstream.gateway.auth import AccessConfig, KeyStore  # noqa: E402
+from rlstream.gateway.feedback_tokens import FeedbackSigner  # noqa: E402
+from rlstream.gateway.config import GatewayConfig  # noqa: E402
+from rlstream.gateway.filtering import upstream_request  # noqa: E402
+from rlstream.gateway.server import serving  # noqa: E402
 from rlstream.rollout.publisher import TrajectoryPublisher  # noqa: E402
 from rlstream.schemas.config import load_config  # noqa: E402
 from rlstream.schemas.topics import TopicNames  # noqa: E402

@@ -76,7 +76,7 @@ def gateway_serve(
         "pass = 1, their opposites 0)"),
 ) -> None:
     """Serve /v1/chat/completions in front of UPSTREAM and publish every call to the trajectories topic."""
-    from rlstream.rollout.gateway.service import GatewayOptions, GatewayStartError, run_gateway
+    from rlstream.gateway.service import GatewayOptions, GatewayStartError, run_gateway
 
     cfg = load_or_exit(config, override)
     options = GatewayOptions(

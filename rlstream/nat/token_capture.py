@@ -68,7 +68,7 @@ class CallRecorder:
         """Record one chat request and its response; False when the response has no token data. Logprobs of a
         grammar-constrained call (a forced tool call, JSON output) are dropped, as the gateway does: vLLM computes
         them after its grammar mask, so they are not the model's own."""
-        from rlstream.rollout.gateway.sessions import recorded_call
+        from rlstream.gateway.sessions import recorded_call
 
         choices = response.get("choices") or []
         prompt_ids = response.get("prompt_token_ids")

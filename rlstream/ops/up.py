@@ -30,7 +30,7 @@ from rlstream.ops.supervisor import Supervisor, rlstream_command
 from rlstream.ops.up_config import (TOY_DEFAULTS, UpOptions, compose_config, task_inputs, task_users_args,
                                     task_vllm_args)
 from rlstream.ops.version_plot import write_plot
-from rlstream.rollout.gateway.auth import API_KEYS_ENV
+from rlstream.gateway.auth import API_KEYS_ENV
 from rlstream.rollout.users import USERS_API_KEY_ENV
 from rlstream.schemas.config import RlstreamConfig, load_config
 from rlstream.schemas.masking import remember_secret, secret_env

@@ -30,9 +30,9 @@ from rlstream.inference.sync import InferenceSyncWorker
 from rlstream.inference.vllm_backend import VllmBackend
 from rlstream.learner.service import Learner
 from rlstream.ops.vllm import VllmServer, start_vllm_server
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving as gateway_serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving as gateway_serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.routing import FleetRouter
 from rlstream.schemas.codec import AvroCodec

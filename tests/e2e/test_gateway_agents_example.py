@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 
 from rlstream.ops.vllm import VllmServer
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.auth import AccessConfig
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.auth import AccessConfig
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.e2e.vllm_support import SERVED_MODEL, vllm_fixture

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 
 from rlstream.ops.vllm import VllmServer
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent
 from rlstream.schemas.sessions import session_trajectory_id

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from rlstream.ops.vllm import VllmServer
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent, TrajectorySource
 from tests.e2e.vllm_support import (SERVED_MODEL, TOLERANCE, load_reference, max_abs_diff, reference_logprobs,

@@ -23,10 +23,10 @@ from rlstream.learner.service import Learner
 from rlstream.ops.lineage import version_lineage
 from rlstream.ops.tool_task import DEMONSTRATION, TASK_NAME, TOOL_NAME, ToolEpisode, tool_agent, tool_dataset, tool_reward
 from rlstream.ops.vllm import VllmServer
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.auth import AccessConfig
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.auth import AccessConfig
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.sampling import SamplingSettings
 from rlstream.schemas.config import RlstreamConfig

@@ -15,8 +15,8 @@ import pytest
 from rlstream.inference.sync import InferenceSyncWorker, adapter_name
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.ops.vllm import VllmServer, start_vllm_server
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent, WeightsKind

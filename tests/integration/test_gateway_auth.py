@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bench.canned_upstream import chat_completions as canned_chat, models as canned_models
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.auth import AccessConfig, KeyStore, exposure_problem
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.auth import AccessConfig, KeyStore, exposure_problem
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.feedback_tokens import FeedbackSigner
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.support.learner_helpers import read_topic
@@ -274,7 +274,7 @@ def test_without_keys_only_loopback_serves_unless_insecure() -> None:
 
 
 async def test_simulated_users_send_the_key_and_are_refused_without_it(rl_config: Any, created_topics: Any) -> None:
-    from rlstream.rollout.gateway.server import serving
+    from rlstream.gateway.server import serving
     from rlstream.rollout.users import Population, UserPopulation
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)

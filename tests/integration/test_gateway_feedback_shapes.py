@@ -13,9 +13,9 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.auth import AccessConfig
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.auth import AccessConfig
+from rlstream.gateway.config import GatewayConfig
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.integration.test_gateway_auth import canned_upstream

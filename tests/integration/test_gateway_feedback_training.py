@@ -19,9 +19,9 @@ from starlette.routing import Route
 
 from rlstream.learner.service import Learner
 from rlstream.ops.lineage import version_lineage
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.auth import AccessConfig
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.auth import AccessConfig
+from rlstream.gateway.config import GatewayConfig
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion, RewardEvent

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from rlstream.rollout.routing import FleetRouter
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.transport.control import ControlPlane

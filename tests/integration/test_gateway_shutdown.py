@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent

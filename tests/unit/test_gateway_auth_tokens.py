@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal, task_for
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.feedback import Feedback
-from rlstream.rollout.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, is_feedback_token
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal, task_for
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.feedback import Feedback
+from rlstream.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, is_feedback_token
 from tests.unit.test_gateway_fuzz import canned_upstream
 from tests.unit.test_gateway_sessions import FakePublisher
 

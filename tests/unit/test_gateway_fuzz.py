@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
 from tests.unit.test_gateway_sessions import FakePublisher
 
 FUZZ = settings(max_examples=int(os.environ.get("RLSTREAM_FUZZ_EXAMPLES", "300")), deadline=None,

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.auth import AccessConfig
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.feedback_tokens import FeedbackTokenError
-from rlstream.rollout.gateway.service import GatewayOptions, prepare_gateway
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.auth import AccessConfig
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.feedback_tokens import FeedbackTokenError
+from rlstream.gateway.service import GatewayOptions, prepare_gateway
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.unit.test_gateway_limits import CHAT, gateway_client

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.limits import json_depth, parse_json, RequestRejected
-from rlstream.rollout.gateway.spool import Spool, SpoolRecord
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.limits import json_depth, parse_json, RequestRejected
+from rlstream.gateway.spool import Spool, SpoolRecord
 from rlstream.schemas.models import TrajectoryEvent
 from tests.unit.test_gateway_sessions import USER, FakePublisher, fake_upstream
 

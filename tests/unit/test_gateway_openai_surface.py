@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 
 from rlstream.ops.toy import CHATML_TEMPLATE
 from rlstream.ops.vllm import tool_call_args, tool_call_parser_for
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.feedback_shapes import FeedbackShapeError, evaluation_records, reward_of
-from rlstream.rollout.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.feedback_shapes import FeedbackShapeError, evaluation_records, reward_of
+from rlstream.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
                                                 response_tokens, responses_upstream_request)
 from tests.unit.test_gateway_sessions import FakePublisher
 
@@ -226,7 +226,7 @@ def test_feedback_shapes_rewards_and_otlp_records() -> None:
 
 @pytest.mark.unit
 def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rlstream.rollout.gateway.service as gateway_service
+    import rlstream.gateway.service as gateway_service
     from rlstream.cli.app import app
 
     served: list[GatewayConfig] = []
@@ -247,7 +247,7 @@ def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.M
 
 @pytest.mark.unit
 def test_malformed_responses_token_data_is_recorded_without_it_never_raised() -> None:
-    from rlstream.rollout.gateway.responses import finish_reason, response_message
+    from rlstream.gateway.responses import finish_reason, response_message
 
     for payload in ({"output": 5, "input_messages": [{"tokens": ["x"]}]},
                     {"output": [{"type": "message", "content": [{"type": "output_text", "logprobs": [{"no": 1}]}]}],

@@ -8,11 +8,11 @@ from typing import Any
 import httpx
 import pytest
 
-from rlstream.rollout.gateway.app import Gateway, create_app
+from rlstream.gateway.app import Gateway, create_app
 from rlstream.rollout.streaming import StreamAccumulator
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.filtering import client_asked, filter_response, upstream_request
-from rlstream.rollout.gateway.sessions import MESSAGES, TOKENS, SessionStore, continuation, extends, recorded_call
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.filtering import client_asked, filter_response, upstream_request
+from rlstream.gateway.sessions import MESSAGES, TOKENS, SessionStore, continuation, extends, recorded_call
 from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, TrajectorySource
 
 USER = {"role": "user", "content": "hi"}

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from rlstream.rollout.gateway.app import Gateway
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.server import serving
+from rlstream.gateway.app import Gateway
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.server import serving
 from tests.unit.test_gateway_sessions import USER, FakePublisher, fake_upstream
 
 BODY_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"

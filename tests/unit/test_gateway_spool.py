@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from rlstream.rollout.gateway import spool as spool_module
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.queue import CaptureQueue
-from rlstream.rollout.gateway.spool import (SEGMENT_HEADER, Spool, SpoolError, SpoolRecord, encode_record, read_frame,
+from rlstream.gateway import spool as spool_module
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.queue import CaptureQueue
+from rlstream.gateway.spool import (SEGMENT_HEADER, Spool, SpoolError, SpoolRecord, encode_record, read_frame,
                                             scan)
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent

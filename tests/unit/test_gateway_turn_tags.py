@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
-from rlstream.rollout.gateway.sessions import recorded_call
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.sessions import recorded_call
 from rlstream.schemas.models import TrajectoryEvent
 from tests.unit.test_gateway_sessions import USER, FakePublisher
 

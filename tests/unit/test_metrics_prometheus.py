@@ -13,8 +13,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client import generate_latest
 
-from rlstream.rollout.gateway.app import Gateway, create_app
-from rlstream.rollout.gateway.config import GatewayConfig
+from rlstream.gateway.app import Gateway, create_app
+from rlstream.gateway.config import GatewayConfig
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import MetricEvent
 from rlstream.transport import metric_names as mn

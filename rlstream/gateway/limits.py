@@ -1,0 +1,339 @@
+"""Bounds on what one client can make the gateway hold or do; each is answered with a 4xx, never a 500.
+
+* :class:`RequestLimits` (ASGI middleware, inside Starlette's error handling): the request line and headers
+  (``max_header_bytes``), the session id (``/s/{id}/`` or ``X-Session-Id``) and task (``X-Rlstream-Task``): length and
+  characters, requests at once (``max_concurrent_requests``: 503 with ``Retry-After``), the body: a declared
+  ``Content-Length`` over ``max_body_bytes`` is answered 413 before anything is read, a body that grows past it while
+  read is cut off with 413, a body not received whole within ``body_read_timeout_s`` with 408 (a client trickling a
+  half-sent request holds a connection that long, no longer). Either body error closes the connection.
+* :func:`parse_json`: a body's JSON with NaN / Infinity refused and its nesting at most ``max_json_depth``.
+* :class:`GuardedHttpToolsProtocol`: uvicorn's httptools protocol with a deadline for the request line and headers
+  (``header_read_timeout_s``) and a cap on their size; h11 has its own (``h11_max_incomplete_event_size``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, MutableMapping
+
+from rlstream.gateway.config import GatewayConfig
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Characters a session id or task name may have (what ends up in Kafka keys, headers and metadata).
+ID_CHARS = re.compile(r"[A-Za-z0-9._:@+=~-]+")
+SESSION_PATH = re.compile(r"^/s/([^/]*)/")
+SESSION_HEADER = b"x-session-id"
+TASK_HEADER = b"x-rlstream-task"
+#: Not counted against ``max_concurrent_requests`` (liveness probes must answer under load).
+UNCOUNTED_PATHS = frozenset({"/health"})
+
+
+class RequestRejected(Exception):
+    """A request outside the bounds: answered ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", reason: str = "",
+                 close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.reason = reason or kind
+        self.close = close  # the body was not read whole: the connection cannot be reused
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> bytes:
+    """An OpenAI-style error body."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status, **extra}}).encode()
+
+
+def check_id(value: str, what: str, max_chars: int) -> None:
+    """Raise :class:`RequestRejected` (400) unless ``value`` is a usable session id / task name."""
+    if len(value) > max_chars:
+        raise RequestRejected(400, f"{what} longer than {max_chars} characters", reason="bad_id")
+    if not ID_CHARS.fullmatch(value):
+        raise RequestRejected(400, f"{what} may only have letters, digits and ._:@+=~-", reason="bad_id")
+
+
+@dataclass
+class LimitStats:
+    """Requests answered by a bound, by reason (``GET /rlstream/stats``, metric ``gateway/requests_rejected``)."""
+
+    rejected: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+
+    def count(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class RequestLimits:
+    """ASGI middleware enforcing the request bounds of a :class:`GatewayConfig` (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, config: GatewayConfig, stats: LimitStats) -> None:
+        self.app, self.config, self.stats = app, config, stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            declared = self._check_head(scope)
+        except RequestRejected as exc:
+            await self._reject(exc, send)
+            return
+        counted = scope.get("path") not in UNCOUNTED_PATHS
+        if counted and self.stats.in_flight >= self.config.max_concurrent_requests:
+            await self._reject(RequestRejected(503, "too many requests at once; retry shortly", "server_overloaded",
+                                               reason="overloaded"), send, retry_after=True)
+            return
+        if counted:
+            self.stats.in_flight += 1
+        guard = _BodyGuard(receive, self.config, declared)
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, guard.receive, tracked_send)
+        except RequestRejected as exc:  # raised past Starlette's handlers (e.g. from a background read)
+            if started:
+                raise
+            await self._reject(exc, send)
+        finally:
+            if counted:
+                self.stats.in_flight -= 1
+
+    def _check_head(self, scope: Scope) -> int | None:
+        """Header-level bounds; the declared Content-Length (None when absent)."""
+        config = self.config
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        declared: int | None = None
+        for name, value in scope.get("headers") or ():
+            size += len(name) + len(value) + 4
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise RequestRejected(400, "Content-Length is not a number", reason="bad_header") from None
+                if declared < 0:
+                    raise RequestRejected(400, "Content-Length is negative", reason="bad_header")
+            elif name == SESSION_HEADER:
+                check_id(value.decode("latin-1"), "X-Session-Id", config.max_id_chars)
+            elif name == TASK_HEADER:
+                check_id(value.decode("latin-1"), "X-Rlstream-Task", config.max_id_chars)
+        if size > config.max_header_bytes:
+            raise RequestRejected(431, f"request line and headers larger than {config.max_header_bytes} bytes",
+                                  reason="headers_too_large")
+        match = SESSION_PATH.match(scope.get("path") or "")
+        if match is not None:
+            check_id(match.group(1), "session id", config.max_id_chars)
+        if declared is not None and declared > config.max_body_bytes:
+            raise RequestRejected(413, f"request body larger than {config.max_body_bytes} bytes",
+                                  reason="body_too_large", close=True)
+        return declared
+
+    async def _reject(self, exc: RequestRejected, send: Send, retry_after: bool = False) -> None:
+        self.stats.count(exc.reason)
+        body = error_body(exc.status, exc.message, exc.kind)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if retry_after:
+            headers.append((b"retry-after", b"1"))
+        if exc.close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyGuard:
+    """``receive`` with the body's size and read deadline enforced."""
+
+    def __init__(self, receive: Receive, config: GatewayConfig, declared: int | None) -> None:
+        self._receive, self.config, self.declared = receive, config, declared
+        self.deadline = time.monotonic() + config.body_read_timeout_s
+        self.read = 0
+        self.done = declared == 0
+
+    async def receive(self) -> Message:
+        if self.done:  # the body is read: what comes now is a disconnect, waited for without a deadline
+            return await self._receive()
+        try:
+            async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.0)):  # no task per read, as wait_for
+                message = await self._receive()
+        except TimeoutError:
+            raise RequestRejected(408, f"request body not received within {self.config.body_read_timeout_s:g} s",
+                                  "timeout", reason="body_timeout", close=True) from None
+        if message["type"] == "http.request":
+            self.read += len(message.get("body", b""))
+            if self.read > self.config.max_body_bytes:
+                raise RequestRejected(413, f"request body larger than {self.config.max_body_bytes} bytes",
+                                      reason="body_too_large", close=True)
+            if not message.get("more_body", False):
+                self.done = True
+        return message
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise ValueError(f"{text} is out of range (numbers must be finite)")
+    return value
+
+
+#: Built once: ``json.loads`` with hooks would build a decoder per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in ``value`` (a scalar: 0)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return deepest
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """``raw`` as JSON; :class:`RequestRejected` (400) when it is not valid JSON, holds NaN or Infinity (also as a
+    number too large for a float, such as 1e400), or nests deeper than ``max_depth``."""
+    try:
+        value = _DECODER.decode(raw.decode("utf-8"))
+    except RecursionError:
+        raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestRejected(400, f"request body is not valid JSON: {exc}", reason="bad_json") from None
+    # fewer brackets than the limit cannot nest deeper (a C-speed count spares most bodies the walk)
+    if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(value) > max_depth:
+        raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json")
+    return value
+
+
+def check_choices(body: dict[str, Any], max_choices: int) -> None:
+    """Raise :class:`RequestRejected` (400) for an ``n`` that is not a whole number in ``[1, max_choices]``."""
+    n = body.get("n")
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or not 1 <= n <= max_choices:
+        raise RequestRejected(400, f"n must be a whole number from 1 to {max_choices} (the largest group the "
+                              "trainer accepts)", reason="bad_n")
+
+
+# -- the connection: a deadline and a size cap for the request line and headers --------------------------------
+def guarded_protocol(config: GatewayConfig) -> type:
+    """uvicorn's httptools protocol with ``header_read_timeout_s`` and ``max_header_bytes`` enforced before the app
+    sees the request (uvicorn itself waits for headers for ever and does not cap them under httptools)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    missing = [name for name in ("on_message_begin", "on_headers_complete", "data_received", "connection_lost",
+                                 "connection_made", "send_400_response") if not hasattr(HttpToolsProtocol, name)]
+    if missing:  # checked at start-up: a uvicorn without these hooks gets no guard, loudly
+        raise RuntimeError(f"uvicorn's HttpToolsProtocol lacks {missing}; cannot guard slow or large headers")
+    timeout_s, max_bytes = config.header_read_timeout_s, config.max_header_bytes
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True   # between the start of a request (or of the connection) and the end of its headers
+        _head_bytes = 0   # bytes received while in the head
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()  # a connection that never sends a whole request line and headers is closed
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = asyncio.get_running_loop().call_later(timeout_s, self._head_overdue)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_overdue(self) -> None:
+            self._head_timer = None
+            log.warning("request headers not received in time; connection closed", timeout_s=timeout_s,
+                        client=str(self.client))
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            # httptools buffers an unfinished header line whole: the cap is on the bytes, checked per read
+            if self._in_head and self._head_bytes > max_bytes and not self.transport.is_closing():
+                log.warning("request headers too large; connection closed", max_bytes=max_bytes,
+                            client=str(self.client))
+                self.send_400_response(f"Request line and headers larger than {max_bytes} bytes.")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
+            if self._head_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedHttpToolsProtocol
+
+
+def uvicorn_options(config: GatewayConfig) -> dict[str, Any]:
+    """The uvicorn settings that bound slow and large requests at the connection."""
+    options: dict[str, Any] = {"timeout_keep_alive": config.keep_alive_timeout_s,
+                               "h11_max_incomplete_event_size": config.max_header_bytes}
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        options["http"] = "h11"
+    else:
+        options["http"] = guarded_protocol(config)
+    return options
+
+
+# -- the upstream's answers ------------------------------------------------------------------------------------
+def malformed_answer(payload: Any, max_choices: int) -> str | None:
+    """Why a chat completion from the upstream cannot be handed on (answered 502), or None when its shape is
+    usable: an object whose ``choices`` (if any) is a list of at most ``max_choices`` objects, each with an object
+    ``message`` (if any)."""
+    if not isinstance(payload, dict):
+        return "the upstream's answer is not a JSON object"
+    choices = payload.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list):
+        return "the upstream's choices are not a list"
+    if len(choices) > max_choices:
+        return f"the upstream answered {len(choices)} choices (at most {max_choices})"
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return "an upstream choice is not an object"
+        if choice.get("message") is not None and not isinstance(choice["message"], dict):
+            return "an upstream choice's message is not an object"
+    return None

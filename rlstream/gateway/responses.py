@@ -1,0 +1,285 @@
+"""The OpenAI Responses API as chat messages and exact tokens: what the gateway records of a ``/v1/responses`` call.
+
+A request's ``instructions`` become a system message and its ``input`` (a string, or a list of messages and
+``function_call`` / ``function_call_output`` items) the conversation; the response's ``output`` items become the
+assistant message (text of its ``message`` items, its ``function_call`` items as tool calls).
+
+Token data: the gateway asks vLLM for ``enable_response_messages`` (the response then carries ``input_messages`` and
+``output_messages``: the rendered prompt and the completion with their exact token ids) and for the sampled tokens'
+logprobs (``include: ["message.output_text.logprobs"]``); it takes both back out of the client's answer unless the
+client asked for them itself. vLLM gives logprobs for text output only: a turn whose logprobs do not cover every
+completion token (a tool call) keeps its token ids without logprobs, and the learner trains it on-policy.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+
+#: the ``include`` value that asks for the sampled tokens' logprobs of output text
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: vLLM's request field that returns the prompt and completion token ids
+MESSAGES_FIELD = "enable_response_messages"
+#: stream events that carry the whole response object (the last one of a stream carries its token ids)
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _list(value: Any) -> list[Any]:
+    """``value`` when it is a list, else nothing (an upstream's malformed field is not iterated)."""
+    return value if isinstance(value, list) else []
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def request_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses request (raises ValueError for an input it cannot read)."""
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": str(body["instructions"])})
+    given = body.get("input")
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}]
+    if not isinstance(given, list):
+        raise ValueError("a Responses request needs an 'input' string or list")
+    for item in given:
+        if not isinstance(item, dict):
+            raise ValueError(f"input item is not an object: {item!r}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": item.get("call_id", ""), "type": "function",
+                 "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+                             "content": _text(item.get("output"))})
+    return messages
+
+
+def response_message(payload: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of a Responses result."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in _list(payload.get("output")):
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "message":
+            texts.append(_text(item.get("content")))
+        elif item.get("type") == "function_call":
+            calls.append({"id": item.get("call_id", ""), "type": "function",
+                          "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+@dataclass(frozen=True)
+class ResponsesAsked:
+    """What the client itself asked of a Responses call (the rest of the token data is the gateway's own)."""
+
+    messages: bool = False
+    logprobs: bool = False
+
+
+def responses_asked(body: dict[str, Any]) -> ResponsesAsked:
+    include = body.get("include")
+    return ResponsesAsked(messages=body.get(MESSAGES_FIELD) is True,
+                          logprobs=isinstance(include, list) and LOGPROBS_INCLUDE in include)
+
+
+def responses_upstream_request(body: dict[str, Any], token_data: bool, logprobs: bool) -> dict[str, Any]:
+    """The request sent upstream: ``body`` asking for token ids (``token_data``) and logprobs (``logprobs``)."""
+    sent = dict(body)
+    if token_data:
+        sent[MESSAGES_FIELD] = True
+        if logprobs:
+            include = [i for i in body.get("include") or [] if isinstance(i, str)] if isinstance(
+                body.get("include"), list) else []
+            sent["include"] = include if LOGPROBS_INCLUDE in include else [*include, LOGPROBS_INCLUDE]
+    return sent
+
+
+def rejects_token_options(status: int, text: str) -> bool:
+    """True when an upstream answered 400/422 because it does not know the token-data fields (not vLLM)."""
+    lowered = text.lower()
+    return status in (400, 422) and (MESSAGES_FIELD in lowered or "include" in lowered or "extra" in lowered)
+
+
+def _raw_tokens(entries: Any) -> list[int] | None:
+    """The token ids of vLLM's ``raw_message_tokens`` entries, joined; None when there are none."""
+    if not isinstance(entries, list) or not entries:
+        return None
+    ids: list[int] = []
+    for entry in entries:
+        tokens = entry.get("tokens") if isinstance(entry, dict) else None
+        if not isinstance(tokens, list):
+            return None  # another shape (harmony messages): no token ids
+        ids.extend(int(t) for t in tokens)
+    return ids
+
+
+def output_logprobs(payload: dict[str, Any]) -> list[float] | None:
+    """The logprobs of a response's output text, in order; None when it carries none."""
+    values: list[float] = []
+    for item in _list(payload.get("output")):
+        if not isinstance(item, dict) or item.get("type") != "message":
+            continue
+        for part in _list(item.get("content")):
+            if isinstance(part, dict) and isinstance(part.get("logprobs"), list):
+                values.extend(float(lp["logprob"]) for lp in part["logprobs"])
+    return values or None
+
+
+@dataclass(frozen=True)
+class ResponseTokens:
+    """Token data of one Responses call (what vLLM saw and sampled)."""
+
+    prompt_ids: list[int] | None
+    completion_ids: list[int] | None
+    logprobs: list[float] | None
+
+
+def response_tokens(payload: dict[str, Any], logprobs: list[float] | None = None) -> ResponseTokens:
+    """The exact prompt and completion token ids of a Responses result (vLLM's ``input_messages`` /
+    ``output_messages``), and the completion's logprobs when they cover every completion token (``logprobs``: those
+    gathered from a stream, else the output text's own). An answer whose token data is malformed is recorded
+    without it."""
+    try:
+        return _response_tokens(payload, logprobs)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        log.warning("upstream Responses token data unreadable; captured without it", error=str(exc)[:200])
+        return ResponseTokens(None, None, None)
+
+
+def _response_tokens(payload: dict[str, Any], logprobs: list[float] | None) -> ResponseTokens:
+    prompt_ids = _raw_tokens(payload.get("input_messages"))
+    completion_ids = _raw_tokens(payload.get("output_messages"))
+    values = logprobs if logprobs is not None else output_logprobs(payload)
+    if completion_ids is None or values is None or len(values) != len(completion_ids):
+        values = None
+    return ResponseTokens(prompt_ids, completion_ids, values)
+
+
+def finish_reason(payload: dict[str, Any]) -> str:
+    """A chat-style finish reason of a Responses result."""
+    status = payload.get("status")
+    if status in (None, "completed"):
+        calls = any(isinstance(i, dict) and i.get("type") == "function_call" for i in _list(payload.get("output")))
+        return "tool_calls" if calls else "stop"
+    details = payload.get("incomplete_details")
+    if status == "incomplete" and isinstance(details, dict) and details.get("reason") == "max_output_tokens":
+        return "length"
+    return str(status)
+
+
+def recorded_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat-shaped request a Responses call is recorded as (what decides its turn's temperature and whether its
+    logprobs were grammar-constrained)."""
+    recorded: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    for name in ("temperature", "tools", "tool_choice", "structured_outputs"):
+        if name in body:
+            recorded[name] = body[name]
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        recorded["response_format"] = {"type": fmt["type"]}
+    return recorded
+
+
+def _strip_part_logprobs(part: Any) -> None:
+    if isinstance(part, dict) and part.get("type") == "output_text" and part.get("logprobs"):
+        part["logprobs"] = None
+
+
+def _strip_item_logprobs(item: Any) -> None:
+    if isinstance(item, dict) and item.get("type") == "message":
+        for part in _list(item.get("content")):
+            _strip_part_logprobs(part)
+
+
+def filter_response_payload(payload: dict[str, Any], asked: ResponsesAsked) -> dict[str, Any]:
+    """A Responses result as the client asked for it: without the token ids and logprobs the gateway added."""
+    if not asked.messages:
+        for name in ("input_messages", "output_messages"):
+            if name in payload:
+                payload[name] = None
+    if not asked.logprobs:
+        for item in _list(payload.get("output")):
+            _strip_item_logprobs(item)
+    return payload
+
+
+@dataclass
+class ResponsesStreamCapture:
+    """Follows a streamed Responses answer: gathers the output text's logprobs from its delta events and the final
+    response object (with its token ids), and renders each event as the client asked for it."""
+
+    asked: ResponsesAsked
+    upstream_model: str
+    client_model: str
+    logprobs: list[float] = field(default_factory=list)
+    final: dict[str, Any] | None = None
+    response_id: str | None = None
+    events: int = 0
+    malformed: bool = False  # an event's token data could not be read: the call is recorded without logprobs
+
+    def render(self, line: str) -> str:
+        """One line of the stream as it goes to the client (``data:`` lines filtered, others as they came)."""
+        if not line.startswith("data:"):
+            return line + "\n"
+        data = line[5:].strip()
+        try:
+            event = json.loads(data)
+        except (ValueError, RecursionError):
+            return line + "\n"
+        if not isinstance(event, dict):
+            return line + "\n"
+        self.events += 1
+        try:
+            self._take(event)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:  # handed on, not captured
+            self.malformed = True
+            log.warning("malformed upstream Responses stream event not captured", error=str(exc)[:200])
+        self._filter(event)
+        return "data: " + json.dumps(event, separators=(",", ":")) + "\n"
+
+    def _take(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        response = event.get("response")
+        if isinstance(response, dict):
+            if self.response_id is None and isinstance(response.get("id"), str):
+                self.response_id = response["id"]  # the first event's: the one the headers index
+            if kind in FINAL_EVENTS:
+                self.final = json.loads(json.dumps(response))  # a copy: the client's is filtered
+        if kind == "response.output_text.delta" and isinstance(event.get("logprobs"), list):
+            self.logprobs.extend(float(lp["logprob"]) for lp in event["logprobs"]
+                                 if isinstance(lp, dict) and "logprob" in lp)
+
+    def _filter(self, event: dict[str, Any]) -> None:
+        response = event.get("response")
+        if isinstance(response, dict):
+            filter_response_payload(response, self.asked)
+            if response.get("model") == self.upstream_model:
+                response["model"] = self.client_model
+        if not self.asked.logprobs:
+            if str(event.get("type", "")).startswith("response.output_text.") and event.get("logprobs"):
+                event["logprobs"] = []
+            _strip_part_logprobs(event.get("part"))
+            _strip_item_logprobs(event.get("item"))
+
+    def tokens(self) -> ResponseTokens | None:
+        """The call's token data, once the final event came (None before)."""
+        if self.final is None:
+            return None
+        return response_tokens(self.final, None if self.malformed else self.logprobs or None)
