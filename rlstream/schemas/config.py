@@ -473,7 +473,7 @@ class GateConfig(Section):
                                 "callers, by a hash of their API key and user field) a version that passed the "
                                 "offline test first gets as a canary before it serves everyone (0: no canary, the "
                                 "version serves at once); rlstream up sets 0 unless its traffic is production")
-    canary_alpha: float = Field(0.05, gt=0, lt=1, description="false-alarm rate of the canary's sequential test: "
+    canary_alpha: float = Field(0.04, gt=0, lt=1, description="false-alarm rate of the canary's sequential test: "
                                 "the probability of rolling back a canary that is as good as serving")
     canary_beta: float = Field(0.2, gt=0, lt=1, description="probability that the canary's sequential test keeps a "
                                "canary worse by canary_min_effect")
