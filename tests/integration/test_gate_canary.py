@@ -9,6 +9,7 @@ import asyncio
 import math
 import random
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -66,8 +67,10 @@ def production(cfg: RlstreamConfig, version: int, tag: str, reward: float | None
 
 
 async def send_feedback(producer: Any, names: TopicNames, feedback: list[tuple[TrajectoryEvent, float]]) -> None:
-    """Each production trajectory, then its reward (a RewardEvent)."""
+    """Each production trajectory (answered now: the canary counts what was answered since its start), then its
+    reward (a RewardEvent)."""
     for trajectory, value in feedback:
+        trajectory.created_at = datetime.now(timezone.utc)
         await producer.send(names.trajectories, CODEC.encode(trajectory), key=trajectory.example_id.encode())
         reward = make_reward(trajectory, value)
         await producer.send(names.rewards, CODEC.encode(reward), key=reward.example_id.encode())
@@ -107,6 +110,7 @@ async def run_canary(cfg: RlstreamConfig, names: TopicNames, canary_p: float = 0
         pointer = await serving.serving(cfg.policy)
         assert pointer is not None and (pointer.version, pointer.canary_version, pointer.canary_share) == (1, 2, 0.25)
         for topic, event in extra or []:
+            event.created_at = datetime.now(timezone.utc)
             await producer.send(topic, CODEC.encode(event), key=event.example_id.encode())
         await send_feedback(producer, names, feedback if feedback is not None
                             else bernoulli(cfg, per_arm, canary_p, serving_p))
@@ -207,3 +211,198 @@ def test_the_gate_reads_exactly_the_groups_a_version_trained_on(rl_config: Rlstr
 
     read, expected = asyncio.run(scenario())
     assert read == expected and expected
+
+
+def legacy_truncation(outcome: SequentialOutcome, llr: float) -> SequentialOutcome:
+    """What an undecided canary became before it failed closed: the sign of the llr (0 with no evidence) decided,
+    so a canary with no feedback, or too little to test, was promoted."""
+    return SequentialOutcome.rollback if llr > 0 else SequentialOutcome.finish
+
+
+def timeout_config(rl_config: RlstreamConfig, **update: Any) -> RlstreamConfig:
+    cfg = canary_config(rl_config)
+    return cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"canary_max_s": 2.0, **update})})
+
+
+def test_undecided_canary_without_feedback_is_rejected_at_canary_max_s(rl_config: RlstreamConfig,
+                                                                        created_topics: TopicNames) -> None:
+    cfg = timeout_config(rl_config)
+    gate, seconds = asyncio.run(run_canary(cfg, created_topics, feedback=[]))
+    last = gate.decisions[-1]
+    assert last.decision == DecisionKind.reject and last.version == 2, last.reason
+    assert "undecided" in last.reason and "canary_max_s" in last.reason
+    assert last.candidate_metrics["canary_undecided"] == 1.0 and last.candidate_metrics["canary_rewards"] == 0
+    assert 2.0 <= seconds < 30.0
+    pointer = asyncio.run(_pointer(cfg))
+    assert pointer is not None and pointer.version == 1 and pointer.canary_version is None
+    assert [d.decision for d in asyncio.run(decisions(cfg, created_topics))] == [DecisionKind.canary,
+                                                                                  DecisionKind.reject]
+    # negative control: the same test state under the old truncation is a promotion
+    state = sprt(OnlineRewards(2, 1, gate.decisions[0].decided_at).canary,
+                 OnlineRewards(2, 1, gate.decisions[0].decided_at).serving, gate.sprt)
+    assert state.outcome == SequentialOutcome.wait and legacy_truncation(state.outcome, state.llr) == \
+        SequentialOutcome.finish
+
+
+def test_19_zeros_against_200_ones_is_rejected_not_promoted(rl_config: RlstreamConfig,
+                                                             created_topics: TopicNames) -> None:
+    cfg = timeout_config(rl_config, canary_max_s=10.0)  # time for every reward to be read first
+    feedback = [(production(cfg, 2, f"c{i}"), 0.0) for i in range(19)] + \
+        [(production(cfg, 1, f"s{i}"), 1.0) for i in range(200)]
+    gate, _ = asyncio.run(run_canary(cfg, created_topics, feedback=feedback))
+    last = gate.decisions[-1]
+    assert last.decision == DecisionKind.reject and last.version == 2, last.reason
+    assert (last.candidate_metrics["canary_rewards"], last.candidate_metrics["serving_rewards"]) == (19, 200)
+    assert last.candidate_metrics["canary_reward_mean"] == 0.0 and last.candidate_metrics["serving_reward_mean"] == 1
+    pointer = asyncio.run(_pointer(cfg))
+    assert pointer is not None and pointer.version == 1 and pointer.canary_version is None
+    # negative control: 19 < canary_min_samples, so the test waits, and the old truncation (llr 0) promoted it
+    state = sprt(*_arms([0.0] * 19, [1.0] * 200), gate.sprt)
+    assert state.outcome == SequentialOutcome.wait and legacy_truncation(state.outcome, state.llr) == \
+        SequentialOutcome.finish
+
+
+def _arms(canary: list[float], serving: list[float]) -> tuple[Any, Any]:
+    from rlstream.gate.sequential import RewardStats
+
+    arms = (RewardStats(), RewardStats())
+    for arm, values in zip(arms, (canary, serving)):
+        for value in values:
+            arm.add(value)
+    return arms
+
+
+def test_invalid_rewards_on_the_topic_are_counted_not_tested(rl_config: RlstreamConfig,
+                                                              created_topics: TopicNames) -> None:
+    """A worse canary plus a NaN and a 1e200 reward on ``rewards`` (and a trajectory carrying 1e200 inline), all on
+    the canary's arm: the gate leaves them out (counted) and rolls the canary back."""
+    cfg = canary_config(rl_config)
+    feedback = bernoulli(cfg, 60, canary_p=0.2, serving_p=0.8)
+    hostile = [(production(cfg, 2, "nan"), math.nan), (production(cfg, 2, "huge"), 1e200)]
+    inline = production(cfg, 2, "inline", reward=1e200)
+    gate, _ = asyncio.run(run_canary(cfg, created_topics, feedback=hostile + feedback,
+                                     extra=[(created_topics.trajectories, inline)]))
+    last = gate.decisions[-1]
+    assert last.decision == DecisionKind.rollback and last.version == 1, last.reason
+    assert last.candidate_metrics["invalid_rewards"] == 3
+    assert last.candidate_metrics["canary_rewards"] == 60  # none of the invalid ones
+
+    # negative control: the same records into the test without the reward rules
+    def unchecked(records: list[tuple[TrajectoryEvent, float]]) -> Any:
+        rewards = OnlineRewards(2, 1, gate.decisions[0].decided_at)
+        for trajectory, value in records:
+            rewards.on_trajectory(trajectory, cfg.policy)
+            rewards.on_reward(make_reward(trajectory, value))
+        return sprt(rewards.canary, rewards.serving, gate.sprt)
+
+    assert unchecked(feedback).outcome == SequentialOutcome.rollback  # the clean records alone roll back
+    for bad in hostile:  # one of them turns the certain rollback into a wait, and the old timeout into a promotion
+        state = unchecked([bad] + feedback)
+        assert state.outcome == SequentialOutcome.wait
+        assert legacy_truncation(state.outcome, state.llr) == SequentialOutcome.finish
+
+
+def test_a_restarted_gate_resumes_the_canary_test(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    """15 rewards per arm before the restart, 10 after: the restarted gate reads the first 15 back from Redis and
+    rolls the worse canary back on all 25 (control: without the saved state a restarted gate starts from zero)."""
+    cfg = canary_config(rl_config)
+
+    async def scenario() -> tuple[int, int, PromotionDecision]:
+        control = ControlPlane(str(cfg.redis.url))
+        serving = await setup_fleet(cfg, control)
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            first = await new_gate(cfg, control)
+            try:
+                await first.start_canary(2, 1, figures(2), figures(1), Verdict(True))
+                await send_feedback(producer, created_topics, bernoulli(cfg, 15, 0.1, 0.9, seed=3, tag="a"))
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    await first.pump(timeout_ms=200)
+                    await first.step_canary()
+                    assert first.canary is not None
+                    if min(first.canary.rewards.canary.count, first.canary.rewards.serving.count) == 15:
+                        break
+            finally:
+                await first._stop()  # the gate dies mid-canary
+            saved = await serving.canary_state(cfg.policy)
+            assert saved is not None and (saved.canary.count, saved.serving_arm.count) == (15, 15)
+            # control: a restarted gate that finds no saved state starts the test from zero
+            await serving.clear_canary_state(cfg.policy)
+            blank = await new_gate(cfg, control)
+            try:
+                assert blank.canary is not None and blank.canary.version == 2
+                from_zero = blank.canary.rewards.canary.count + blank.canary.rewards.serving.count
+            finally:
+                await blank._stop()
+            await serving.save_canary_state(cfg.policy, saved)
+            second = await new_gate(cfg, control)
+            try:
+                assert second.canary is not None
+                resumed = second.canary.rewards.canary.count + second.canary.rewards.serving.count
+                assert second.canary.started_at == saved.started_at
+                await send_feedback(producer, created_topics, bernoulli(cfg, 10, 0.1, 0.9, seed=4, tag="b"))
+                await drive(second)
+                return from_zero, resumed, second.decisions[-1]
+            finally:
+                await second._stop()
+        finally:
+            await producer.stop()
+            await control.close()
+
+    from_zero, resumed, last = asyncio.run(scenario())
+    assert from_zero == 0 and resumed == 30
+    assert last.decision == DecisionKind.rollback, last.reason
+    assert last.candidate_metrics["canary_n"] == 25 and last.candidate_metrics["serving_n"] == 25
+    assert asyncio.run(_saved(cfg)) is None  # the decided canary's state is gone
+
+
+async def _saved(cfg: RlstreamConfig) -> Any:
+    control = ControlPlane(str(cfg.redis.url))
+    try:
+        return await ServingControl(control).canary_state(cfg.policy)
+    finally:
+        await control.close()
+
+
+def test_an_operator_rollback_ends_the_running_canary(rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    """Serving v2 with canary v3; ``rlstream rollback --to 1`` (ops.promotion.operator_move): the canary is gone
+    from the pointer in the same move, its rejection is recorded with the operator's reason, and the gate drops its
+    test (control: without the operator's move the canary keeps running)."""
+    from rlstream.ops.promotion import operator_move
+    from tests.support.version_helpers import announce_versions
+
+    cfg = canary_config(rl_config)
+    policy = cfg.policy
+
+    async def scenario() -> tuple[bool, Any, PromotionGate]:
+        await announce_versions(cfg, [PolicyVersion(policy=policy, version=v, base_model="m", uri=f"/v{v}",
+                                                    learner_step=v) for v in (1, 2, 3)])
+        control = ControlPlane(str(cfg.redis.url))
+        serving = await setup_fleet(cfg, control, loaded=(1, 2, 3))
+        await serving.promote(policy, 2, token=await serving.issue_token(policy), reason="up", decided_by="test")
+        gate = await new_gate(cfg, control)
+        try:
+            gate.known[3] = PolicyVersion(policy=policy, version=3, base_model="m", uri="/v3", learner_step=3)
+            await gate.start_canary(3, 2, figures(3), figures(2), Verdict(True))
+            for _ in range(4):  # control: nothing ends it by itself
+                await gate.pump(timeout_ms=100)
+                await gate.step_canary()
+            still_running = gate.canary is not None and (await serving.serving(policy)).canary_version == 3
+            outcome = await operator_move(cfg, 1, DecisionKind.rollback, "bad answers", timeout_s=5.0)
+            pointer = await serving.serving(policy)
+            await gate.step_canary()
+            return still_running, (outcome.moved, pointer, await serving.canary_state(policy)), gate
+        finally:
+            await gate._stop()
+            await control.close()
+
+    still_running, (moved, pointer, saved), gate = asyncio.run(scenario())
+    assert still_running
+    assert moved and pointer.version == 1 and pointer.canary_version is None and pointer.canary_share == 0.0
+    assert gate.canary is None and saved is None
+    recorded = asyncio.run(decisions(cfg, created_topics))
+    ended = [d for d in recorded if d.decision == DecisionKind.reject and d.version == 3]
+    assert len(ended) == 1 and "ended by an operator's rollback to v1: bad answers" in ended[0].reason
+    assert [d.decision for d in recorded].count(DecisionKind.rollback) == 1
