@@ -427,11 +427,30 @@ class PromotionGate:
         newer = [v for v in self.known if v > floor]
         return max(newer) if newer else None
 
+    async def serve_base(self) -> None:
+        """Promote version 0 (the base weights, announced by the learner) without evaluation while no serving pointer
+        exists: production traffic gets nothing before it (the gateway answers 503) and nothing unevaluated after
+        it. A fenced compare-and-set from no pointer: a gate that lost the race changes nothing."""
+        record = self.known[0]
+        outcome = await move_serving_when_loaded(
+            self.serving, self.policy, 0, decision=DecisionKind.promote,
+            reason="version 0: the base weights serve without evaluation", decided_by=DECIDED_BY, expected_version=-1,
+            uri=record.uri, sha256=_digest(record), timeout_s=self.gcfg.load_timeout_s, producer=self.producer,
+            codec=self.codec, topic=self.topics.promotions)
+        if outcome.moved and outcome.decision is not None:
+            await self._decided(outcome.decision)
+        else:
+            log.warning("version 0 not serving yet", reason=outcome.reason)
+            await asyncio.sleep(ERROR_BACKOFF_S)
+
     async def step(self) -> None:
         """Decide about the newest candidate above the serving version, when there is one: the candidate, the
         serving version and the anchor are measured now on the same prompts and seeds, and judged (rules.py)."""
         pointer = await self.serving.serving(self.policy)
         serving_version = pointer.version if pointer is not None else None
+        if pointer is None and 0 in self.known:  # the base weights serve first, without evaluation
+            await self.serve_base()
+            return
         if pointer is not None and pointer.floor > self.decided:
             self.decided = pointer.floor  # a rolled-back version (or older) never comes back by a promotion
         baseline_version = serving_version if serving_version is not None else 0

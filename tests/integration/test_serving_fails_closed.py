@@ -1,0 +1,148 @@
+"""Nothing unevaluated serves, on the real broker and Redis: the fenced learner's version 0 (the base weights) is
+what the gate serves first, production requests before any pointer get nothing (the gateway answers 503), LoRA
+candidates every serve replica holds never answer production traffic, and ``rlstream rollback --to 0`` takes the
+fleet, pinned sessions included, back to the base weights."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlstream.cli.app import app
+from rlstream.gate.evaluation import EvaluationSet
+from rlstream.gate.service import PromotionGate
+from rlstream.ops.promotion import read_decisions
+from rlstream.rollout.routing import FleetRouter, NoServingVersion
+from rlstream.schemas.codec import AvroCodec
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import DecisionKind, FileDigest, PolicyVersion, WeightsKind
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport.control import ControlPlane
+from rlstream.transport.serving import ReplicaAck, ServingControl
+from tests.support.version_helpers import announce_versions
+
+pytestmark = pytest.mark.integration
+CODEC = AvroCodec()
+REQUESTS = 200
+
+
+def lora_version(cfg: RlstreamConfig, version: int) -> PolicyVersion:
+    return PolicyVersion(policy=cfg.policy, version=version, base_model="m", kind=WeightsKind.lora,
+                         uri=f"/versions/v{version:06d}", learner_step=version,
+                         files=[FileDigest(path="adapter_model.safetensors", sha256=f"{version:064x}", size=1)])
+
+
+async def start_fleet(cfg: RlstreamConfig, control: ControlPlane) -> ServingControl:
+    """Versions 0-3 announced by the fenced learner; two serve replicas that loaded every LoRA candidate (what a
+    serve replica does: each under its own name), the base weights answering as version 0."""
+    await announce_versions(cfg, [lora_version(cfg, v) for v in range(4)])
+    serving = ServingControl(control)
+    for wid in ("a", "b"):
+        await serving.record_replica(cfg.policy, ReplicaAck(wid, 3, f"{cfg.policy}-v3", url=f"http://{wid}:1", loaded={
+            0: "base", **{v: f"{cfg.policy}-v{v}" for v in (1, 2, 3)}}), 120.0)
+    return serving
+
+
+async def production_versions(fleet: FleetRouter) -> list[int | None]:
+    """The version each of ``REQUESTS`` production requests gets (half in sessions); None: refused (503)."""
+    out: list[int | None] = []
+    for i in range(REQUESTS):
+        try:
+            out.append((await fleet.route(session_id=f"s{i}" if i % 2 else None)).version)
+        except NoServingVersion:
+            out.append(None)
+    return out
+
+
+async def start_gate(cfg: RlstreamConfig, control: ControlPlane) -> PromotionGate:
+    evaluation = EvaluationSet(examples=[{"id": "0", "prompt": "x"}], reward_function=lambda e, t: 0.0)
+    gate = PromotionGate(cfg, control, evaluation, codec=CODEC)
+    await gate._start()
+    for _ in range(40):  # read the announced versions from the broker
+        await gate.pump(timeout_ms=250)
+        if len(gate.known) == 4:
+            break
+    assert sorted(gate.known) == [0, 1, 2, 3]
+    return gate
+
+
+def test_production_before_the_first_promotion_gets_only_version_0(rl_config: RlstreamConfig,
+                                                                   created_topics: TopicNames) -> None:
+    cfg = rl_config
+
+    async def scenario() -> tuple[list[int | None], list[int | None], list[int | None], int | None]:
+        control = ControlPlane(str(cfg.redis.url))
+        try:
+            await start_fleet(cfg, control)
+            fleet = FleetRouter(control, cfg.policy, "base", ttl_s=0)
+            before_gate = await production_versions(fleet)
+            # control: the resolution without a pointer ("the newest version a replica loaded") on the same fleet
+            legacy = await production_versions(FleetRouter(control, cfg.policy, "base", ttl_s=0,
+                                                           serve_unpromoted=True))
+            gate = await start_gate(cfg, control)
+            try:
+                await gate.step()  # no pointer and version 0 known: the base weights serve, without evaluation
+            finally:
+                await gate._stop()
+            pointer = await ServingControl(control).serving(cfg.policy)
+            after_gate = await production_versions(fleet)
+            return before_gate, after_gate, legacy, pointer.version if pointer else None
+        finally:
+            await control.close()
+
+    before_gate, after_gate, legacy, pointer = asyncio.run(scenario())
+    assert before_gate == [None] * REQUESTS  # nothing serves before version 0 does: 503, never a candidate
+    assert pointer == 0 and after_gate == [0] * REQUESTS
+    assert set(legacy) == {3}  # control: without the pointer rule every request reached the unevaluated v3
+    (decision,) = asyncio.run(read_decisions(cfg))
+    assert (decision.version, decision.decision, decision.serving_before) == (0, DecisionKind.promote, None)
+    assert "without evaluation" in decision.reason
+
+
+def test_rollback_to_0_through_the_cli_moves_every_session(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                           tmp_path: Path) -> None:
+    cfg = rl_config
+    policy = cfg.policy
+
+    async def promote_3() -> dict[str, int]:
+        control = ControlPlane(str(cfg.redis.url))
+        try:
+            serving = await start_fleet(cfg, control)
+            for version in (0, 3):  # what the gate did: the base, then a candidate that passed
+                await serving.promote(policy, version, token=await serving.issue_token(policy), reason="passed",
+                                      decided_by="gate")
+            fleet = FleetRouter(control, policy, "base", ttl_s=0, session_ttl_s=600)
+            return {f"s{i}": (await fleet.route(session_id=f"s{i}")).version for i in range(50)}
+        finally:
+            await control.close()
+
+    pinned = asyncio.run(promote_3())
+    assert set(pinned.values()) == {3}
+    overrides = ["kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "redis.url", str(cfg.redis.url),
+                 "topics.prefix", cfg.topics.prefix, "policy", policy]
+    args = ["rollback", "--to", "0", "--reason", "bad canary", "--timeout", "10"]
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        args += ["-o", f"{key}={value}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "3 -> 0" in result.output
+
+    async def after() -> tuple[int, int, set[int], set[int]]:
+        control = ControlPlane(str(cfg.redis.url))
+        try:
+            pointer = await ServingControl(control).serving(policy)
+            assert pointer is not None
+            fleet = FleetRouter(control, policy, "base", ttl_s=0, session_ttl_s=600)
+            moved = {(await fleet.route(session_id=sid)).version for sid in pinned}
+            fresh = {(await fleet.route()).version for _ in range(20)}
+            return pointer.version, pointer.floor, moved, fresh
+        finally:
+            await control.close()
+
+    version, floor, moved, fresh = asyncio.run(after())
+    assert (version, floor) == (0, 3)
+    assert moved == {0} and fresh == {0}  # pinned sessions left the rolled-back version at their next call
+    decisions = asyncio.run(read_decisions(cfg))
+    assert [(d.version, d.decision, d.serving_before) for d in decisions] == [(0, DecisionKind.rollback, 3)]
