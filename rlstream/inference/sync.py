@@ -446,6 +446,8 @@ class InferenceSyncWorker:
             await self._hold_full(full_version_for_serve("serving", None, self.pointer_wants, self.icfg.worker_id),
                                   now)
         loaded = {self._adapter_version(n) for n in self.adapters} | {self.state.version}
+        if self.state.kind != "full":
+            loaded.add(0)  # the base model's own name answers as version 0 beside the adapters
         for version in sorted(self.wanted - loaded, reverse=True):
             known = self.known.get(version)
             failed = self.failed.get(version)

@@ -416,8 +416,9 @@ class InferenceConfig(Section):
         "a dedicated evaluation server that loads every new candidate for the promotion gate, never takes "
         "production traffic and is left out of the fleet rule (docs/promotion.md)")
     full_weights_follow: Literal["newest", "serving"] = Field(
-        "newest", description="which full-weights version a serve replica loads (a server holds one set of full "
-        "weights): newest, every announced version (no gate, or LoRA versions); serving, only the versions the "
+        "serving", description="which full-weights version a serve replica loads (a server holds one set of full "
+        "weights): newest, every announced version (only without a promotion gate: candidates replace what serves); "
+        "serving, only the versions the "
         "serving pointer asks for (pending first, else the newest of serving and canary), the base weights while "
         "there is no pointer, so a candidate the gate evaluates on an evaluate replica never answers production "
         "requests. LoRA versions load under their own names either way")

@@ -205,12 +205,12 @@ class WantedVersions:
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "WantedVersions":
-        def positive(name: str) -> int | None:
+        def version(name: str) -> int | None:  # 0 is a version too: the base weights (rollback --to 0)
             value = _int_or_none(raw.get(name))
-            return value if value is not None and value > 0 else None
+            return value if value is not None and value >= 0 else None
 
-        return cls(positive("version"), positive("pending_version"), positive("canary_version"),
-                   positive("anchor_version"), _workers(raw.get("canary_workers")))
+        return cls(version("version"), version("pending_version"), version("canary_version"),
+                   version("anchor_version"), _workers(raw.get("canary_workers")))
 
     def all(self) -> set[int]:
         """Every version set: what replicas keep loaded (LoRA versions side by side)."""
