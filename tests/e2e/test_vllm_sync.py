@@ -58,6 +58,7 @@ def test_lora_then_full_versions_are_loaded_served_and_bad_checksums_refused(
     cfg.inference.worker_id = "w-e2e"
     cfg.inference.weights_roots = [str(tmp_path)]  # the versions below are written there (records are untrusted)
     cfg.inference.served_model = SERVED_MODEL
+    cfg.inference.full_weights_follow = "newest"  # no gate here: each full version loads as it is announced
     cfg.inference.load_retries = 1
     cfg.inference.retry_backoff_s = 0.1
     codec = AvroCodec()

@@ -144,11 +144,16 @@ def test_wanted_versions_from_the_pointer_hash() -> None:
     assert WantedVersions.from_hash({"pending_version": "3"}) == WantedVersions(pending=3)
     wants = WantedVersions.from_hash({"version": "2", "pending_version": "", "canary_version": "4"})
     assert wants == WantedVersions(serving=2, canary=4) and wants.all() == {2, 4}
+    # version 0 (the base weights) is a version: a rollback to it asks the fleet to load it
+    back = WantedVersions.from_hash({"version": "3", "pending_version": "0"})
+    assert back == WantedVersions(serving=3, pending=0) and full_version_for_serve("serving", 5, back) == 0
+    assert WantedVersions.from_hash({"version": "-1"}) == WantedVersions()
 
 
-def test_inference_config_defaults_keep_todays_behaviour() -> None:
+def test_inference_config_defaults_full_weights_follow_serving() -> None:
     cfg = InferenceConfig()
-    assert (cfg.role, cfg.full_weights_follow) == ("serve", "newest")
+    assert (cfg.role, cfg.full_weights_follow) == ("serve", "serving")  # a candidate never replaces what serves
+    assert not loads_on_announcement(cfg.role, cfg.full_weights_follow, WeightsKind.full)
     with pytest.raises(ValueError):
         InferenceConfig(role="shadow")  # type: ignore[arg-type]
 
