@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
@@ -188,6 +187,21 @@ class OutstandingTransport(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+def in_canary_share(identity: str, share: float) -> bool:
+    """Whether the caller or session ``identity`` belongs to the canary's ``share``: a stable hash of it, uniform on
+    [0, 1), below ``share``; every gateway assigns the same identity the same way."""
+    digest = hashlib.blake2b(identity.encode(), digest_size=8, person=b"rls-canary").digest()
+    return int.from_bytes(digest, "big") / 2 ** 64 < share
+
+
+def caller_identity(key_id: str | None, user: str | None) -> str | None:
+    """What identifies the caller of a request without a session: its API key id and the request's ``user`` field
+    (either may be missing; None when both are)."""
+    if not key_id and not user:
+        return None
+    return f"key:{key_id or ''}\x00user:{user or ''}"
+
+
 def session_replica(session_id: str, replicas: list[ReplicaAck]) -> ReplicaAck:
     """The replica a session's calls go to among ``replicas`` (rendezvous hashing): every gateway picks the same
     one without sharing state, and a replica joining or leaving moves only the sessions it gains or had."""
@@ -214,7 +228,8 @@ class FleetRouter:
 
     :meth:`route` takes the version a model name pins (``policy@N``: the serving version or the canary, any other
     with the ``evaluate`` scope), or the version the request's session is pinned to, else picks: the canary for its
-    share of sessions (by a hash of the session id), else the serving version (:func:`production_version`; no
+    share of sessions and of sessionless callers (:func:`in_canary_share` of the session id, else of
+    :func:`caller_identity`), else the serving version (:func:`production_version`; no
     serving pointer: :class:`NoServingVersion`, unless ``serve_unpromoted``); only ``serve`` replicas take requests.
     A session's version is pinned in Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its
     last call), so every gateway sends a session's calls to the version it started on, while a replica has it loaded
@@ -256,9 +271,10 @@ class FleetRouter:
         return Route(replica.loaded[version] or self.base_model, version, replica.worker_id, replica.url)
 
     async def route(self, pinned: int | None = None, session_version: int | None = None,
-                    session_id: str | None = None, scopes: Collection[str] = ()) -> Route:
+                    session_id: str | None = None, scopes: Collection[str] = (), caller: str | None = None) -> Route:
         """The route of one request (``session_id``: the gateway's scoped session id; ``session_version``: a
-        version the caller already knows the session is on; ``scopes``: the caller's key scopes). Raises
+        version the caller already knows the session is on; ``scopes``: the caller's key scopes; ``caller``: who
+        sent a request without a session, :func:`caller_identity`, for the canary's share). Raises
         :class:`VersionForbidden` for a pinned version that is neither serving nor the canary without the
         ``evaluate`` scope, :class:`VersionNotLoaded` for a pinned version no replica has, and
         :class:`NoServingVersion` when nothing serves yet (no serving pointer)."""
@@ -279,7 +295,7 @@ class FleetRouter:
             route = self._on(session_version, replicas, session_id)  # stays on its version while a replica has it
             if route is not None:
                 return route
-        fresh = self._pick(pointer, replicas, session_id)
+        fresh = self._pick(pointer, replicas, session_id, caller)
         if session_id is None:
             return fresh
         held = await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s)
@@ -290,14 +306,15 @@ class FleetRouter:
             return fresh
         return route
 
-    def _pick(self, pointer: ServingPointer | None, replicas: list[ReplicaAck], session_id: str | None) -> Route:
+    def _pick(self, pointer: ServingPointer | None, replicas: list[ReplicaAck], session_id: str | None,
+              caller: str | None = None) -> Route:
         """The route of a request that no version or session pins."""
+        identity = f"session:{session_id}" if session_id is not None else caller
         if pointer is not None and pointer.canary_version is not None and pointer.canary_share > 0 \
-                and session_id is not None:
-            if zlib.crc32(session_id.encode()) / 2 ** 32 < pointer.canary_share:
-                route = self._on(pointer.canary_version, replicas, session_id)
-                if route is not None:
-                    return route
+                and identity is not None and in_canary_share(identity, pointer.canary_share):
+            route = self._on(pointer.canary_version, replicas, session_id)
+            if route is not None:
+                return route
         version = production_version(pointer, replicas, unpromoted=self.serve_unpromoted)
         if version is not None:
             route = self._on(version, replicas, session_id)
