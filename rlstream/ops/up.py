@@ -132,6 +132,12 @@ def _start_vllm_servers(sup: Supervisor, model_dir: Path, served: str, run_dir: 
     return servers
 
 
+def canary_overrides(traffic: str) -> list[str]:
+    """The gate's canary settings under ``rlstream up``: the config's (on by default) with production traffic; off
+    otherwise (the canary is tested on production feedback: without it every canary would only time out)."""
+    return [] if traffic == "production" else ["-o", "gate.canary_share", "0"]
+
+
 def run_up(opts: UpOptions) -> dict[str, Any]:
     """Run the whole system until ``duration_s``, ``until_version`` (scored) or Ctrl-C, whichever comes first;
     returns the summary written to disk."""
@@ -197,7 +203,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             heldout_file = run_dir / "heldout.jsonl"
             heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))
             gate_dataset = [] if cfg.gate.dataset else ["-o", "gate.dataset", str(heldout_file)]
-            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, "-o", "gate.samples", str(opts.gate_samples),
+            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, *canary_overrides(opts.traffic),
+                                               "-o", "gate.samples", str(opts.gate_samples),
                                                "-o", "gate.examples", str(len(heldout))))
             figures.promotion.gate = True
         elif opts.gate:

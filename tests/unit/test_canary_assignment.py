@@ -64,3 +64,13 @@ def test_canary_state_round_trips_through_its_hash() -> None:
     assert CanaryState.from_hash(state.to_hash()) == state
     assert CanaryState.from_hash({}) is None
     assert CanaryState.from_hash({**state.to_hash(), "canary_count": "x"}) is None  # unreadable: ignored
+
+
+def test_the_canary_is_on_by_default_with_production_traffic() -> None:
+    from rlstream.ops.up import canary_overrides
+    from rlstream.schemas.config import GateConfig
+
+    defaults = GateConfig()
+    assert defaults.canary_share > 0 and defaults.canary_undecided == "reject"
+    assert canary_overrides("production") == []  # rlstream up --traffic production keeps the config's canary
+    assert canary_overrides("rollout") == ["-o", "gate.canary_share", "0"]  # no production feedback: no canary
