@@ -144,6 +144,7 @@ class StepStats:
     optimizer_steps: int
     nonfinite_skipped: int
     seconds: float
+    rows_dropped_nonfinite: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -170,7 +171,8 @@ STEP_METRICS: dict[str, str] = {
     "advantage_std": mn.LEARNER_ADVANTAGE_STD, "entropy": mn.LEARNER_ENTROPY, "grad_norm": mn.LEARNER_GRAD_NORM,
     "learning_rate": mn.LEARNER_LEARNING_RATE, "tokens": mn.LEARNER_TOKENS, "sequences": mn.LEARNER_SEQUENCES,
     "trajectories": mn.LEARNER_TRAJECTORIES, "optimizer_steps": mn.LEARNER_OPTIMIZER_STEPS,
-    "nonfinite_skipped": mn.LEARNER_NONFINITE_SKIPPED, "seconds": mn.LEARNER_SECONDS,
+    "nonfinite_skipped": mn.LEARNER_NONFINITE_SKIPPED, "rows_dropped_nonfinite": mn.LEARNER_ROWS_DROPPED_NONFINITE,
+    "seconds": mn.LEARNER_SECONDS,
     "tokens_per_s": mn.LEARNER_TOKENS_PER_S,
 }
 
@@ -235,14 +237,15 @@ class GRPOTrainerStep:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_optimizer_steps, cfg.lr_schedule))
 
-    def prepare(self, samples: Sequence[Sample]) -> PreparedStep:
-        """Cut ``samples`` (advantages assigned) into collated micro-batches on the device, with step totals."""
+    def prepare(self, samples: Sequence[Sample], every_micro_batch: bool = False) -> PreparedStep:
+        """Cut ``samples`` (advantages assigned) into collated micro-batches on the device, with step totals (under
+        data parallel only this rank's micro-batches, unless ``every_micro_batch``)."""
         trajs = trajectories_of(samples)
         row_traj_tokens = trajs.tokens[trajs.of_sample].to(torch.float32)
         micro = []
         bounds = micro_batch_bounds(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         for index, (start, end) in enumerate(bounds):
-            if self.parallel is not None and not self.parallel.owns(index):
+            if self.parallel is not None and not every_micro_batch and not self.parallel.owns(index):
                 continue  # another rank's micro-batch (the totals above and below are the whole step's)
             batch = collate(samples[start:end], self.policy.pad_id).to(self.policy.device)
             micro.append(MicroBatch(batch, row_traj_tokens[start:end].to(self.policy.device)))
@@ -328,18 +331,62 @@ class GRPOTrainerStep:
         self.optimizer.zero_grad(set_to_none=True)
         return figures, True
 
+    def nonfinite_rows(self, samples: Sequence[Sample]) -> list[int]:
+        """Indices of the rows whose own loss or gradient is not finite, each row checked alone (a forward and
+        backward per row: run only after a step's gradient came out non-finite). Under data parallel each rank checks
+        the rows of its own micro-batches and every rank returns the union."""
+        bad = [0.0] * len(samples)
+        bounds = micro_batch_bounds(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        params = self.policy.trainable_parameters()
+        for index, (start, end) in enumerate(bounds):
+            if self.parallel is not None and not self.parallel.owns(index):
+                continue
+            for row in range(start, end):
+                self.optimizer.zero_grad(set_to_none=True)
+                alone = self.prepare([samples[row]], every_micro_batch=True)
+                loss = self.accumulate_local(alone)
+                finite = math.isfinite(loss) and all(bool(torch.isfinite(p.grad).all()) for p in params
+                                                     if p.grad is not None)
+                bad[row] = 0.0 if finite else 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.parallel is not None:
+            bad = self.parallel.sum(bad)
+        return [i for i, flag in enumerate(bad) if flag > 0]
+
+    def accumulate_local(self, prepared: PreparedStep) -> float:
+        """Forward and backward of ``prepared`` on this rank alone (no collective); returns the loss."""
+        parallel, self.parallel = self.parallel, None
+        try:
+            return float(self.accumulate(prepared)["loss"])
+        finally:
+            self.parallel = parallel
+
     def step(self, samples: Sequence[Sample]) -> StepStats:
         """One learner step: trajectory-level advantages, then ``num_iterations`` optimizer steps on the same
-        batch against the batch-start policy (stopping at the first non-finite loss or gradient)."""
+        batch against the batch-start policy (stopping at the first non-finite loss or gradient).
+
+        When the first optimizer step's loss or gradient is not finite, the rows that make it so are found (each
+        checked alone), dropped and counted (``rows_dropped_nonfinite``), and the step runs on the others: one
+        poisoned row (a turn sampled at a near-zero temperature, whose gradient scales with 1/T) no longer costs
+        the whole step. Advantages stay those computed with every row."""
         started = time.perf_counter()
         trajs = assign_advantages(samples, self.cfg.scale_rewards, self.cfg.baseline_min_count,
                                   self.cfg.single_advantage_cap)
         prepared = self.prepare(samples)
         applied: list[dict[str, float]] = []
         last: dict[str, float] = {}
-        skipped = 0
+        skipped, dropped = 0, 0
         for iteration in range(self.cfg.num_iterations):
             last, ok = self.optimizer_step(prepared, iteration)
+            if not ok and iteration == 0 and not dropped and len(samples) > 1:
+                bad = self.nonfinite_rows(samples)
+                if bad and len(bad) < len(samples):
+                    log.warning("rows with a non-finite loss or gradient dropped from the step", rows=len(bad),
+                                sequences=len(samples))
+                    dropped = len(bad)
+                    kept = [s for i, s in enumerate(samples) if i not in set(bad)]
+                    prepared = self.prepare(kept)
+                    last, ok = self.optimizer_step(prepared, iteration)
             if not ok:
                 skipped += 1
                 break
@@ -360,4 +407,4 @@ class GRPOTrainerStep:
             grad_norm=mean("grad_norm"), learning_rate=reported[0]["learning_rate"],
             tokens=int(reported[0]["tokens"]), sequences=len(samples),
             trajectories=trajs.count if trajs is not None else 0, optimizer_steps=len(applied),
-            nonfinite_skipped=skipped, seconds=time.perf_counter() - started)
+            nonfinite_skipped=skipped, seconds=time.perf_counter() - started, rows_dropped_nonfinite=dropped)

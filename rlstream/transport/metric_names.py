@@ -91,6 +91,8 @@ LEARNER_ADVANTAGE_MEAN = "learner/advantage_mean"
 LEARNER_ADVANTAGE_STD = "learner/advantage_std"
 #: Mean entropy (nats) of the batch-start policy over the step's completion tokens: collapse shows here first.
 LEARNER_ENTROPY = "learner/entropy"
+#: Rows dropped from a step because their own loss or gradient was not finite (the step ran on the others).
+LEARNER_ROWS_DROPPED_NONFINITE = "learner/rows_dropped_nonfinite"
 LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_LEARNING_RATE = "learner/learning_rate"
 LEARNER_TOKENS = "learner/tokens"
@@ -219,7 +221,8 @@ LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEAR
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
            LEARNER_REWARD_MEAN, LEARNER_REWARD_STD, LEARNER_ADVANTAGE_MEAN, LEARNER_ADVANTAGE_STD, LEARNER_ENTROPY,
            LEARNER_GRAD_NORM, LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES,
-           LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_SECONDS, LEARNER_TOKENS_PER_S)
+           LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_ROWS_DROPPED_NONFINITE, LEARNER_SECONDS,
+           LEARNER_TOKENS_PER_S)
 #: The learner's counters outside a step's figures.
 LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
@@ -367,6 +370,8 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _gauge(LEARNER_ADVANTAGE_MEAN, "rlstream_learner_advantage_mean", _LEARNER, "Mean advantage of the last step"),
     _gauge(LEARNER_ADVANTAGE_STD, "rlstream_learner_advantage_std", _LEARNER, "Advantage standard deviation of the "
            "last step"),
+    _counter(LEARNER_ROWS_DROPPED_NONFINITE, "rlstream_learner_rows_dropped_nonfinite_total", _LEARNER, "Rows "
+             "dropped from a step because their own loss or gradient was not finite"),
     _gauge(LEARNER_ENTROPY, "rlstream_learner_entropy", _LEARNER, "Mean policy entropy (nats) over the last "
            "step's completion tokens"),
     _gauge(LEARNER_GRAD_NORM, "rlstream_learner_grad_norm", _LEARNER, "Gradient norm of the last step"),

@@ -64,3 +64,35 @@ def test_a_step_reports_entropy_and_advantage_figures_of_single_responses(model_
     vocab = load_policy(cfg).vocab_size or 2
     assert 0.0 < stats.entropy <= math.log(vocab) + 1e-4
     assert stats.figures()["entropy"] == stats.entropy
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-39])
+def test_one_poisoned_row_is_dropped_and_the_step_still_applies(model_dir: Path, temperature: float) -> None:
+    """A turn recorded at a near-zero temperature (no behaviour logprobs) makes the gradient non-finite: the row is
+    found, dropped and counted, and the step applies on the other seven."""
+    def run(samples: list) -> object:
+        torch.manual_seed(0)
+        cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), device="cpu", micro_batch_size=16)
+        return GRPOTrainerStep(load_policy(cfg), cfg).step(samples)
+
+    def poisoned() -> list:
+        samples = random_samples(groups=2, per_group=4, seed=3)
+        samples[0].temperature, samples[0].behaviour_logprobs = temperature, None
+        return samples
+
+    stats = run(poisoned())
+    assert stats.optimizer_steps == 1 and stats.nonfinite_skipped == 0
+    assert stats.rows_dropped_nonfinite == 1 and math.isfinite(stats.grad_norm)
+    assert stats.figures()["rows_dropped_nonfinite"] == 1.0
+
+    # control: the same row, without the per-row guard, costs the whole step
+    import rlstream.learner.step as step_module
+
+    original = step_module.GRPOTrainerStep.nonfinite_rows
+    step_module.GRPOTrainerStep.nonfinite_rows = lambda self, samples: []  # type: ignore[method-assign]
+    try:
+        unguarded = run(poisoned())
+    finally:
+        step_module.GRPOTrainerStep.nonfinite_rows = original  # type: ignore[method-assign]
+    assert unguarded.optimizer_steps == 0 and unguarded.nonfinite_skipped == 1
+    assert not math.isfinite(unguarded.grad_norm)

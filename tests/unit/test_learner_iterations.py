@@ -48,8 +48,8 @@ def test_num_iterations_steps_against_the_batch_start_policy_and_the_clip_acts(m
 def test_a_non_finite_loss_skips_the_optimizer_step_and_is_reported(model_dir: Path) -> None:
     trainer = _trainer(model_dir, num_iterations=2)
     before = _weights(trainer)
-    samples = random_samples(seed=6)
-    samples[0].reward = float("nan")  # poisons the group's advantages, so the loss
+    samples = random_samples(groups=1, seed=6)
+    samples[0].reward = float("nan")  # poisons the group's advantages, so the loss of every row (none can be dropped)
     with capture_logs() as logs:
         stats = trainer.step(samples)
     assert stats.optimizer_steps == 0 and stats.nonfinite_skipped == 1 and not stats.trained
