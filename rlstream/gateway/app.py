@@ -38,7 +38,8 @@ from rlstream.gateway.spool import Spool
 from rlstream.gateway.unserved import not_served, public_models
 from rlstream.gateway.sessions import KnownTrajectory, SessionStore, Trajectory, recorded_call
 from rlstream.rollout.capture import to_message, token_data
-from rlstream.rollout.routing import FleetRouter, OutstandingTransport, StaticFleet, VersionNotLoaded
+from rlstream.rollout.routing import (FleetRouter, NoServingVersion, OutstandingTransport, StaticFleet,
+                                      VersionForbidden, VersionNotLoaded)
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
@@ -210,10 +211,13 @@ class Gateway:
         """The tenant of a scoped session id ('' for an open gateway, which keeps ids as sent)."""
         return scoped_session.split(":", 1)[0] if self.keys.enabled else ""
 
-    async def _route_pinned(self, model: str, session_id: str | None) -> tuple[str, int, str]:
+    async def _route_pinned(self, model: str, session_id: str | None,
+                            scopes: frozenset[str] = frozenset()) -> tuple[str, int, str]:
         """(upstream model name, version, upstream base URL ending in /v1) of a call for ``model``: pinned to one
         version (the one ``policy@N`` names, the session's, or a new pick) on a replica that has it loaded.
-        Raises :class:`VersionNotLoaded` for ``policy@N`` that no replica has."""
+        Raises :class:`VersionNotLoaded` for ``policy@N`` that no replica has, :class:`VersionForbidden` for a
+        ``policy@N`` that neither serves nor is the canary without the ``evaluate`` scope in ``scopes`` (the
+        caller's), and :class:`NoServingVersion` while nothing serves (no serving pointer)."""
         _, pinned = parse_model_name(model, self.config.policy)
         if self.fleet is None:
             name, version = await self._route(model)
@@ -221,8 +225,8 @@ class Gateway:
         session = self.sessions.open.get(session_id) if session_id is not None else None
         try:
             route = await self.fleet.route(pinned, session.policy_version if session is not None else None,
-                                           session_id)
-        except VersionNotLoaded:
+                                           session_id, scopes=scopes)
+        except (VersionNotLoaded, VersionForbidden, NoServingVersion):
             raise
         except Exception as exc:  # Redis unreachable: the request goes out as asked, to the configured upstream
             log.warning("policy version unknown (router failed); request sent as asked", error=str(exc))
@@ -410,9 +414,13 @@ class Gateway:
             return await self._passthrough("/chat/completions", body)
         asked = client_asked(body)
         try:
-            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id)
+            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id, caller.scopes)
         except VersionNotLoaded as exc:
             return openai_error(404, str(exc), "model_not_found")
+        except VersionForbidden as exc:
+            return openai_error(403, str(exc), "permission_denied")
+        except NoServingVersion as exc:
+            return openai_error(503, str(exc), "no_serving_version")
         upstream_body = {**body, "model": model}
         stream = bool(body.get("stream"))
         upstream_started = time.perf_counter()
@@ -468,9 +476,13 @@ class Gateway:
         if not captured:
             return await self._passthrough("/responses", body)
         try:
-            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id)
+            model, version, base = await self._route_pinned(str(body.get("model", "")), session_id, caller.scopes)
         except VersionNotLoaded as exc:
             return openai_error(404, str(exc), "model_not_found")
+        except VersionForbidden as exc:
+            return openai_error(403, str(exc), "permission_denied")
+        except NoServingVersion as exc:
+            return openai_error(503, str(exc), "no_serving_version")
         stream = bool(body.get("stream"))
         upstream_started = time.perf_counter()
         try:

@@ -35,8 +35,9 @@ from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
 
-Scope = Literal["inference", "feedback", "admin"]
-ALL_SCOPES: frozenset[str] = frozenset({"inference", "feedback", "admin"})
+#: ``evaluate``: may name any version (``policy@N`` for an N that neither serves nor is the canary: a candidate)
+Scope = Literal["inference", "feedback", "admin", "evaluate"]
+ALL_SCOPES: frozenset[str] = frozenset({"inference", "feedback", "admin", "evaluate"})
 #: the tenant of ``--api-key`` keys and of an open gateway (no keys)
 DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -64,7 +65,8 @@ class ApiKeySpec(BaseModel):
     tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN, description="whose traffic this key is: sessions, "
                         "trajectories and feedback are scoped to it")
     scopes: list[Scope] = Field(default_factory=lambda: ["inference", "feedback"],
-                                description="inference, feedback, admin")
+                                description="inference, feedback, admin, evaluate (policy@N for a version that "
+                                "neither serves nor is the canary)")
     models: list[str] | None = Field(None, description="models the key may call; None: the policy's own names; "
                                      "'*': any model of the upstream (calls for other models are not captured)")
     tasks: list[str] | None = Field(None, description="tasks (baseline keys) the key may name with "
@@ -214,7 +216,7 @@ class KeyStore:
                  reload_check_s: float = 1.0) -> None:
         self.keys_file = keys_file
         self.reload_check_s = reload_check_s
-        every_scope: list[Scope] = ["inference", "feedback", "admin"]
+        every_scope: list[Scope] = ["inference", "feedback", "admin", "evaluate"]
         self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope, tasks=[ANY_TASK],
                                    models=[ANY_MODEL])
                         for i, k in enumerate(inline_keys)]

@@ -26,6 +26,10 @@ class GatewayConfig(BaseModel):
     served_model: str = Field("policy", description="the base model name at the upstream; requests for it (or "
                               "for the policy name) are routed to the newest loaded version when a router is set")
     policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
+    serve_unpromoted: bool = Field(False, description="only for a deployment without a promotion gate: while no "
+                                   "serving pointer exists, the policy's name goes to the newest version a replica "
+                                   "loaded (unevaluated versions answer users); false: answered 503 until the gate "
+                                   "serves version 0")
     session_idle_s: float = Field(300.0, gt=0, description="an open session trajectory is published this long "
                                   "after its last call (stitching gateway; streams.session_idle_s otherwise)")
     session_stitching: Literal["streams", "gateway"] = Field(

@@ -163,7 +163,8 @@ async def _serve(cfg: RlstreamConfig, gw: GatewayConfig, route_versions: bool, a
     # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
     # a replica that acknowledged loading it (docs/promotion.md)
     fleet: FleetRouter | StaticFleet | None = FleetRouter(
-        control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s) if control is not None else None
+        control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s,
+        serve_unpromoted=gw.serve_unpromoted) if control is not None else None
     if fleet is None and len(upstreams) > 1:  # replicas named here: each serves the configured version
         fleet = StaticFleet(upstreams, cfg.policy, gw.served_model, gw.policy_version)
     try:

@@ -119,3 +119,42 @@ async def test_upstreams_named_without_redis_spread_keep_sessions_and_refuse_oth
             assert {r.url for r in (a, b) if any(u == f"s-{s}" for _, u in r.requests)} in ({a.url}, {b.url})
         assert {m for r in (a, b) for m, _ in r.requests} == {"base"}
         assert not any(u == "other-version" for r in (a, b) for _, u in r.requests)
+
+
+async def test_naming_an_unpromoted_version_needs_the_evaluate_scope(rl_config: RlstreamConfig, tmp_path) -> None:
+    import json
+
+    from rlstream.gateway.auth import AccessConfig
+
+    policy = rl_config.policy
+    user_key, evaluator_key = "user-key-0123456789abcdef", "eval-key-0123456789abcdef"
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [
+        {"key": user_key, "tenant": "t", "scopes": ["inference"], "tasks": ["*"]},
+        {"key": evaluator_key, "tenant": "t", "scopes": ["inference", "evaluate"], "tasks": ["*"]}]}))
+    control = ControlPlane(str(rl_config.redis.url))
+    serving_control = ServingControl(control)
+    try:
+        async with canned_replica() as replica:
+            await serving_control.record_replica(policy, ReplicaAck("r", 3, "p-v3", url=replica.url, loaded={
+                0: "base", 3: "p-v3"}), 60)
+            gateway = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+                              Discard(), access=AccessConfig(api_keys_file=keys),
+                              fleet=FleetRouter(control, policy, "base", ttl_s=0))
+            async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:
+                async def ask(model: str, key: str) -> httpx.Response:
+                    return await http.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                           json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+
+                before = await ask(policy, user_key)  # nothing promoted yet: no version serves
+                assert before.status_code == 503 and "no version" in before.text, before.text
+                await serving_control.promote(policy, 0, token=await serving_control.issue_token(policy),
+                                              reason="base", decided_by="gate")
+                assert (await ask(policy, user_key)).status_code == 200
+                refused = await ask(f"{policy}@3", user_key)
+                assert refused.status_code == 403 and "evaluate" in refused.text, refused.text
+                assert (await ask(f"{policy}@3", evaluator_key)).status_code == 200
+                assert (await ask(f"{policy}@0", user_key)).status_code == 200  # the serving version needs no scope
+        assert [m for m, _ in replica.requests] == ["base", "p-v3", "base"]
+    finally:
+        await control.close()
