@@ -138,6 +138,7 @@ def test_rejected_full_weight_candidate_never_serves(
     model_dir = tiny_model_dir(tmp_path_factory)
     policy = rl_config.policy
     cfg = rl_config.model_copy(update={"gate": rl_config.gate.model_copy(update={
+        "canary_share": 0.0,  # no production feedback here: the offline decision alone
         "examples": len(PROMPTS), "samples": 1, "load_timeout_s": STEP_TIMEOUT_S, "margin": 0.2,
         "parse_margin": 0.25, "tool_call_margin": 0.25, "refusal_margin": 0.25})})
     good_groups = training_groups(cfg, model_dir, 2, inverted=False, seed=1)

@@ -51,7 +51,10 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
     cmd = [sys.executable, "-m", "rlstream.cli", "up", "--traffic", "production", "--duration", str(DURATION_S),
            "--no-live", "--feedback-min-s", "1", "--feedback-max-s", "10", "--heldout", "8",
            "--runs-dir", str(tmp_path / "runs"), "-o", "topics.prefix", prefix,
-           "-o", "streams.app_id", f"streams-{unique}"]  # its own table changelogs and consumer group
+           "-o", "streams.app_id", f"streams-{unique}",  # its own table changelogs and consumer group
+           # the canary (on by default with production traffic) needs more feedback per arm than this short run
+           # gives; its test is tested in tests/integration/test_gate_canary.py
+           "-o", "gate.canary_share", "0"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stopped = {event["service"]: event.get("exit_code") for event in (
