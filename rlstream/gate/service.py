@@ -406,8 +406,8 @@ class PromotionGate:
         return figures
 
     def plan(self) -> EvaluationPlan:
-        """This decision's sample size: what ``gate.power`` asks for at the paired reward std the last decision
-        measured (``gate.difference_std`` before the first), within the held-out set (all of it when too small)."""
+        """This decision's sample size: what ``gate.power`` asks for at the paired reward std of the last decision
+        (at least ``gate.difference_std``), within the held-out set (all of it when too small)."""
         needed = sample_size(self.difference_std, self.rule.margin, self.rule.alpha, self.gcfg.power)
         plan = evaluation_plan(needed, len(self.evaluation.examples), self.evaluation.samples)
         if plan.pairs < needed:
@@ -492,7 +492,9 @@ class PromotionGate:
         verdict = judge(candidate_figures, serving_figures, self.rule, anchor_figures)
         measured = verdict.test("reward", "serving")
         if measured is not None and measured.n >= 2:
-            self.difference_std = max(measured.std, 1e-3)  # the pilot of the next decision's sample size
+            # the pilot of the next decision's sample size; never below the configured std (a pilot of near-identical
+            # versions measures almost no spread, and a tiny sample would lose the power asked for)
+            self.difference_std = max(measured.std, self.gcfg.difference_std)
         evidence = {**verdict.evidence(), "plan.needed": float(plan.needed), "plan.examples": float(plan.examples),
                     "plan.samples": float(plan.samples)}
         if verdict.promote:
@@ -559,7 +561,7 @@ class PromotionGate:
             serving_metrics=serving_figures.metrics() if serving_figures else {})
         if outcome.moved and outcome.decision is not None:
             await self._decided(outcome.decision)
-            if ANCHOR_KEY in evidence and int(evidence[ANCHOR_KEY]) != self.anchor:
+            if ANCHOR_KEY in evidence:
                 await self._move_anchor(int(evidence[ANCHOR_KEY]))
             await self._observe_serving()
         else:

@@ -450,8 +450,8 @@ class GateConfig(Section):
     power: float = Field(0.95, gt=0.5, lt=1, description="probability that a candidate equal to the serving version "
                          "passes the reward test; sets the evaluation's sample size (examples x samples)")
     difference_std: float = Field(0.5, gt=0, description="standard deviation of the paired per-sample reward "
-                                  "differences assumed for the first decision's sample size; later decisions use the "
-                                  "one the previous decision measured")
+                                  "differences the sample size is planned for; a decision that measured a larger one "
+                                  "plans the next decision for that")
     parse_margin: float = Field(0.1, ge=0, description="non-inferiority margin of the share of answers that parse")
     tool_call_margin: float = Field(0.1, ge=0, description="non-inferiority margin of the share of tool calls whose "
                                     "arguments parse")
