@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from rlstream.schemas.models import GroupBaseline, Message, TrajectoryEvent, TrajectoryGroup, Turn
+from rlstream.schemas.sampling import is_greedy
 
 WORKFLOW = "<workflow>"
 
@@ -126,13 +127,13 @@ def _implicit_turns(traj: TrajectoryEvent) -> list[Turn]:
 
 def sampling_temperature(turn: Turn, where: str) -> float:
     """The temperature the learner computes a turn's logprobs at: the one it was sampled at; 1.0 when none was
-    recorded, and for a greedy call (0: no sampling distribution to match). Raises :class:`BatchError` for a
-    negative or non-finite temperature."""
+    recorded, and for a greedy call (below vLLM's greedy threshold, 0 included: no sampling distribution to match).
+    Raises :class:`BatchError` for a negative or non-finite temperature."""
     t = turn.temperature
-    if t is None or t == 0:
-        return 1.0
-    if not math.isfinite(t) or t < 0:
+    if t is not None and (not math.isfinite(t) or t < 0):
         raise BatchError(f"{where}: sampling temperature {t} is not a finite number >= 0")
+    if t is None or is_greedy(t):  # below vLLM's greedy threshold the call was decoded greedily
+        return 1.0
     return float(t)
 
 

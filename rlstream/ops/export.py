@@ -40,6 +40,7 @@ from rlstream.ops.replay import (Position, ReplayError, ReplayFilter, replay_gro
 from rlstream.schemas.codec import CodecError, codec_for
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import Message, MetricEvent, TrajectoryEvent, TrajectorySource
+from rlstream.schemas.sampling import TemperatureRange
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams.validation import RewardRange, validate_trajectory
 from rlstream.transport import metric_names
@@ -370,7 +371,8 @@ def atif_event(record: FileRecord, new_run_id: str, cfg: RlstreamConfig, origin:
         raise RejectedRecord("invalid_atif", f"{type(exc).__name__}: {exc}") from None
     event = imported_copy(imported.event, new_run_id, origin)
     invalid = validate_trajectory(event, cfg.streams.min_allowed_group_size, cfg.streams.max_allowed_group_size,
-                                  reward_range=RewardRange(*cfg.streams.reward_range))
+                                  reward_range=RewardRange(*cfg.streams.reward_range),
+                                  temperature_range=TemperatureRange(*cfg.streams.temperature_range))
     if invalid is not None:
         raise RejectedRecord(invalid.reason, invalid.message)
     return event

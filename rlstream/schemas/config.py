@@ -186,6 +186,11 @@ class StreamsConfig(Section):
                                               "components must lie in (finite numbers, low <= high); the gateway "
                                               "answers feedback outside it with 422, the stream dead-letters rewards "
                                               "outside it as reward_out_of_range")
+    temperature_range: tuple[float, float] = Field((0.1, 2.0), description="[low, high] a sampled turn's "
+                                                   "temperature must lie in (below 1e-5 vLLM decodes greedily: "
+                                                   "always allowed, trained at 1.0); the gateway refuses requests "
+                                                   "outside it with 400, the stream dead-letters turns outside it as "
+                                                   "temperature_out_of_range (a turn's gradient scales with 1/T)")
     payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="waiting members' records kept in memory "
                                      "by a worker (least recently used out first); the state holds only their offsets "
                                      "and a record not cached is read back from its topic when its group leaves")
@@ -246,6 +251,9 @@ class StreamsConfig(Section):
         low, high = self.reward_range
         if not (math.isfinite(low) and math.isfinite(high) and low <= high):
             raise ValueError("reward_range is two finite numbers, low <= high")
+        t_low, t_high = self.temperature_range
+        if not (math.isfinite(t_low) and math.isfinite(t_high) and 0 < t_low <= t_high):
+            raise ValueError("temperature_range is two finite numbers, 0 < low <= high")
         return self
 
 

@@ -34,6 +34,7 @@ from rlstream.transport.metrics import MetricsPublisher
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import KafkaConfig, RlstreamConfig
 from rlstream.schemas.models import CallEvent, DeadLetter, MetricEvent, RewardEvent, TrajectoryEvent, TrajectoryGroup
+from rlstream.schemas.sampling import TemperatureRange
 from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
@@ -482,7 +483,7 @@ class StreamsApp:
             event = ingested.event
             invalid = v.check_key(msg.key, event.example_id) or v.validate_trajectory(
                 event, self.cfg.streams.min_allowed_group_size, self.cfg.streams.max_allowed_group_size,
-                ingested.turn_counts, self.reward_range)
+                ingested.turn_counts, self.reward_range, TemperatureRange(*self.cfg.streams.temperature_range))
         else:
             event = v.decode_event(self.codec, msg.value, RewardEvent)
             assert isinstance(event, RewardEvent)

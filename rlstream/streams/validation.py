@@ -18,6 +18,8 @@ from rlstream.schemas.models import TrajectoryEvent, Turn, WireModel
 from rlstream.schemas.rewards import (BAD_FEEDBACK_ID, DEFAULT_REWARD_RANGE, MAX_FEEDBACK_ID_CHARS, MISSING_ID,  # noqa: F401
                                       NON_FINITE_REWARD, REWARD_OUT_OF_RANGE, Invalid, RewardRange, check_reward_value,
                                       check_rewards, validate_reward)
+from rlstream.schemas.sampling import (DEFAULT_TEMPERATURE_RANGE, TEMPERATURE_OUT_OF_RANGE, TemperatureRange,
+                                       temperature_problem)
 from rlstream.schemas.skim import SkippedNumbers
 
 T = TypeVar("T")
@@ -142,7 +144,8 @@ def check_key(key: bytes | None, example_id: str) -> Invalid | None:
 
 def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_group_size: int = 256,
                         turn_counts: list[TurnCounts] | None = None,
-                        reward_range: RewardRange = DEFAULT_REWARD_RANGE) -> Invalid | None:
+                        reward_range: RewardRange = DEFAULT_REWARD_RANGE,
+                        temperature_range: TemperatureRange = DEFAULT_TEMPERATURE_RANGE) -> Invalid | None:
     """Check one trajectory against DESIGN.md's ingest rules; the first problem found is returned. ``turn_counts``
     (from :func:`decode_trajectory`) stand for the turns' token data when the event was read without it."""
     for name in ("trajectory_id", "group_id", "example_id", "run_id", "policy"):
@@ -173,4 +176,8 @@ def validate_trajectory(event: TrajectoryEvent, min_group_size: int = 1, max_gro
             return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {ids} completion token ids but {lps} logprobs")
         if lps is not None and ids is None:
             return Invalid(TOKEN_LOGPROB_MISMATCH, f"turn {i}: {lps} logprobs without completion token ids")
+    for i, turn in enumerate(event.turns):
+        problem = temperature_problem(turn.temperature, temperature_range)
+        if problem:
+            return Invalid(TEMPERATURE_OUT_OF_RANGE, f"turn {i}: {problem}")
     return check_rewards(event.reward, event.reward_components, reward_range)
