@@ -109,7 +109,7 @@ class StreamsWorker:
     def __init__(self, cfg: RlstreamConfig, worker_id: str, log_dir: Path, loglevel: str = "WARNING",
                  **extra: Any) -> None:
         self.cmd = [sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
-                    "--loglevel", loglevel, *worker_overrides(cfg, **extra)]
+                    "--log-level", loglevel, *worker_overrides(cfg, **extra)]
         self.log_path = log_dir / f"{worker_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

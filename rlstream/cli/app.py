@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from rlstream.cli.common import (ConfigOption, LogFormat, LogLevel, OverrideOption, RlstreamGroup, console,
-                                 err_console, load_or_exit, run_async)
+                                 err_console, load_or_exit, require_writable_dir, run_async)
 from rlstream.transport.log import configure_logging
 from rlstream.schemas.config import dump_config
 
@@ -66,6 +66,8 @@ def global_options(
                                        help="lowest level logged"),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="print the installed version and exit"),
+    debug: bool = typer.Option(False, "--debug", envvar="RLSTREAM_DEBUG",
+                               help="show the traceback of an error instead of its one-line answer"),
 ) -> None:
     """Options that apply to every command."""
     configure_logging(log_format.value, level=log_level.value)  # type: ignore[arg-type]
@@ -85,6 +87,7 @@ def infra_up(
     from rlstream.ops.infra import InfraError
     from rlstream.ops.infra_daemon import AlreadyRunning, bring_up
 
+    require_writable_dir(state_dir, "--state-dir")
     try:
         stack = bring_up(state_dir, kafka_port, redis_port)
     except AlreadyRunning as exc:
@@ -189,33 +192,9 @@ def config_show(
 
 
 # --- entry point ------------------------------------------------------------------------------
-#: The extra that installs each optional top-level module (pyproject.toml, [project.optional-dependencies]).
-EXTRA_OF_MODULE = {
-    "faust": "streams", "mode": "streams",
-    "torch": "learner", "transformers": "learner", "peft": "learner", "safetensors": "learner",
-    "tokenizers": "learner",
-    "noida_db": "local", "matplotlib": "local", "platformdirs": "local",
-    "starlette": "gateway", "uvicorn": "gateway",
-    "pyarrow": "export",
-}
-
-
-def missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """The extra to install when ``exc`` is an optional dependency that is not installed, else None."""
-    return EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
-
-
 def main() -> None:
-    """The ``rlstream`` script: the typer app, with a clear message when a command needs an extra."""
-    try:
-        app()
-    except ModuleNotFoundError as exc:
-        extra = missing_extra(exc)
-        if extra is None:
-            raise
-        typer.echo(f"this command needs the [{extra}] extra ({exc.name} is not installed): "
-                   f"pip install 'rlstream[{extra}]' (or 'rlstream[all]')", err=True)
-        raise SystemExit(1) from None
+    """The ``rlstream`` script (errors are answered by :class:`rlstream.cli.common.RlstreamGroup`)."""
+    app()
 
 
 if __name__ == "__main__":

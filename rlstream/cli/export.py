@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from rlstream.cli.common import ConfigOption, OverrideOption, console, err_console, load_or_exit
+from rlstream.cli.common import (ConfigOption, OverrideOption, console, err_console, load_or_exit,
+                                 require_writable_file)
 from rlstream.cli.ops import OutputFormat, run_or_exit
 
 
@@ -63,9 +64,10 @@ def export_command(
     """Write a slice of `trajectories` as Parquet (TRL's conversational layout, token ids and logprobs as columns)
     or as ATIF trajectories (token ids per step)."""
     from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, export_trajectories
-    from rlstream.ops.replay import ReplayError, parse_position
+    from rlstream.ops.replay import ReplayError, check_range, parse_position
 
     require_export_extra("pyarrow" if export_format == ExportFormatOption.parquet else "nat.atif")
+    require_writable_file(out, "--out")
     cfg = load_or_exit(config, override)
     try:
         selection = ExportFilter(sources=frozenset(source or ()), example_ids=frozenset(example or ()),
@@ -73,6 +75,7 @@ def export_command(
                                  max_policy_version=max_version, tasks=frozenset(task or ()))
         first = parse_position(start) if start else None
         last = parse_position(stop) if stop else None
+        check_range(first, last)
     except ReplayError as exc:
         err_console.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(code=2) from None

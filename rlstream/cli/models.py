@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from rlstream.cli.common import console
+from rlstream.cli.common import console, require_writable_dir
 
 models_app = typer.Typer(help="Local models to try rlstream with (nothing is downloaded).", no_args_is_help=True)
 
@@ -21,6 +21,7 @@ def models_tiny(
     template, float32 safetensors) in OUT_DIR; vLLM serves it on CPU and the learner trains it in seconds."""
     from rlstream.ops.toy import build_tiny_model
 
+    require_writable_dir(out_dir, "OUT_DIR")
     path = build_tiny_model(out_dir, seed=seed, pretrain_steps=pretrain_steps)
     console.print(f"tiny model in {path.resolve()}; serve it with `rlstream inference serve {out_dir} "
                   f"--served-model NAME` (LoRA and tool calling on)")

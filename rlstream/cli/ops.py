@@ -5,6 +5,7 @@ Registered on the main app by :func:`register`; heavy imports stay inside the co
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from enum import Enum
 from pathlib import Path
@@ -32,8 +33,6 @@ class TailKind(str, Enum):
 
 def run_or_exit(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn the errors an operator can act on into a message and an exit code."""
-    from aiokafka.errors import KafkaConnectionError, KafkaError
-
     from rlstream.ops.plot import NoMetricsError
     from rlstream.ops.replay import ReplayError
     from rlstream.transport.topic_reader import TopicMissingError
@@ -46,8 +45,8 @@ def run_or_exit(coro: Coroutine[Any, Any, T]) -> T:
     except (TopicMissingError, NoMetricsError, ValueError) as exc:
         err_console.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(code=1) from None
-    except (KafkaConnectionError, KafkaError, OSError) as exc:
-        err_console.print(f"[red]cannot reach Kafka: {exc}[/red]", highlight=False)
+    except (ConnectionError, socket.gaierror) as exc:  # other errors (a file, Kafka's own): RlstreamGroup answers
+        err_console.print(f"cannot reach Kafka: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(code=1) from None
 
 
@@ -68,7 +67,7 @@ def replay_command(
     override: Optional[list[str]] = OverrideOption,
 ) -> None:
     """Re-publish a slice of `trajectories` as a new run (source=replay) while the live run goes on."""
-    from rlstream.ops.replay import ReplayError, ReplayFilter, parse_position, replay
+    from rlstream.ops.replay import ReplayError, ReplayFilter, check_range, parse_position, replay
 
     cfg = load_or_exit(config, override)
     try:
@@ -77,6 +76,7 @@ def replay_command(
                                  max_policy_version=max_version)
         first = parse_position(start) if start else None
         last = parse_position(stop) if stop else None
+        check_range(first, last)
     except ReplayError as exc:
         err_console.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(code=2) from None

@@ -41,7 +41,8 @@ def worker(
     config: Optional[Path] = ConfigOption,
     worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name of this worker (default host-pid); "
                                             "also its table data directory under streams.data_dir"),
-    loglevel: LogLevel = typer.Option(LogLevel.WARNING, "--loglevel", case_sensitive=False, help="Faust log level"),
+    loglevel: LogLevel = typer.Option(LogLevel.WARNING, "--log-level", case_sensitive=False,
+                                      help="log level of Faust and the worker"),
 ) -> None:
     """Run one worker of the group assembler; several with the same app_id share the partitions.
 

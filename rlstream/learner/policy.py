@@ -13,7 +13,7 @@ import torch
 from rlstream.learner.batch import Batch
 from rlstream.learner.grpo import DEFAULT_LOGPROB_CHUNK, token_entropy, token_logprobs
 from rlstream.transport.log import get_logger
-from rlstream.schemas.config import LearnerConfig
+from rlstream.schemas.config import ConfigError, LearnerConfig
 
 log = get_logger(__name__)
 
@@ -76,18 +76,37 @@ class Policy:
             yield self.reference
 
 
+class ModelDirectoryError(ConfigError):
+    """The model to train is not a local transformers model directory (models are never downloaded)."""
+
+
+def require_model_dir(value: str | Path, key: str = "learner.model") -> Path:
+    """``value`` as an existing transformers model directory (one with a ``config.json``), else
+    :class:`ModelDirectoryError` saying what is wrong and what to do."""
+    if not str(value):
+        raise ModelDirectoryError(f"{key} is empty: give the path of a transformers model directory")
+    path = Path(value).expanduser()
+    advice = "models are never downloaded: give a local transformers model directory (`rlstream models tiny DIR` " \
+             "builds a small test model)"
+    if not path.exists():
+        raise ModelDirectoryError(f"model directory {path} does not exist ({key}); {advice}")
+    if not path.is_dir():
+        raise ModelDirectoryError(f"{path} ({key}) is a file, not a model directory; {advice}")
+    if not (path / "config.json").is_file():
+        raise ModelDirectoryError(f"{path} ({key}) has no config.json: not a transformers model directory; {advice}")
+    return path
+
+
 def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, with_reference: bool | None = None) -> Policy:
     """Load ``cfg.model`` (or ``model_path``) for training as the config says (LoRA or full)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(model_path or cfg.model)
-    if not path:
-        raise ValueError("learner.model is empty: give the path of a transformers model directory")
+    path = str(require_model_dir(model_path or cfg.model))
     device = pick_device(cfg.device)
     dtype = pick_dtype(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer with the model; turns must carry token ids", model=path, error=str(exc))
         tokenizer = None

@@ -200,6 +200,6 @@ def load_published(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
     if manifest["kind"] == "lora":
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(manifest["base_model"], dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(manifest["base_model"], dtype=dtype, local_files_only=True)
         return PeftModel.from_pretrained(base, str(directory))
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -60,8 +61,35 @@ def check_report_to(report_to: Sequence[str]) -> None:
         if _import_first(modules) is None:
             problems.append(f"learner.report_to has {name!r} but the {package} package is not installed: "
                             f"pip install {package}{ALTERNATIVES.get(name, '')}")
+    if "mlflow" in report_to and not problems:
+        problems += mlflow_store_problems()
     if problems:
         raise ReportingError("; ".join(problems))
+
+
+#: URI schemes of MLflow's database stores (they need ``alembic`` and ``sqlalchemy``, which mlflow-skinny lacks)
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def mlflow_store_problems() -> list[str]:
+    """What stops MLflow from opening its tracking store, found before anything is loaded: a database store (MLflow's
+    default when ``MLFLOW_TRACKING_URI`` is not set) without its packages."""
+    from importlib.util import find_spec
+
+    from mlflow.tracking import get_tracking_uri
+
+    uri = get_tracking_uri()
+    scheme = uri.partition(":")[0].split("+")[0].lower()
+    source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else \
+        "MLflow's default store (MLFLOW_TRACKING_URI is not set)"
+    todo = "set MLFLOW_TRACKING_URI to a tracking server (http://host:5000) or a file store (file:./mlruns, with " \
+        "MLFLOW_ALLOW_FILE_STORE=true)"
+    if scheme in DATABASE_SCHEMES:
+        missing = [m for m in ("sqlalchemy", "alembic") if find_spec(m) is None]
+        if missing:
+            return [f"learner.report_to has 'mlflow' but {source} is the database {uri}, which needs "
+                    f"{' and '.join(missing)} (pip install mlflow, not mlflow-skinny): {todo}"]
+    return []
 
 
 def _finite(figures: dict[str, float]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from rlstream.learner import distributed
 
 from rlstream.learner.batch import Sample, behaviour_version, collate, samples_from_groups
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
-from rlstream.learner.policy import Policy, load_policy, pick_device
+from rlstream.learner.policy import Policy, load_policy, pick_device, require_model_dir
 from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPublishLoop
 from rlstream.learner.publish import Announcer
 from rlstream.learner.reporting import Reporters, check_report_to
@@ -90,6 +90,7 @@ class Learner:
         # fault injection for tests: SIGSTOP self once this version's record is sent, before its transaction commits
         self.pause_in_announcement = pause_in_announcement
         check_report_to(self.lcfg.report_to)  # a missing tracker package fails now, not after the first step
+        require_model_dir(self.lcfg.model)  # before the lease is taken and anything is loaded
         self.codec = codec_for(cfg)
         # a registry that is down or refuses a schema stops the learner now, not after its first step
         self.codec.ensure_registered([PolicyVersion.avro_name, MetricEvent.avro_name, DeadLetter.avro_name])

@@ -89,6 +89,27 @@ def parse_position(text: str) -> Position:
     return Position(timestamp_ms=int(when.timestamp() * 1000))
 
 
+def check_range(first: Position | None, last: Position | None) -> None:
+    """Raise :class:`ReplayError` when ``first`` is not before ``last`` (exclusive) in the same terms: an offset
+    or a time, or the same partition's offsets; a range that can only be empty is a mistake on the command line."""
+    if first is None or last is None:
+        return
+    if first.timestamp_ms is not None or last.timestamp_ms is not None:
+        if first.timestamp_ms is not None and last.timestamp_ms is not None and first.timestamp_ms >= last.timestamp_ms:
+            raise ReplayError("--from is not before --to: the time range is empty (--to is exclusive)")
+        return
+    starts, stops = first.per_partition or {}, last.per_partition or {}
+    for partition in sorted(set(starts) | set(stops)):
+        a = starts.get(partition, first.offset)
+        b = stops.get(partition, last.offset)
+        if a is not None and b is not None and a >= b:
+            where = f" on partition {partition}" if first.per_partition or last.per_partition else ""
+            raise ReplayError(f"--from {a} is not before --to {b}{where}: the range is empty (--to is exclusive)")
+    if first.offset is not None and last.offset is not None and first.offset >= last.offset:
+        raise ReplayError(f"--from {first.offset} is not before --to {last.offset}: the range is empty "
+                          "(--to is exclusive)")
+
+
 def _is_pair(part: str) -> bool:
     pieces = part.strip().split(":")
     return len(pieces) == 2 and all(p.isdigit() for p in pieces)

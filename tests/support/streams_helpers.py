@@ -33,7 +33,7 @@ class Worker(ChildProcess):
         # RLSTREAM_TEST_WORKER_LOGLEVEL=INFO keeps Faust's own recovery and rebalance lines in the worker log
         loglevel = os.environ.get("RLSTREAM_TEST_WORKER_LOGLEVEL", "WARNING")
         super().__init__([sys.executable, "-m", "rlstream.cli", "streams", "worker", "--worker-id", worker_id,
-                          "--loglevel", loglevel, *worker_overrides(cfg, **extra)], log_dir / f"{worker_id}.log")
+                          "--log-level", loglevel, *worker_overrides(cfg, **extra)], log_dir / f"{worker_id}.log")
 
 
 async def remove_dead_member(cfg: RlstreamConfig, worker_id: str, timeout_s: float = 30.0) -> int:

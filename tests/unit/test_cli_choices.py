@@ -16,7 +16,7 @@ from rlstream.cli.app import app
         (["up", "--model", "huge"], "'--model'", "'tiny', 'smollm2'"),
         (["inference", "sync", "--backend", "tgi"], "'--backend'", "'vllm'"),
         (["rollout", "run", "--mode", "forever"], "'--mode'", "'epoch', 'continuous'"),
-        (["streams", "worker", "--loglevel", "loud"], "'--loglevel'", "'debug', 'info', 'warning', 'error'"),
+        (["streams", "worker", "--log-level", "loud"], "'--log-level'", "'debug', 'info', 'warning', 'error'"),
         (["tail", "nope"], "'kind'", "'metrics', 'groups', 'dlq', 'versions'"),
         (["tail", "dlq", "--format", "xml"], "'--format'", "'table', 'json'"),
         (["status", "--format", "xml"], "'--format'", "'table', 'json'"),
