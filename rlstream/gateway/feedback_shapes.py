@@ -23,7 +23,7 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.feedback import (MAX_ID_CHARS, MAX_NAME_CHARS, RANGE_CONTEXT, Feedback,
                                                validation_problems)
+from rlstream.gateway.core import Gateway
 from rlstream.gateway.limits import parse_json
 from rlstream.transport.log import get_logger
 
@@ -153,12 +154,13 @@ class LangSmithUpdate(BaseModel):
 
 
 class FeedbackShapes:
-    """The observability tools' feedback routes of one gateway (``gateway`` has ``accept_feedback``, ``config``,
-    ``access``). LangSmith's updates name only the feedback id: the run and key of each recent feedback id are kept
-    (bounded, oldest out first) to address them."""
+    """The observability tools' feedback routes of one gateway; each feedback goes through ``accept`` (the rules of
+    ``/v1/feedback``, :meth:`FeedbackEndpoint.accept`). LangSmith's updates name only the feedback id: the run and
+    key of each recent feedback id are kept (bounded, oldest out first) to address them."""
 
-    def __init__(self, gateway: Any) -> None:
+    def __init__(self, gateway: Gateway, accept: Callable[[Request, Feedback], Response]) -> None:
         self.gateway = gateway
+        self.accept = accept
         self._langsmith: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @property
@@ -173,9 +175,9 @@ class FeedbackShapes:
             fb = _feedback(target, reward, component, feedback_id, False, reward_range)
         except ValidationError as exc:
             return _invalid("feedback", exc)
-        answer: Response = self.gateway.accept_feedback(request, fb)
+        answer: Response = self.accept(request, fb)
         if answer.status_code == 404 and target.session_id is None:
-            answer = self.gateway.accept_feedback(request, _feedback(target, reward, component, feedback_id, True,
+            answer = self.accept(request, _feedback(target, reward, component, feedback_id, True,
                                                                      reward_range))
         return answer
 
@@ -288,7 +290,7 @@ class FeedbackShapes:
                                          context={RANGE_CONTEXT: self.gateway.access.reward_range})
         except ValidationError as exc:
             return f"{response_id[:64]}: " + "; ".join(p["problem"] for p in validation_problems(exc.errors()))
-        answer = self.gateway.accept_feedback(request, fb)
+        answer = self.accept(request, fb)
         if answer.status_code >= 400:
             return f"{response_id[:64]}: not accepted ({answer.status_code})"
         return None

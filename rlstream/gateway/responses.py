@@ -1,4 +1,5 @@
-"""The OpenAI Responses API as chat messages and exact tokens: what the gateway records of a ``/v1/responses`` call.
+"""``POST /v1/responses``: the OpenAI Responses API as chat messages and exact tokens, and its endpoint
+(:class:`Responses`).
 
 A request's ``instructions`` become a system message and its ``input`` (a string, or a list of messages and
 ``function_call`` / ``function_call_output`` items) the conversation; the response's ``output`` items become the
@@ -13,12 +14,22 @@ completion token (a tool call) keeps its token ids without logprobs, and the lea
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from rlstream.gateway.auth import Principal
+from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
+from rlstream.gateway.limits import parse_json
+from rlstream.gateway.relay import read_head, relayed
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
+ROUTE = "responses"
 
 #: the ``include`` value that asks for the sampled tokens' logprobs of output text
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -283,3 +294,105 @@ class ResponsesStreamCapture:
         if self.final is None:
             return None
         return response_tokens(self.final, None if self.malformed else self.logprobs or None)
+
+
+def event_response_id(line: str) -> str | None:
+    """The response id a stream line's event carries (``response.created`` is the first that does)."""
+    if not line.startswith("data:"):
+        return None
+    try:
+        event = json.loads(line[5:])
+    except (ValueError, RecursionError):
+        return None
+    response = event.get("response") if isinstance(event, dict) else None
+    return response["id"] if isinstance(response, dict) and isinstance(response.get("id"), str) else None
+
+
+class Responses:
+    """``POST /v1/responses`` (also under ``/s/{session_id}``), streamed or not: passed to the upstream (where it has
+    the API) and recorded like a chat call, with the exact prompt and completion token ids and logprobs vLLM
+    returns."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def serve(self, request: Request) -> Response:
+        gw, config = self.gw, self.gw.config
+        started = time.perf_counter()
+        body = parse_json(await request.body(), config.max_json_depth)
+        if not isinstance(body, dict):
+            return openai_error(400, "a Responses request is a JSON object")
+        try:
+            messages = request_messages(body)
+        except ValueError as exc:
+            return openai_error(400, str(exc))
+        caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
+        if not captured:
+            return await gw.passthrough("/responses", body)
+        routed = await gw.routed(str(body.get("model", "")), session_id, caller)
+        if isinstance(routed, Response):
+            return routed
+        model, version, base = routed
+        stream = bool(body.get("stream"))
+        upstream_started = time.perf_counter()
+        plain = {**body, "model": model}
+        sent = responses_upstream_request(plain, gw.request_token_data, config.request_logprobs)
+        try:
+            upstream, _ = await gw.send(base + "/responses", sent, plain, stream, rejects_token_options)
+        except httpx.HTTPError as exc:
+            return upstream_failed(exc, config)
+        if upstream.status_code == 404:
+            await upstream.aclose()
+            return openai_error(404, "the upstream has no Responses API", "not_found_error")
+        recorded = recorded_request(body, messages)
+        asked = responses_asked(body)
+        if stream and upstream.status_code == 200:
+            return await self._stream(upstream, request, recorded, asked, caller, session_id, task, version, model,
+                                      started, upstream_started)
+        raw = await upstream.aread() if stream else upstream.content
+        await upstream.aclose()
+        upstream_s = time.perf_counter() - upstream_started
+        payload = upstream_json(upstream, raw, config.max_choices)
+        if isinstance(payload, Response):
+            return payload
+        tokens = response_tokens(payload)
+        traj, headers = gw.begin(session_id, recorded, tokens.prompt_ids, version, task)
+        gw.finish(traj, recorded, response_message(payload), tokens.prompt_ids, tokens.completion_ids,
+                  tokens.logprobs, finish_reason(payload), model, version)
+        payload = filter_response_payload(payload, asked)
+        if payload.get("model") == model:
+            payload["model"] = body.get("model", model)
+        answer = JSONResponse(payload, headers=gw.sign(headers, caller, request_session(request), payload.get("id")))
+        await gw.overhead(ROUTE, False, started, upstream_s)
+        return answer
+
+    async def _stream(self, response: httpx.Response, request: Request, recorded: dict[str, Any],
+                      asked: ResponsesAsked, caller: Principal, session_id: str | None, task: str | None,
+                      version: int, model: str, started: float, upstream_started: float) -> Response:
+        """Pass a streamed Responses answer on event by event while following it; the call is recorded from its
+        final event (``response.completed``), which carries the token ids."""
+        gw = self.gw
+        lines = response.aiter_lines()
+        capture = ResponsesStreamCapture(asked, model, str(recorded.get("model") or model))
+        try:  # up to the first event (response.created): its response id is indexed for feedback
+            head = await read_head(response, lines, lambda line: event_response_id(line) is not None)
+        except httpx.HTTPError as exc:
+            return upstream_failed(exc, gw.config, "stream failed")
+        rendered = "".join(capture.render(line) for line in head)
+        upstream_s = time.perf_counter() - upstream_started
+        traj, headers = gw.begin(session_id, recorded, None, version, task)
+        headers = gw.sign(headers, caller, request_session(request), capture.response_id)
+
+        def record() -> None:
+            tokens = capture.tokens()
+            if capture.final is not None and tokens is not None:
+                gw.finish(traj, recorded, response_message(capture.final), tokens.prompt_ids, tokens.completion_ids,
+                          tokens.logprobs, finish_reason(capture.final), model, version)
+            elif capture.events:
+                log.warning("streamed Responses call ended without its final event; not captured",
+                            trajectory_id=traj.trajectory_id)
+
+        async def handed_on() -> None:
+            await gw.overhead(ROUTE, True, started, upstream_s)
+
+        return relayed(response, lines, rendered, capture.render, handed_on, record, headers)

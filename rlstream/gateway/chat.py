@@ -1,0 +1,198 @@
+"""``POST /v1/chat/completions`` (also under ``/s/{session_id}``), streamed or not: the call goes to the version and
+replica the core routes it to, asking for token ids and logprobs; the client gets only what it asked for
+(``filtering.py``); the call is captured with vLLM's exact tokens. ``n > 1`` outside a session is one GRPO group
+(one trajectory per choice)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from rlstream.gateway.auth import Principal
+from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
+from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
+from rlstream.gateway.limits import check_choices, parse_json
+from rlstream.gateway.relay import read_head, relayed
+from rlstream.gateway.sessions import Trajectory
+from rlstream.rollout.capture import token_data
+from rlstream.rollout.streaming import StreamAccumulator
+from rlstream.schemas.models import new_id
+from rlstream.transport.log import get_logger
+
+log = get_logger(__name__)
+ROUTE = "chat_completions"
+
+
+def requested_choices(body: dict[str, Any]) -> int:
+    """The ``n`` a chat request asks for (1 when absent or not a positive integer: the upstream judges it)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _first_event(line: str) -> bool:
+    return line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
+
+
+class ChatCompletions:
+    """The Chat Completions endpoint of one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def serve(self, request: Request) -> Response:
+        gw, config = self.gw, self.gw.config
+        started = time.perf_counter()
+        body = parse_json(await request.body(), config.max_json_depth)
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
+        check_choices(body, config.max_choices)
+        caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
+        if not captured:
+            return await gw.passthrough("/chat/completions", body)
+        asked = client_asked(body)
+        routed = await gw.routed(str(body.get("model", "")), session_id, caller)
+        if isinstance(routed, Response):
+            return routed
+        model, version, base = routed
+        stream = bool(body.get("stream"))
+        upstream_started = time.perf_counter()
+        try:
+            response = await self._send({**body, "model": model}, stream, base)
+        except httpx.HTTPError as exc:
+            return upstream_failed(exc, config)
+        if stream and response.status_code == 200:
+            return await self._stream(response, body, asked, session_id, task, version, model, started,
+                                      upstream_started, caller)
+        raw = await response.aread() if stream else response.content
+        upstream_s = time.perf_counter() - upstream_started
+        if response.status_code != 200:
+            await response.aclose()
+        payload = upstream_json(response, raw, config.max_choices)
+        if isinstance(payload, Response):
+            return payload
+        try:
+            prompt_ids, completion_ids, logprobs = token_data(payload)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            log.warning("upstream token data unreadable; captured without it", error=str(exc))
+            prompt_ids = completion_ids = logprobs = None
+        choices = payload.get("choices") or []
+        if len(choices) > 1 and session_id is None:
+            headers = self._capture_choices(body, payload, version, task, model)
+        else:
+            if len(choices) > 1:
+                log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
+                            choices=len(choices))
+            traj, headers = gw.begin(session_id, body, prompt_ids, version, task)
+            if choices:
+                gw.finish(traj, body, choices[0].get("message") or {"role": "assistant"}, prompt_ids,
+                          completion_ids, logprobs, choices[0].get("finish_reason"), model, version)
+        out = filter_response(payload, asked)
+        if "model" in out and out.get("model") == model:
+            out["model"] = body.get("model", model)
+        answer = JSONResponse(out, headers=gw.sign(headers, caller, request_session(request), payload.get("id")))
+        await gw.overhead(ROUTE, False, started, upstream_s)
+        return answer
+
+    async def _send(self, body: dict[str, Any], stream: bool, base: str) -> httpx.Response:
+        """The upstream's answer to ``body``; an upstream that refuses the token-data options is asked without
+        them, now and from then on."""
+        gw = self.gw
+        sent = upstream_request(body, gw.request_token_data, gw.config.request_logprobs)
+        response, refused = await gw.send(base + "/chat/completions", sent, upstream_request(body, False), stream,
+                                          rejects_extensions)
+        if refused:
+            gw.request_token_data = False
+        return response
+
+    def _begin_choices(self, n: int, version: int, task: str | None) -> tuple[list[Trajectory], dict[str, str]]:
+        """``n > 1``: one trajectory per choice, together one GRPO group (the N generations of one prompt)."""
+        group = new_id()
+        trajs = []
+        for index in range(n):
+            traj = Trajectory(session_id=None, policy_version=version, task=task, choices_group=group,
+                              group_size=n, generation_index=index)
+            self.gw.sessions.remember(traj)
+            trajs.append(traj)
+        ids = [t.trajectory_id for t in trajs]
+        return trajs, {"x-rlstream-trajectory-id": ids[0], "x-rlstream-trajectory-ids": ",".join(ids),
+                       "x-rlstream-group-id": group, "x-rlstream-policy-version": str(version)}
+
+    def _capture_choices(self, body: dict[str, Any], payload: dict[str, Any], version: int, task: str | None,
+                         served: str) -> dict[str, str]:
+        """The choices of a whole (not streamed) ``n > 1`` answer, captured as one group."""
+        choices = payload.get("choices") or []
+        trajs, headers = self._begin_choices(len(choices), version, task)
+        for index, (traj, choice) in enumerate(zip(trajs, choices)):
+            prompt_ids, completion_ids, logprobs = token_data(payload, choice_index=index)
+            self.gw.finish(traj, body, choice.get("message") or {"role": "assistant"}, prompt_ids, completion_ids,
+                           logprobs, choice.get("finish_reason"), served, version)
+        return headers
+
+    async def _stream(self, response: httpx.Response, body: dict[str, Any], asked: ClientAsked,
+                      session_id: str | None, task: str | None, version: int, model: str, started: float,
+                      upstream_started: float, caller: Principal) -> Response:
+        """Pass a streamed answer on while accumulating it; the overhead reported is the time up to handing on the
+        first event, less the upstream's time to it (``started``, ``upstream_started``: ``time.perf_counter``)."""
+        gw = self.gw
+        lines = response.aiter_lines()
+        try:  # read up to the first event: its prompt token ids decide the session trajectory
+            head = await read_head(response, lines, _first_event)
+        except httpx.HTTPError as exc:
+            return upstream_failed(exc, gw.config, "stream failed")
+        upstream_s = time.perf_counter() - upstream_started
+        first: dict[str, Any] | None = None
+        if head and _first_event(head[-1]):
+            with contextlib.suppress(ValueError, RecursionError):
+                first = json.loads(head[-1][5:])
+        first = first if isinstance(first, dict) else {}
+        prompt_ids = first.get("prompt_token_ids")
+        n = requested_choices(body)
+        if n > 1 and session_id is None:  # the headers go out first: the group's trajectories exist up front
+            trajs, headers = self._begin_choices(n, version, task)
+        else:
+            if n > 1:
+                log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
+                            choices=n)
+            traj, headers = gw.begin(session_id, body, prompt_ids, version, task)
+            trajs = [traj]
+        accumulators = [StreamAccumulator(prompt_ids, choice_index=index) for index in range(len(trajs))]
+        client_model = body.get("model", model)
+        headers = gw.sign(headers, caller, gw.client_session(session_id), first.get("id"))
+
+        def render(line: str) -> str:
+            if not line.startswith("data:"):
+                return line + "\n"
+            data = line[5:].strip()
+            if data == "[DONE]" or not data:
+                return line + "\n"
+            try:
+                chunk = json.loads(data)
+            except (ValueError, RecursionError):
+                return line + "\n"
+            if not isinstance(chunk, dict):
+                return line + "\n"
+            for acc in accumulators:
+                try:
+                    acc.add(chunk)
+                except (TypeError, ValueError, AttributeError) as exc:  # handed on as it came, not captured
+                    log.warning("malformed upstream stream chunk not captured", error=str(exc))
+            out = filter_response(chunk, asked)
+            if out.get("model") == model:
+                out["model"] = client_model
+            return "data: " + json.dumps(out, separators=(",", ":")) + "\n"
+
+        def record() -> None:
+            for traj, acc in zip(trajs, accumulators):
+                if acc.chunks:
+                    gw.finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
+                              acc.finish_reason, model, version)
+
+        async def handed_on() -> None:
+            await gw.overhead(ROUTE, True, started, upstream_s)
+
+        return relayed(response, lines, "".join(render(line) for line in head), render, handed_on, record, headers)

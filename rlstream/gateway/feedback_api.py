@@ -1,0 +1,112 @@
+"""``POST /v1/feedback``, and the rules every feedback shape (``feedback_shapes.py``) goes through to become a
+RewardEvent: the holder of the trajectory's feedback token, or a key with the feedback scope of the same tenant,
+names a trajectory (by its id, the response id of its body, its session, or the token alone)."""
+from __future__ import annotations
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from rlstream.gateway.auth import BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, Principal, unauthorized
+from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway, openai_error
+from rlstream.gateway.feedback import RANGE_CONTEXT, Feedback, validation_problems
+from rlstream.gateway.feedback_tokens import FeedbackTokenError
+from rlstream.gateway.limits import parse_json
+from rlstream.gateway.sessions import KnownTrajectory
+from rlstream.schemas.models import CallEvent, CallKind, RewardEvent
+
+
+class FeedbackEndpoint:
+    """``/v1/feedback`` of one gateway, and :meth:`accept` for the other shapes. Another tenant's trajectory answers
+    exactly as one that does not exist."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def serve(self, request: Request) -> Response:
+        raw = parse_json(await request.body(), self.gw.config.max_json_depth)
+        try:
+            fb = Feedback.model_validate(raw, context={RANGE_CONTEXT: self.gw.access.reward_range})
+        except ValidationError as exc:
+            problems = validation_problems(exc.errors())
+            text = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
+            return openai_error(422, f"invalid feedback: {text}", problems=problems)
+        return self.accept(request, fb)
+
+    def accept(self, request: Request, fb: Feedback) -> Response:
+        """Publish the RewardEvent of a validated feedback under the rules: the feedback token, or a key of the
+        trajectory's tenant."""
+        gw = self.gw
+        token = request.headers.get(FEEDBACK_TOKEN_HEADER) or fb.feedback_token or request.scope.get(
+            BEARER_TOKEN_KEY)
+        caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
+        granted: str | None = None  # the trajectory a token names
+        if token:
+            try:
+                grant = gw.signer.verify(token)
+            except FeedbackTokenError as exc:
+                raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
+            tenant = grant.tenant
+            if grant.kind == "trajectory":
+                granted = grant.target_id
+            elif gw.stitch_in_streams:  # a session token: the stitcher knows the session's latest trajectory
+                return self._session_feedback(grant.target_id, fb)
+            else:  # a session token (its id already scoped): the session's latest trajectory
+                latest = gw.sessions.lookup(session_id=grant.target_id)
+                granted = latest.trajectory_id if latest is not None else ""
+        elif caller is None:
+            raise unauthorized("feedback needs the response's feedback token (x-rlstream-feedback-token) or an API "
+                               "key with the feedback scope", "missing_api_key")
+        else:
+            tenant = caller.tenant
+        if granted is None and not (fb.trajectory_id or fb.response_id or fb.session_id):
+            problem = "name trajectory_id, response_id or session_id, or send the response's feedback token"
+            return openai_error(422, f"invalid feedback: {problem}", problems=[{"field": "(body)",
+                                                                               "problem": problem}])
+        if gw.stitch_in_streams and granted is None and fb.session_id and not (fb.trajectory_id or fb.response_id):
+            return self._session_feedback(gw.scoped(tenant, fb.session_id), fb)
+        known = self._target(fb, tenant, granted)
+        if known is None:
+            what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
+                    if fb.response_id else f"session {fb.session_id!r}" if fb.session_id else "trajectory")
+            return openai_error(404, f"unknown {what}", "not_found")
+        still_open = gw.sessions.open_trajectory(known.trajectory_id)
+        if still_open is not None:  # it will carry the reward itself too
+            still_open.reward, still_open.reward_components = fb.reward, dict(fb.components)
+        event = RewardEvent(trajectory_id=known.trajectory_id, group_id=known.group_id, example_id=known.example_id,
+                            run_id=gw.config.run_id, reward=fb.reward, components=dict(fb.components),
+                            feedback_id=fb.feedback_id)
+        queued = gw.capture.put(event)
+        return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
+                            status_code=202 if queued else 503)
+
+    def _session_feedback(self, scoped_session: str, fb: Feedback) -> Response:
+        """A reward for a session's latest trajectory, through ``calls``: the stream app's stitcher gives it to the
+        open trajectory, or publishes the RewardEvent of the last one, or keeps it for the first one."""
+        gw = self.gw
+        queued = gw.publish_call(CallEvent(
+            session_id=scoped_session, kind=CallKind.feedback, tenant=gw.tenant_of(scoped_session),
+            run_id=gw.config.run_id, policy=gw.config.policy, reward=fb.reward,
+            reward_components=dict(fb.components), feedback_id=fb.feedback_id, gateway_id=gw.gateway_id))
+        return JSONResponse({"session_id": gw.client_session(scoped_session), "queued": queued},
+                            status_code=202 if queued else 503)
+
+    def _target(self, fb: Feedback, tenant: str, granted: str | None) -> KnownTrajectory | None:
+        """The trajectory ``fb`` rewards, when it exists and belongs to ``tenant`` (and is the one a token
+        grants); None otherwise, whichever the reason."""
+        gw = self.gw
+        if fb.trajectory_id:
+            trajectory_id: str | None = fb.trajectory_id
+        elif fb.response_id:
+            trajectory_id = gw.feedback_index.response(tenant, fb.response_id)
+        elif fb.session_id:
+            known = gw.sessions.lookup(session_id=gw.scoped(tenant, fb.session_id))
+            trajectory_id = known.trajectory_id if known is not None else None
+        else:
+            trajectory_id = granted
+        if trajectory_id is None or (granted is not None and trajectory_id != granted):
+            return None
+        owner = gw.feedback_index.owner(trajectory_id)
+        if owner is not None and owner != tenant or owner is None and gw.keys.enabled:
+            return None
+        return gw.sessions.lookup(trajectory_id)
