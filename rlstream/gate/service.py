@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator
 from aiokafka import ConsumerRecord, TopicPartition
 
 from rlstream.gate.evaluation import (EvaluationFailed, EvaluationSet, EvaluationSetError, evaluate_version,
-                                      load_evaluation_examples, load_reward_function)
+                                      load_episode, load_evaluation_examples, load_reward_function)
 from rlstream.gate.feedback import FeedbackClock, OnlineRewards, trained_trajectories
 from rlstream.gate.rules import DecisionRule, EvalFigures, Verdict, judge, next_anchor
 from rlstream.gate.sequential import SequentialOutcome, SequentialState, SprtSettings, sprt
@@ -78,7 +78,8 @@ ANCHOR_KEY = "anchor_version"
 
 
 def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
-    """The held-out set of ``gate.*`` (defaults: ``finetuning.validation_dataset``, ``rollout.reward_function``)."""
+    """The held-out set of ``gate.*`` (defaults: ``finetuning.validation_dataset``, ``rollout.reward_function``; the
+    episode of ``gate.episode``, one chat completion when unset)."""
     g = cfg.gate
     dataset = g.dataset or cfg.finetuning.validation_dataset
     reward = g.reward_function or cfg.rollout.reward_function
@@ -91,7 +92,8 @@ def evaluation_set(cfg: RlstreamConfig) -> EvaluationSet:
         samples=g.samples, temperature=g.temperature if g.temperature is not None else cfg.rollout.temperature,
         max_tokens=g.max_tokens or cfg.rollout.max_tokens, answer_pattern=g.answer_pattern,
         refusal_patterns=tuple(g.refusal_patterns), concurrency=g.concurrency,
-        request_timeout_s=cfg.inference.request_timeout_s)
+        request_timeout_s=cfg.inference.request_timeout_s, episode=load_episode(g.episode),
+        retries=g.evaluation_retries, retry_backoff_s=g.evaluation_retry_backoff_s)
 
 
 @dataclass(frozen=True)
@@ -387,10 +389,16 @@ class PromotionGate:
         # an evaluate replica keeps the version loaded until the figures are in
         hold = (self.serving.held_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
                 if route.evaluates else contextlib.nullcontext())
+
+        async def request_failed(reason: str) -> None:
+            await self.metrics.emit(mn.GATE_EVALUATION_REQUEST_FAILURES, 1.0, step=version,
+                                    tags={"policy": self.policy, "role": role, "reason": reason})
+
         try:
             async with hold:
                 figures = await evaluate_version(evaluation, version, route.base_url, route.model,
-                                                 secret_value(self.cfg.inference.api_key))
+                                                 secret_value(self.cfg.inference.api_key),
+                                                 on_request_failure=request_failed)
         except EvaluationFailed as exc:
             await self.metrics.emit(mn.GATE_EVALUATION_FAILURES, 1.0, step=version,
                                     tags={"policy": self.policy, "role": role})

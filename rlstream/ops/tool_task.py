@@ -10,6 +10,7 @@ parser turns it into a tool call), the SDK runs the tool and sends its result ba
 final answer naming the value the tool returns for them and no other value of that attribute (0.5). Task success is
 all three. Training and held-out prompts ask about disjoint entities, so what is learned is the tool use, not the
 table. :func:`baseline_scores` measures what answering without the tool, and the best constant episode, earn.
+:func:`gate_episode` is the same agent and verifier as the promotion gate's evaluation episode (``gate.episode``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlstream.gate.episodes import EpisodeRequest, NoAnswer, arguments_parse, score_answer
+from rlstream.gate.rules import SampleResult
 from rlstream.rollout.sampling import SamplingSettings
 from rlstream.transport.log import get_logger
 
@@ -57,6 +60,7 @@ TOOL_AGENT_DEFAULTS: dict[str, Any] = {
     "rollout": {"workflow": "rlstream.ops.tool_task:tool_agent", "reward_function": "rlstream.ops.tool_task:tool_reward",
                 "max_tokens": 48, "temperature": 0.7, "group_size": 4, "concurrency": 4},
     "learner": {"lora": {"enabled": True}, "learning_rate": 1e-3, "groups_per_step": 8},
+    "gate": {"episode": "rlstream.ops.tool_task:gate_episode"},
 }
 
 #: two worked exchanges before the question (entities outside the table): how a call, its result and the answer
@@ -168,6 +172,7 @@ class ToolEpisode:
     tool_results: list[str] = field(default_factory=list)
     final_answer: str = ""
     error: str | None = None  # the agent run ended with this error (a tool that does not exist, too many turns)
+    completion_tokens: int = 0  # over every model call of the episode
 
 
 @dataclass(frozen=True)
@@ -232,17 +237,23 @@ def tool_reward(example: dict[str, Any], output: Any) -> dict[str, float]:
 
 # --- the agent ------------------------------------------------------------------------------------------------
 async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSettings,
-                     headers: dict[str, str] | None = None, tool_choice: str = "auto") -> ToolEpisode:
+                     headers: dict[str, str] | None = None, tool_choice: str = "auto",
+                     seed: int | None = None) -> ToolEpisode:
     """Run the OpenAI Agents SDK agent with the ``lookup`` tool on ``example``'s question through ``client`` (an
     ``AsyncOpenAI`` on vLLM or the gateway; ``headers`` go with every model call, e.g. a gateway session), at most
     three model calls. A workflow (``rollout.workflow``) as well as what the simulated users run.
 
     ``tool_choice``: the first model call's (``auto``: the model decides; ``required``: the server forces one call,
     its arguments within :data:`ARGUMENT_SCHEMA`, for a model that cannot choose tools by itself); the SDK resets it
-    to ``auto`` after a tool call, so the call after the tool's result can answer."""
+    to ``auto`` after a tool call, so the call after the tool's result can answer. ``seed``: every model call's
+    sampling seed (the gate's evaluation pairs versions on it).
+
+    The model's own failures (an unknown tool, no answer in three calls) are part of the episode (``error``); the
+    server's are not: its errors (``openai.APIError``: connection, timeout, 5xx) propagate, and a response with
+    nothing in it (no choice) or a model call that timed out raises :class:`NoAnswer`."""
     from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
                         set_tracing_disabled)
-    from agents.exceptions import AgentsException
+    from agents.exceptions import AgentsException, ModelTimeoutError
     from agents.items import ToolCallItem, ToolCallOutputItem
 
     set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
@@ -260,6 +271,7 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
                   model=OpenAIChatCompletionsModel(model=sampling.model, openai_client=client),
                   model_settings=ModelSettings(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
                                                tool_choice=tool_choice, extra_headers=headers or None,
+                                               extra_body={"seed": seed} if seed is not None else None,
                                                # a forced call is one call (vLLM: a one-item array)
                                                parallel_tool_calls=False if tool_choice != "auto" else None))
     question = str(example.get("prompt") or example["messages"][-1]["content"])
@@ -268,11 +280,16 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
         result = await Runner.run(agent, [*DEMONSTRATION, {"role": "user", "content": question}], max_turns=3)
         items = list(result.new_items)
         episode.final_answer = str(result.final_output or "")
+        episode.completion_tokens = result.context_wrapper.usage.output_tokens
     except AgentsException as exc:  # the model's own failures (an unknown tool, no answer in 3 calls) score as such;
         # the server's (openai.APIError: connection, timeout, 5xx) propagate: they say nothing about the model
+        if isinstance(exc, ModelTimeoutError) or _NO_CHOICES in str(exc):
+            raise NoAnswer(f"the server gave no answer to judge: {type(exc).__name__}: {exc}") from exc
         episode.error = f"{type(exc).__name__}: {exc}"
         run_data = getattr(exc, "run_data", None)
         items = list(getattr(run_data, "new_items", None) or [])
+        wrapper = getattr(run_data, "context_wrapper", None)
+        episode.completion_tokens = wrapper.usage.output_tokens if wrapper is not None else 0
     for item in items:
         if isinstance(item, ToolCallItem):
             raw = item.raw_item
@@ -280,6 +297,22 @@ async def tool_agent(example: dict[str, Any], client: Any, sampling: SamplingSet
         elif isinstance(item, ToolCallOutputItem):
             episode.tool_results.append(str(item.output))
     return episode
+
+
+#: how the Agents SDK words a chat completion without choices (a server's error payload), which it raises as a
+#: ModelBehaviorError like the model's own failures
+_NO_CHOICES = "response has no choices"
+
+
+async def gate_episode(request: EpisodeRequest) -> SampleResult:
+    """The promotion gate's episode of the tool task (``gate.episode``; rlstream/gate/episodes.py): :func:`tool_agent`
+    against the evaluated version with the sample's seed, scored by the reward function (:func:`tool_reward`, the
+    training reward), the tool calls' arguments checked, the answer length in completion tokens of all its calls."""
+    sampling = SamplingSettings(model=request.model, temperature=request.temperature, max_tokens=request.max_tokens)
+    episode = await tool_agent(request.example, request.client, sampling, seed=request.seed)
+    length = episode.completion_tokens or len(episode.final_answer.split())
+    return score_answer(request, episode, episode.final_answer, length, len(episode.calls),
+                        sum(arguments_parse(call.arguments) for call in episode.calls))
 
 
 # --- what no tool use earns -----------------------------------------------------------------------------------

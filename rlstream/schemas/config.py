@@ -438,8 +438,18 @@ class GateConfig(Section):
 
     dataset: Path | None = Field(None, description="held-out evaluation set (JSON list or JSONL; each example has "
                                  "prompt or messages, optionally tools); default finetuning.validation_dataset")
-    reward_function: str | None = Field(None, description="module:function(example, completion_text) scoring one "
-                                        "evaluation answer; default rollout.reward_function")
+    reward_function: str | None = Field(None, description="module:function(example, output) scoring one "
+                                        "evaluation episode's output (the completion text, for the default episode); "
+                                        "default rollout.reward_function")
+    episode: str | None = Field(None, description="module:function running one held-out (example, sample) against "
+                                "a version: the task's own episode, the agent, tools and verifier that produce its "
+                                "training traffic (rlstream/gate/episodes.py; rlstream up --task tool-agent sets "
+                                "rlstream.ops.tool_task:gate_episode); default one chat completion of the example")
+    evaluation_retries: int = Field(3, ge=0, description="times a failed evaluation episode (connection error, "
+                                    "timeout, 5xx, no answer) is tried again before the evaluation fails (a failed "
+                                    "evaluation decides nothing)")
+    evaluation_retry_backoff_s: float = Field(0.5, ge=0, description="seconds before the first retry of a failed "
+                                              "evaluation episode; doubled for each further one")
     examples: int = Field(24, ge=1, description="most evaluation examples used (the first ones of the dataset)")
     samples: int = Field(16, ge=1, description="most completions per evaluation example (each with its own fixed "
                          "seed, the same for every version); the gate uses as many as the power asks for "

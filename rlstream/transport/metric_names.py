@@ -203,6 +203,9 @@ GATE_CANARY_ROLLBACK_S = "gate/canary_rollback_s"
 GATE_VERSION_REFUSED = "gate/version_refused"
 #: 1 per evaluation that produced no result (EvaluationFailed): no decision is taken, the gate tries again later.
 GATE_EVALUATION_FAILURES = "gate/evaluation_failures"
+#: 1 per failed evaluation episode, retried or not (tag ``reason``: connection, timeout, status_<code>, no_answer,
+#: error); a sample that still fails after its retries fails the whole evaluation.
+GATE_EVALUATION_REQUEST_FAILURES = "gate/evaluation_request_failures"
 #: 1 per reward (a RewardEvent, or a trajectory's inline reward) the gate left out because it fails the reward rules
 #: of rlstream/schemas/rewards.py (tag ``reason``): never counted in the canary's test nor the feedback latency.
 GATE_INVALID_REWARDS = "gate/invalid_rewards"
@@ -240,7 +243,7 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
         GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED,
-        GATE_EVALUATION_FAILURES, GATE_INVALID_REWARDS)
+        GATE_EVALUATION_FAILURES, GATE_EVALUATION_REQUEST_FAILURES, GATE_INVALID_REWARDS)
 #: Every name rlstream emits (a name in several groups appears once).
 ALL = tuple(dict.fromkeys(TOOLS + ROLLOUT + INFERENCE + LEARNER + LEARNER_COUNTERS + STREAMS + GATEWAY + GATE))
 
@@ -487,6 +490,9 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
              "records the gate refused as untrusted (never evaluated)"),
     _counter(GATE_EVALUATION_FAILURES, "rlstream_gate_evaluation_failures_total", ("policy", "role"), "Held-out "
              "evaluations that produced no result (the decision is held and tried again)"),
+    _counter(GATE_EVALUATION_REQUEST_FAILURES, "rlstream_gate_evaluation_request_failures_total",
+             ("policy", "reason"), "Failed held-out evaluation episodes, retried or not (reason: connection, timeout, "
+             "status_<code>, no_answer, error)"),
     _counter(GATE_INVALID_REWARDS, "rlstream_gate_invalid_rewards_total", ("policy", "reason"), "Rewards the gate "
              "left out of the canary's test (not finite, outside streams.reward_range, malformed)"),
 )}
