@@ -55,7 +55,7 @@ class ScriptedEvaluation:
         self.fail = set(fail or ())
 
     async def __call__(self, evaluation: EvaluationSet, version: int, base_url: str, model: str,
-                       api_key: str | None = None) -> EvalFigures:
+                       api_key: str | None = None, on_request_failure: object = None) -> EvalFigures:
         self.calls.append(version)
         if version in self.fail:
             self.fail.discard(version)
