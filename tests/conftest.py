@@ -40,6 +40,7 @@ XDIST_GROUP_OF_MODULE = {
     "test_nat_serve": "vllm", "test_nat_doc_configs": "vllm", "test_gate_vllm": "vllm",
     "test_tool_agent_data_path": "vllm", "test_shadow_sampling": "vllm", "test_gateway_fleet_vllm": "vllm",
     "test_vllm_fleet_switch": "vllm", "test_vllm_temperature": "vllm",
+    "test_vllm_engine_restart": "vllm",  # a vLLM server of its own (it is killed), never beside the shared one's tests
     "test_wheel_install": "up", "test_up_production": "up",
     "test_streams_recovery": "streams-chaos",
     "test_streams_shutdown": "streams-chaos",

@@ -56,9 +56,15 @@ def inference_serve(
     vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="one more vLLM option, as it is "
                                                  "(repeatable, e.g. --vllm-arg=--max-num-seqs=8); options after "
                                                  "'--' go to vLLM too"),
+    restart: bool = typer.Option(True, "--restart/--no-restart", help="restart vLLM when its process exits or its "
+                                 "/health fails 3 checks in a row (its engine died); --no-restart: the command ends "
+                                 "with the server"),
 ) -> None:
     """Start a vLLM OpenAI server (CPU, fp32, LoRA enabled, tool calling on) and keep it running until interrupted.
-    Any vLLM option passes through: ``rlstream inference serve MODEL -- --max-num-seqs 8``."""
+    Any vLLM option passes through: ``rlstream inference serve MODEL -- --max-num-seqs 8``. A server that dies is
+    restarted on the same port (``--no-restart``: not)."""
+    from functools import partial
+
     from rlstream.ops.vllm import serve_in_foreground, start_vllm_server
     from rlstream.schemas.masking import remember_secret
 
@@ -66,6 +72,8 @@ def inference_serve(
     extra = [*(vllm_arg or []), *ctx.args]
     server = start_vllm_server(model_dir, served_model, port=port, venv_dir=venv, api_key=api_key,
                                extra_args=extra, tool_call_parser=tool_call_parser)
+    again = partial(start_vllm_server, model_dir, served_model, port=server.port, venv_dir=venv, api_key=api_key,
+                    workdir=Path(server.workdir), extra_args=extra, tool_call_parser=tool_call_parser)
     keyed = "; clients send its API key" if api_key else "; no API key: anyone who reaches it can use it"
     console.print(f"vLLM serving {served_model} at {server.base_url} (pid {server.pid}, log {server.log_file}{keyed})")
-    serve_in_foreground(server)
+    serve_in_foreground(server, restart=again if restart else None)

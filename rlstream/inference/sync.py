@@ -24,7 +24,12 @@ the newest version of its policy, loads it, then loads each newer version as it 
   keeps the base weights while
   there is no pointer, so a candidate the gate rejects never answers its production requests;
 * a failed load is retried ``load_retries`` times with backoff, then reported; the worker stays on
-  the version it had (the server is never left half-loaded).
+  the version it had (the server is never left half-loaded);
+* a version's files are never deleted while a request may still name it: an adapter beyond ``keep_adapters`` is
+  unloaded first, and its staged files stay until the server no longer lists it (``/v1/models``) and
+  ``inference.trim_grace_s`` has passed since (rlstream/inference/retention.py): vLLM reads them again for a request
+  that was already queued, and files deleted under it kill the engine. Full weights are read once, by the reload, so
+  their staged copy goes as soon as another version replaces them.
 
 The worker also keeps the versions the fleet is asked to serve loaded (docs/promotion.md): the serving version, a
 ``pending_version`` a promotion or rollback waits for (an older version is loaded again from its trusted record) and
@@ -33,7 +38,11 @@ the canary; these are never unloaded to make room for new candidates.
 With its heartbeat (``rlstream:{policy}:worker:{id}``) the worker acknowledges what its server actually has loaded,
 read back from ``/v1/models`` (versions, the name each is requested by, the versions that failed to load, the
 server's URL): the fleet switch and the routers go by it (rlstream/transport/serving.py). A server that does not
-answer gets no heartbeat: after ``inference.heartbeat_ttl_s`` the replica counts as down. Failures are
+answer gets no heartbeat: after ``inference.heartbeat_ttl_s`` the replica counts as down. The worker also checks
+the server's health (vLLM's ``/health``, every ``inference.health_interval_s``; rlstream/inference/health.py): after
+``inference.health_failures`` failures in a row the replica leaves routing at once (``inference/engine_down``,
+``inference/engine_up`` 0), and it comes back only once the server answers again (its supervisor restarts a dead one:
+rlstream/ops/vllm.py) and has every version it held loaded again (:meth:`InferenceSyncWorker.recover`). Failures are
 reported in the log, as a ``inference/load_failed`` metric (``inference/fleet_load_failed`` while a version the
 fleet is asked to serve failed), as a dead letter on ``dlq`` (with the raw PolicyVersion record) and as
 ``last_error`` fields of the worker's Redis hash.
@@ -60,7 +69,9 @@ from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.serving import ROLE_EVALUATE, ReplicaAck, ServingControl, WantedVersions
 from rlstream.transport.topic_reader import Decoded, SourceRecord, TopicReader, caught_up, wait_for_partitions
 from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersionRecord
+from rlstream.inference.health import HealthChange, HealthTracker
 from rlstream.inference.manifest import ManifestError, UntrustedVersion, rollback_dir, stage, verify
+from rlstream.inference.retention import RetiredFiles, deletable
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -148,6 +159,8 @@ def url_without_credentials(url: str) -> str:
 WANTED_RETRY_S = 10.0
 #: Seconds between two reads of the serving pointer by the worker's loop.
 SERVING_POLL_S = 1.0
+#: Seconds one health check of the server may take before it counts as failed.
+HEALTH_TIMEOUT_S = 5.0
 
 
 class InferenceSyncWorker:
@@ -183,6 +196,11 @@ class InferenceSyncWorker:
         self.staging_root = Path(self.icfg.staging_dir) if self.icfg.staging_dir else \
             Path(tempfile.mkdtemp(prefix=f"rlstream-staging-{self.icfg.worker_id}-"))
         self._staged: dict[int, Path] = {}  # version -> its staged copy
+        self._lora_staged: set[int] = set()  # the staged copies that are LoRA versions
+        self._retired: dict[int, RetiredFiles] = {}  # unloaded LoRA versions whose files wait (retention.py)
+        self.health = HealthTracker(self.icfg.health_failures)
+        self.engine_down = False  # out of routing: no heartbeat until recover() has the server's versions back
+        self._recover = False
         self._loaded_event = asyncio.Event()
         self.serving = ServingControl(control)
         self.known: dict[int, tuple[PolicyVersion, SourceRecord | None]] = {}  # trusted records of our policy
@@ -224,17 +242,22 @@ class InferenceSyncWorker:
         await consumer.start()
         reader = TopicReader(consumer, self.codec, PolicyVersion, dead_letters=self.dead_letters)
         heartbeat = asyncio.create_task(self._heartbeat_loop(stop))
+        health = asyncio.create_task(self._health_loop(stop))
         try:
             await self._catch_up(reader)
             while not stop.is_set():
                 for item in await reader.fetch(timeout_ms=500, max_records=100):
                     await self.handle(item)
-                await self.follow_serving()
-                await self._load_waiting()
+                if self._recover:
+                    await self.recover()
+                if not self.engine_down:
+                    await self.follow_serving()
+                    await self._load_waiting()
         finally:
             stop.set()
             heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+            health.cancel()
+            await asyncio.gather(heartbeat, health, return_exceptions=True)
             await consumer.stop()
             await self.producer.stop()
 
@@ -289,6 +312,9 @@ class InferenceSyncWorker:
                 self._waiting = (version, item.source)
             log.info("newer candidate waits: the gate is evaluating the loaded version", version=version.version,
                      loaded=self.state.version)
+            return
+        if self.engine_down:  # recover() loads the newest version once the server is back
+            log.info("the server is down; the version loads once it is back", version=version.version)
             return
         await self.sync(version, item.source)
 
@@ -345,6 +371,9 @@ class InferenceSyncWorker:
             await self._report(version, record, exc, refused=True)
             return False
         self._staged[version.version] = weights_dir
+        self._retired.pop(version.version, None)
+        if version.kind == WeightsKind.lora:
+            self._lora_staged.add(version.version)
         attempts = self.icfg.load_retries + 1
         for attempt in range(1, attempts + 1):
             try:
@@ -371,12 +400,27 @@ class InferenceSyncWorker:
         return True
 
     def _drop_staged(self) -> None:
-        """Remove staged copies the server no longer uses (the loaded adapters and full weights are kept)."""
+        """Let go of the staged copies the server no longer uses (the loaded adapters and full weights are kept): a
+        full version's copy is deleted at once (vLLM read it during the reload), a LoRA version's is retired and
+        deleted later by :meth:`_purge_retired` (retention.py: a queued request may make vLLM read it again)."""
         keep = {self.state.weights_dir} | {self._staged.get(self._adapter_version(n)) for n in self.adapters}
+        now = time.monotonic()
         for version, path in list(self._staged.items()):
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
                 del self._staged[version]
+                if version in self._lora_staged:
+                    self._lora_staged.discard(version)
+                    self._retired[version] = RetiredFiles(version, path, now)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def _purge_retired(self, listed: set[int]) -> None:
+        """Delete the retired copies retention.py allows: the server does not list the version (``listed``, read
+        from ``/v1/models``) and ``inference.trim_grace_s`` has passed since it was unloaded."""
+        for files in deletable(list(self._retired.values()), listed, time.monotonic(), self.icfg.trim_grace_s):
+            shutil.rmtree(files.path, ignore_errors=True)
+            del self._retired[files.version]
+            log.info("staged files of an unloaded version deleted", version=files.version, path=str(files.path))
 
     @staticmethod
     def _adapter_version(name: str) -> int:
@@ -543,9 +587,15 @@ class InferenceSyncWorker:
         return loaded
 
     async def _heartbeat(self) -> None:
-        """Acknowledge what the server has loaded (read back, not assumed), with the heartbeat."""
+        """Acknowledge what the server has loaded (read back, not assumed), with the heartbeat; delete the retired
+        files the server no longer lists (:meth:`_purge_retired`). None while the server is down."""
+        if self.engine_down:
+            return
         loaded = await self.read_back()
         if loaded is None:
+            return
+        self._purge_retired(set(loaded))
+        if self.engine_down:  # went down while the server was asked
             return
         newest = max(loaded) if loaded else 0
         failed = {v: error for v, (_, error) in self.failed.items() if v not in loaded}
@@ -566,4 +616,83 @@ class InferenceSyncWorker:
                 await self._heartbeat()
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
+
+    # -- the server's health ------------------------------------------------------------------
+    async def _health_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.icfg.health_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                return
+            try:
+                await self.check_health()
+            except Exception as exc:  # noqa: BLE001 - Redis or Kafka trouble: the next check tries again
+                log.warning("handling a health check failed", error=str(exc))
+
+    async def check_health(self) -> HealthChange | None:
+        """One health check of the server (vLLM's ``/health``). Going down takes the replica out of routing at once
+        and is counted; coming back makes the worker's loop run :meth:`recover`. None: no change (or a backend
+        without a health check)."""
+        healthy = getattr(self.backend, "healthy", None)
+        if healthy is None:
+            return None
+        change = self.health.observe(await healthy(timeout_s=HEALTH_TIMEOUT_S))
+        tags = {"worker": self.icfg.worker_id}
+        if change == HealthChange.down:
+            self.engine_down = True
+            reason = f"health check failed {self.health.failed_in_row} times in a row"
+            log.error("the inference server is down; the replica leaves routing until it is back",
+                      url=self.replica_url, reason=reason)
+            await self.serving.mark_replica_down(self.cfg.policy, self.icfg.worker_id, reason,
+                                                 self.icfg.heartbeat_ttl_s)
+            await self.metrics.emit(mn.INFERENCE_ENGINE_DOWN, 1.0, tags=tags)
+            await self.metrics.emit(mn.INFERENCE_ENGINE_UP, 0.0, tags=tags)
+        elif change == HealthChange.up:
+            log.info("the inference server answers again; loading its versions again", url=self.replica_url)
+            self._recover = True
+        return change
+
+    async def recover(self) -> None:
+        """The server answers again (its supervisor restarted it, with nothing loaded): load again what it held (the
+        full weights, then every adapter it no longer lists, from their staged copies), the newest version announced
+        while it was down, and the versions the fleet is asked to serve; only then does the heartbeat put the replica
+        back into routing."""
+        self._recover = False
+        listed = await self.read_back()
+        try:
+            if listed is None:
+                raise BackendError("the server does not list its models")
+            if self.state.kind == "full" and self.state.weights_dir is not None:
+                await self.backend.load_full(self.state.weights_dir)  # /v1/models cannot tell base from reloaded
+            reloaded = []
+            for name in list(self.adapters):
+                version = self._adapter_version(name)
+                if version in listed:
+                    continue
+                path = self._staged.get(version)
+                if path is None:  # no staged copy left: not held any more
+                    self.adapters.remove(name)
+                    continue
+                await self.backend.load_lora(name, path)
+                reloaded.append(version)
+        except BackendError as exc:
+            if self.health.down:  # down again: the next recovery starts over
+                return
+            log.warning("loading the versions of the server again failed; trying again", error=str(exc))
+            await asyncio.sleep(self.icfg.health_interval_s)
+            self._recover = True
+            return
+        if self.health.down:
+            return
+        self.engine_down = False
+        log.info("the server has its versions again; the replica is back in routing", reloaded=reloaded,
+                 full=self.state.version if self.state.kind == "full" else None)
+        newest = max((v for v, (record, _) in self.known.items() if self._loads_now(record)), default=None)
+        if newest is not None and newest > self.state.version:
+            await self.sync(*self.known[newest])
+        await self.follow_serving(force=True)
+        await self._heartbeat()
+        await self.metrics.emit(mn.INFERENCE_ENGINE_UP, 1.0, tags={"worker": self.icfg.worker_id})
 

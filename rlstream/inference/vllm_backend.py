@@ -40,9 +40,11 @@ class VllmBackend:
             raise BackendError(f"{what}: HTTP {response.status_code}: {response.text[:500]}")
         return response
 
-    async def healthy(self) -> bool:
+    async def healthy(self, timeout_s: float | None = None) -> bool:
+        """Whether the server answers ``/health`` with 200 (within ``timeout_s``; default: the client's timeout)."""
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
-            return (await self.http.get("/health")).status_code == 200
+            return (await self.http.get("/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -71,6 +71,8 @@ class LiveFigures:
     constant_answer: tuple[str, float] | None = None  # the toy task's best instruction-blind answer and its reward
     task_baselines: dict[str, float] = field(default_factory=dict)  # what a task's no-skill answers earn (tool task)
     promotion: PromotionFigures = field(default_factory=lambda: PromotionFigures())
+    engine_restarts: list[Any] = field(default_factory=list)  # EngineRestart of every vLLM server restart
+    engines_down: dict[str, tuple[str, float]] = field(default_factory=dict)  # server -> (why, since): restarting
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -81,6 +83,19 @@ class LiveFigures:
         if self.newest_group_version is None or self.latest_version < 0:
             return None
         return self.latest_version - self.newest_group_version
+
+
+def engine_restarts_text(figures: LiveFigures) -> str:
+    """The live view's line on vLLM restarts: how many, the last one, and any server being restarted now."""
+    now = time.monotonic()
+    parts = [f"{len(figures.engine_restarts)}"]
+    if figures.engine_restarts:
+        last = figures.engine_restarts[-1]
+        back = f"back after {last.down_s:.0f}s" if last.down_s is not None else f"not back: {last.error}"
+        parts.append(f"(last: {last.name}, {last.reason}, {back})")
+    for name, (reason, since) in sorted(figures.engines_down.items()):
+        parts.append(f"— {name} DOWN {now - since:.0f}s, restarting ({reason})")
+    return " ".join(parts)
 
 
 def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
@@ -95,6 +110,7 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
     age = f"{time.time() - figures.latest_published_at:.0f}s ago" if figures.latest_published_at else "-"
     table.add_row("policy version (published)", f"{figures.latest_version if figures.latest_version >= 0 else '-'} ({age})")
     table.add_row("loaded in vLLM", ", ".join(f"{w}: v{v}" for w, v in figures.loaded.items()) or "-")
+    table.add_row("vLLM engine restarts", engine_restarts_text(figures))
     p = figures.promotion
     if p.gate:
         candidate = figures.latest_version if figures.latest_version >= 0 else "-"
@@ -226,7 +242,8 @@ class Watcher:
             self.figures.latest_version = int(latest["version"])
             self.figures.latest_published_at = float(latest.get("published_at", 0) or 0) or None
         workers = await self.control.workers(self.cfg.policy)
-        self.figures.loaded = {w: info.get("version", "?") for w, info in workers.items()}
+        self.figures.loaded = {w: f"{info.get('version', '?')} (down)" if info.get("down") else info.get("version", "?")
+                               for w, info in workers.items()}
         from rlstream.transport.serving import ServingControl
 
         pointer = await ServingControl(self.control).serving(self.cfg.policy)

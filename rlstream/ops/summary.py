@@ -37,6 +37,7 @@ def summarize(figures: LiveFigures, run_id: str, run_dir: Path, config_path: Pat
                                  if figures.constant_answer is not None else None),
         "training_reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(figures.group_reward_by_version.items())},
         "promotion": figures.promotion.summary(),
+        "engine_restarts": [event.summary() for event in figures.engine_restarts],
         "topic_end_offsets": topic_ends or {},
         "checkpoints": str(run_dir / "learner"),
         "logs": str(run_dir / "logs"),

@@ -17,6 +17,7 @@ import json
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ from rlstream.transport.log import get_logger
 from rlstream.transport.signals import sleep_or_stop, stop_event
 
 if TYPE_CHECKING:
-    from rlstream.ops.vllm import VllmServer
+    from rlstream.ops.vllm import EngineRestart, VllmSupervisor
 
 log = get_logger(__name__)
 
@@ -112,24 +113,42 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
 
 def _start_vllm_servers(sup: Supervisor, model_dir: Path, served: str, run_dir: Path, api_key: str,
                         extra_args: list[str], ports: dict[str, int],
-                        tool_call_parser: str = "auto") -> dict[str, VllmServer]:
+                        tool_call_parser: str = "auto") -> dict[str, VllmSupervisor]:
     """Start one vLLM server per name in ``ports`` at once (each start is mostly waiting on its own process) and
-    hand every started one to the supervisor, also when another failed to start (then its error is raised)."""
-    from rlstream.ops.vllm import start_vllm_server
+    hand every started one to the supervisor, also when another failed to start (then its error is raised). Each
+    comes with its (not yet started) :class:`VllmSupervisor`, which starts it again the same way when it dies."""
+    from rlstream.ops.vllm import VllmSupervisor, start_vllm_server
 
+    how = {name: partial(start_vllm_server, model_dir, served_model_name=served, port=port, workdir=run_dir / name,
+                         api_key=api_key, extra_args=extra_args, tool_call_parser=tool_call_parser)
+           for name, port in ports.items()}
     with ThreadPoolExecutor(max_workers=len(ports)) as pool:
-        starts = {name: pool.submit(start_vllm_server, model_dir, served_model_name=served, port=port,
-                                    workdir=run_dir / name, api_key=api_key, extra_args=extra_args,
-                                    tool_call_parser=tool_call_parser)
-                  for name, port in ports.items()}
-    servers: dict[str, VllmServer] = {}
+        starts = {name: pool.submit(start) for name, start in how.items()}
+    servers: dict[str, VllmSupervisor] = {}
     for name, start in starts.items():
         if start.exception() is None:
-            servers[name] = start.result()
-            sup.extra_pids[name] = servers[name].pid
+            servers[name] = VllmSupervisor(name, start.result(), how[name])
+            sup.extra_pids[name] = servers[name].server.pid
     for start in starts.values():
         start.result()  # the first failure, once every started server is known to the supervisor
     return servers
+
+
+def _watch_vllm_servers(sup: Supervisor, supervisors: dict[str, VllmSupervisor], figures: LiveFigures) -> None:
+    """Start supervising the vLLM servers: a dead one is restarted, shown in the live view while it is down, and
+    every restart is listed in the summary (``engine_restarts``)."""
+    def on_down(name: str, reason: str) -> None:
+        figures.engines_down[name] = (reason, time.monotonic())
+
+    def on_restart(event: EngineRestart) -> None:
+        figures.engines_down.pop(event.name, None)
+        figures.engine_restarts.append(event)
+        if event.new_pid is not None:
+            sup.extra_pids[event.name] = event.new_pid  # stopped with the run
+
+    for supervisor in supervisors.values():
+        supervisor.on_down, supervisor.on_restart = on_down, on_restart
+        supervisor.start_thread()
 
 
 def canary_overrides(traffic: str) -> list[str]:
@@ -153,6 +172,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     stack = LocalStack.start(run_dir / "infra")
     sup = Supervisor(run_dir / "logs")
     figures = LiveFigures()
+    vllm_supervisors: dict[str, VllmSupervisor] = {}
     cfg: RlstreamConfig | None = None
     config_path = run_dir / "config.yaml"
     try:
@@ -175,10 +195,13 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         evaluation_server = opts.gate and bool(heldout) and not cfg.learner.lora.enabled
         if evaluation_server:
             print("starting the evaluation vLLM server too (full-weight candidates are evaluated there)…", flush=True)
-        servers = _start_vllm_servers(sup, model_dir, served, run_dir, vllm_key, task_vllm_args(opts, run_dir),
-                                      {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})},
-                                      tool_call_parser=opts.tool_call_parser)
-        vllm, eval_vllm = servers["vllm"], servers.get("vllm-eval")
+        vllm_supervisors = _start_vllm_servers(
+            sup, model_dir, served, run_dir, vllm_key, task_vllm_args(opts, run_dir),
+            {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})},
+            tool_call_parser=opts.tool_call_parser)
+        _watch_vllm_servers(sup, vllm_supervisors, figures)
+        vllm = vllm_supervisors["vllm"].server
+        eval_vllm = vllm_supervisors["vllm-eval"].server if "vllm-eval" in vllm_supervisors else None
         if user_cfg is None and heldout and opts.task == "tool-agent":  # what no tool use earns on the same prompts
             from rlstream.ops.tool_task import baseline_scores
 
@@ -234,6 +257,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     except KeyboardInterrupt:
         log.warning("interrupted; stopping the services")
     finally:
+        for supervisor in vllm_supervisors.values():  # no restart of a server the run stops
+            supervisor.stop()
         sup.stop_all()
         topic_ends = _topic_end_offsets(cfg) if cfg is not None else {}
         stack.stop()

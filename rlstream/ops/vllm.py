@@ -5,7 +5,9 @@ virtualenv (``RLSTREAM_VLLM_VENV``, else ``venv-vllm`` under the user data direc
 ``~/.local/share/rlstream``) and is only ever talked to
 over HTTP, as in production. ``ensure_vllm_venv()`` creates or reuses that venv;
 ``start_vllm_server()`` starts the server on a model directory, waits for ``/health`` and returns
-a handle that stops it by PID.
+a handle that stops it by PID. :class:`VllmSupervisor` keeps one running: a server whose process exits or whose
+``/health`` fails several times in a row (its engine died: vLLM then stops answering) is stopped, process group and
+all, and started again on the same port with the same options (``rlstream up``, ``rlstream inference serve``).
 """
 from __future__ import annotations
 
@@ -15,16 +17,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 from rlstream.ops.children import spawn
 from rlstream.ops.infra import InfraError
 from rlstream.ops.ports import LOOPBACK, free_port
-from rlstream.ops.processes import pid_alive, stop_pid
+from rlstream.ops.processes import pid_alive, reap, stop_pid
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -260,8 +264,130 @@ class VllmServer:
         log.info("vLLM server stopped", pid=self.pid)
 
 
-def serve_in_foreground(server: VllmServer, poll_s: float = 0.5) -> None:
-    """Keep ``server`` running until SIGINT/SIGTERM or until it exits by itself, then stop it."""
+@dataclass(frozen=True)
+class EngineRestart:
+    """One restart of a supervised vLLM server: why, when (epoch seconds), the old and new process, and how long it
+    was down (``down_s``: from the failure seen to healthy again; None with ``error`` when the start failed)."""
+
+    name: str
+    reason: str
+    at: float
+    old_pid: int
+    new_pid: int | None
+    down_s: float | None
+    error: str | None = None
+
+    def summary(self) -> dict[str, object]:
+        """The restart as a JSON-ready dict (``rlstream up``'s summary)."""
+        return {"server": self.name, "reason": self.reason, "at": self.at, "old_pid": self.old_pid,
+                "new_pid": self.new_pid, "down_s": None if self.down_s is None else round(self.down_s, 1),
+                **({"error": self.error} if self.error else {})}
+
+
+class VllmSupervisor:
+    """Keeps one vLLM server running. A server is dead when its process has exited, or when ``/health`` failed
+    ``health_failures`` checks in a row (the engine died and the API server stays up, or hangs); then its whole
+    process group is stopped and ``start`` is called again (same port and options; a failed start is retried with a
+    doubling backoff up to ``max_backoff_s``). ``server`` is always the current one; ``restarts`` lists every restart
+    and ``on_restart`` is called with each (``on_down`` with the server's name and the reason when one begins)."""
+
+    def __init__(self, name: str, server: VllmServer, start: Callable[[], VllmServer], *, interval_s: float = 2.0,
+                 health_failures: int = 3, health_timeout_s: float = 5.0, max_backoff_s: float = 60.0,
+                 on_restart: Callable[[EngineRestart], None] | None = None,
+                 on_down: Callable[[str, str], None] | None = None) -> None:
+        self.name, self.server, self.start = name, server, start
+        self.interval_s, self.health_failures, self.health_timeout_s = interval_s, health_failures, health_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.on_restart = on_restart
+        self.on_down = on_down  # (name, reason) when a restart begins
+        self.restarts: list[EngineRestart] = []
+        self.down_since: float | None = None  # monotonic time a failure was first seen, while restarting
+        self._failed_checks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def failure(self) -> str | None:
+        """Why the server counts as dead now (one check; None: alive)."""
+        server = self.server
+        if server.external:
+            return None
+        if not pid_alive(server.pid):
+            code = reap(server.pid)
+            return f"process exited (code {code})" if code is not None else "process exited"
+        try:
+            healthy = httpx.get(f"{server.url}/health", timeout=self.health_timeout_s).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        self._failed_checks = 0 if healthy else self._failed_checks + 1
+        if self._failed_checks >= self.health_failures:
+            return f"/health failed {self._failed_checks} times in a row"
+        return None
+
+    def restart(self, reason: str) -> EngineRestart:
+        """Stop the server's process group and start it again until a start succeeds (or :meth:`stop`)."""
+        old = self.server
+        self.down_since = self.down_since or time.monotonic()
+        log.error("vLLM server is dead; restarting it", server=self.name, reason=reason, pid=old.pid,
+                  log=old.log_file)
+        if self.on_down is not None:
+            self.on_down(self.name, reason)
+        stop_pid(old.pid, timeout_s=5.0)  # the engine and workers too: they may outlive a dead API server
+        backoff, error = 1.0, None
+        while not self._stop.is_set():
+            try:
+                self.server = self.start()
+                error = None
+                break
+            except Exception as exc:  # noqa: BLE001 - a failed start is retried; each failure is logged
+                error = f"{type(exc).__name__}: {exc}"[:500]
+                log.error("vLLM restart failed; trying again", server=self.name, error=error, retry_in_s=backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+        started = self.server is not old
+        event = EngineRestart(name=self.name, reason=reason, at=time.time(), old_pid=old.pid,
+                              new_pid=self.server.pid if started else None,
+                              down_s=time.monotonic() - self.down_since if started else None, error=error)
+        self.down_since = None
+        self._failed_checks = 0
+        self.restarts.append(event)
+        if started:
+            log.info("vLLM server restarted", server=self.name, pid=self.server.pid, down_s=round(event.down_s or 0, 1))
+        if self.on_restart is not None:
+            self.on_restart(event)
+        return event
+
+    def check_once(self) -> EngineRestart | None:
+        """One check; a dead server is restarted (returns the restart)."""
+        reason = self.failure()
+        if reason is None:
+            return None
+        return self.restart(reason)
+
+    def run(self) -> None:
+        """Check every ``interval_s`` until :meth:`stop`."""
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception as exc:  # noqa: BLE001 - the supervisor itself must keep going
+                log.error("vLLM supervisor check failed", server=self.name, error=str(exc))
+
+    def start_thread(self) -> "VllmSupervisor":
+        """Run :meth:`run` in a daemon thread."""
+        self._thread = threading.Thread(target=self.run, name=f"vllm-supervisor-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop supervising (the server keeps running; stop it yourself)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def serve_in_foreground(server: VllmServer, poll_s: float = 0.5,
+                        restart: Callable[[], VllmServer] | None = None, health_failures: int = 3) -> None:
+    """Keep ``server`` running until SIGINT/SIGTERM, then stop it. With ``restart`` (how to start it again), a server
+    that dies is restarted (:class:`VllmSupervisor`); without, the command ends when the server does."""
     stopped = False
 
     def _stop(*_: object) -> None:
@@ -270,11 +396,17 @@ def serve_in_foreground(server: VllmServer, poll_s: float = 0.5) -> None:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    supervisor = VllmSupervisor("vllm", server, restart, interval_s=poll_s,
+                                health_failures=health_failures) if restart is not None else None
     try:
-        while not stopped and server.alive():
+        while not stopped:
+            if supervisor is not None:
+                supervisor.check_once()
+            elif not server.alive():
+                break
             time.sleep(poll_s)
     finally:
-        server.stop()
+        (supervisor.server if supervisor is not None else server).stop()
 
 
 def start_vllm_server(
@@ -352,5 +484,6 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["VllmError", "VllmServer", "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
+__all__ = ["EngineRestart", "VllmError", "VllmServer", "VllmSupervisor",
+           "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
            "vllm_venv_ready", "server_env", "tool_call_args", "tool_call_parser_for"]

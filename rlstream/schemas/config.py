@@ -399,6 +399,15 @@ class InferenceConfig(Section):
     served_model: str = Field("policy", description="the base model name the server was started with")
     worker_id: str = Field("worker-0", description="this sync worker's id (its Redis heartbeat key)")
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
+    trim_grace_s: float = Field(900.0, ge=0, description="an unloaded LoRA version's staged files are deleted only "
+                                "once the server no longer lists its adapter and this long after it was unloaded: a "
+                                "request already queued for it may make vLLM read the files again (keep it above the "
+                                "longest a request may wait, gateway.upstream_timeout_s; 0 deletes at once)")
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between two health checks of the server "
+                                     "(vLLM's /health)")
+    health_failures: int = Field(2, ge=1, description="failed health checks in a row after which the replica counts "
+                                 "as down: it leaves routing until the server answers again and has its versions "
+                                 "loaded again")
     heartbeat_ttl_s: float = Field(30.0, gt=0, description="the worker's heartbeat expires this long after its "
                                    "last renewal (a worker gone longer counts as down)")
     load_retries: int = Field(3, ge=0, description="retries of a failed load before the version is refused")

@@ -72,6 +72,12 @@ INFERENCE_VERSION_REFUSED = "inference/version_refused"
 #: Versions the fleet is asked to serve (serving, pending, canary: docs/promotion.md) that this worker's server failed
 #: to load (tag ``worker``); above 0 the fleet switch waits for it and the serving pointer does not move.
 INFERENCE_FLEET_LOAD_FAILED = "inference/fleet_load_failed"
+#: 1 per time the worker found its server down (``inference.health_failures`` failed health checks in a row; tag
+#: ``worker``): the replica leaves routing until the server answers again with its versions loaded again.
+INFERENCE_ENGINE_DOWN = "inference/engine_down"
+#: 1 while the worker's server answers its health check and holds its versions, 0 while it is down (tag ``worker``).
+INFERENCE_ENGINE_UP = "inference/engine_up"
+
 
 # --- learner (source ``learner``; step = learner step, ``STEP_TAG`` = ``STEP_LEARNER``) ---------------------------
 #: Groups trained on in the step.
@@ -218,7 +224,7 @@ TOOLS = (REWARD_MEAN, REWARD_MEAN_FILTERED, VALIDATION_REWARD_MEAN, CURRICULUM_P
          REPLAY_PUBLISHED, IMPORT_PUBLISHED, IMPORT_DEAD_LETTERED)
 ROLLOUT = (ROLLOUT_PUBLISHED, ROLLOUT_GENERATION_FAILED, ROLLOUT_ADMISSION_PAUSED_S, ROLLOUT_ADMISSION_RESYNCS)
 INFERENCE = (INFERENCE_LOADED_VERSION, INFERENCE_LOAD_SECONDS, INFERENCE_LOAD_FAILED, INFERENCE_VERSION_REFUSED,
-             INFERENCE_FLEET_LOAD_FAILED)
+             INFERENCE_FLEET_LOAD_FAILED, INFERENCE_ENGINE_DOWN, INFERENCE_ENGINE_UP)
 #: Per learner step: the step's own figures and those of its optimizer step.
 LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEARNER_LOSS, LEARNER_KL,
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
@@ -351,6 +357,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
              "versions refused as untrusted and dead-lettered"),
     _gauge(INFERENCE_FLEET_LOAD_FAILED, "rlstream_inference_fleet_load_failed", _WORKER, "Versions the fleet is "
            "asked to serve (serving, pending, canary) that the worker's server failed to load"),
+    _counter(INFERENCE_ENGINE_DOWN, "rlstream_inference_engine_down_total", _WORKER, "Times the worker found its "
+             "inference server down (failed health checks); the replica left routing until it was back"),
+    _gauge(INFERENCE_ENGINE_UP, "rlstream_inference_engine_up", _WORKER, "1 while the worker's inference server is "
+           "healthy and holds its versions, 0 while it is down (out of routing)"),
     # learner: one event of each per learner step
     _counter(LEARNER_GROUPS, "rlstream_learner_groups_trained_total", _LEARNER, "Groups the learner trained on"),
     _gauge(LEARNER_POLICY_LAG_MEAN, "rlstream_learner_policy_lag_mean", _LEARNER, "Mean policy lag (versions) of "

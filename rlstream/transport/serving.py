@@ -329,6 +329,10 @@ class ReplicaAck:
                    follows=raw.get("follows") or "newest")
 
 
+#: The fields of a replica's hash while its server is down (:meth:`ServingControl.mark_replica_down`).
+DOWN_FIELDS = ("down", "down_at")
+
+
 def staleness_reference(latest: int | None, serving: int | None) -> int | None:
     """The version data is judged stale against (``behaviour < reference - max_policy_lag``): the learner's
     ``latest``, or, while a promotion gate holds ``serving`` behind it, the serving version. The rollout can only
@@ -604,10 +608,25 @@ class ServingControl:
         async def call() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=mapping)
+                pipe.hdel(key, *DOWN_FIELDS)
                 pipe.expire(key, max(1, int(ttl_s)))
                 await pipe.execute()
 
         await self.control._retry("record_replica", call)
+
+    async def mark_replica_down(self, policy: str, worker_id: str, reason: str, ttl_s: float) -> None:
+        """Take a replica out of routing at once (its server stopped answering): the heartbeat field goes, so
+        :meth:`replicas` no longer counts it, and ``down``/``down_at`` say why until its next heartbeat."""
+        key = worker_key(policy, worker_id)
+
+        async def call() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hdel(key, "heartbeat_at")
+                pipe.hset(key, mapping={"down": reason, "down_at": repr(time.time())})
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+
+        await self.control._retry("mark_replica_down", call)
 
     async def replicas(self, policy: str) -> list[ReplicaAck]:
         """The alive replicas (heartbeat not expired) with what each acknowledged, of every role."""
