@@ -4,7 +4,8 @@ Starts the embedded broker and Redis, creates the topics, then the streams worke
 a vLLM server with its sync worker and a rollout runner as child processes (``ops/supervisor.py``); with the gate on
 and full-weight versions, a second vLLM server on the same model with its own sync worker (``inference.role:
 evaluate``) where the gate evaluates every candidate, while the serving server's sync worker loads only what the
-serving pointer asks for (``inference.full_weights_follow: serving``, docs/gate.md); evaluates every
+serving pointer asks for (``inference.full_weights_follow: serving``, docs/gate.md); without the gate every
+version serves once loaded (``gateway.serve_unpromoted``, full weights following the newest); evaluates every
 policy version vLLM loads on held-out prompts (``ops/evaluation.py``); shows a live view (``ops/live.py``); on the
 end of ``--duration`` or Ctrl-C stops every child by PID and writes a reward-per-version plot
 (``ops/version_plot.py``) and a JSON summary (``ops/summary.py``). The task and the run's config come from
@@ -17,6 +18,7 @@ import json
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,6 +153,26 @@ def _watch_vllm_servers(sup: Supervisor, supervisors: dict[str, VllmSupervisor],
         supervisor.start_thread()
 
 
+@dataclass(frozen=True)
+class ServingOverrides:
+    """The ``-o`` pairs of the serve replica's sync worker and of the gateway (:func:`serving_overrides`)."""
+
+    sync: tuple[str, ...]
+    gateway: tuple[str, ...]
+
+
+def serving_overrides(gated: bool) -> ServingOverrides:
+    """What serves under ``rlstream up``. Gated (the promotion gate on, with held-out prompts): only promoted
+    versions; full weights on the serve replica follow the serving pointer. Ungated (``--no-gate``, or no held-out
+    prompts): every version the learner publishes serves as soon as a replica loads it; the gateway routes the policy
+    to the newest loaded version without a serving pointer (``gateway.serve_unpromoted``) and full weights follow the
+    newest version."""
+    if gated:
+        return ServingOverrides(sync=("-o", "inference.full_weights_follow", "serving"), gateway=())
+    return ServingOverrides(sync=("-o", "inference.full_weights_follow", "newest"),
+                            gateway=("-o", "gateway.serve_unpromoted", "true"))
+
+
 def canary_overrides(traffic: str) -> list[str]:
     """The gate's canary settings under ``rlstream up``: the config's (on by default) with production traffic; off
     otherwise (the canary is tested on production feedback: without it every canary would only time out)."""
@@ -215,9 +237,9 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         c = ["-c", str(config_path)]
         sup.spawn("streams", rlstream_command("streams", "worker", *c))
         sup.spawn("learner", rlstream_command("learner", "run", *c))
-        follow = ["-o", "inference.full_weights_follow", "serving"] if evaluation_server else []
+        serves = serving_overrides(gated=opts.gate and bool(heldout))
         sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c,
-                                                     *follow))
+                                                     *serves.sync))
         if eval_vllm is not None:
             sup.spawn("inference-sync-eval", rlstream_command(
                 "inference", "sync", "--backend", "vllm", "--url", eval_vllm.url, "--worker-id",
@@ -240,8 +262,8 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             sup.env.update({API_KEYS_ENV: api_key, USERS_API_KEY_ENV: api_key})
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
-            sup.spawn("gateway", rlstream_command("gateway", "serve", *c, "--upstream", vllm.url, "--port",
-                                                  str(gateway_port), "--served-model", cfg.rollout.model,
+            sup.spawn("gateway", rlstream_command("gateway", "serve", *c, *serves.gateway, "--upstream", vllm.url,
+                                                  "--port", str(gateway_port), "--served-model", cfg.rollout.model,
                                                   "--session-idle-s", "30", "--spool-dir", str(run_dir / "spool")))
             low, high = opts.feedback_delay_s
             sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
