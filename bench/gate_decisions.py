@@ -189,7 +189,8 @@ def main() -> None:
     g = GateConfig()
     rule = DecisionRule(margin=g.margin, alpha=g.alpha, parse_margin=g.parse_margin,
                         tool_call_margin=g.tool_call_margin, refusal_margin=g.refusal_margin,
-                        length_tolerance=g.length_tolerance, min_reward=g.min_reward)
+                        success_margin=g.success_margin, length_tolerance=g.length_tolerance,
+                        min_reward=g.min_reward)
     needed = sample_size(g.difference_std, g.margin, g.alpha, g.power)
     plan = evaluation_plan(needed, HELDOUT_PROMPTS, g.samples)
     n = plan.pairs

@@ -8,7 +8,8 @@ paired difference is above ``-margin``):
 * against the serving version (measured fresh for this decision): mean reward (margin ``gate.margin``), and the
   guards: share of answers that parse (``gate.parse_margin``), share of tool calls whose arguments parse
   (``gate.tool_call_margin``; a sample without tool calls counts 1), share of refusals, lower is better
-  (``gate.refusal_margin``), and answer length: the mean paired difference of ``log(1 + tokens)`` within
+  (``gate.refusal_margin``), task success where both versions' results carry it (``gate.success_margin``), and
+  answer length: the mean paired difference of ``log(1 + tokens)`` within
   ``log(1 + gate.length_tolerance)`` either way (two one-sided tests);
 * against the anchor, the best version ever promoted, re-measured fresh: mean reward (``gate.margin``). Each
   candidate of a chain may lose less than the margin against the version before it, but not more than the margin
@@ -43,6 +44,7 @@ class SampleResult:
     length: int
     tool_calls: int = 0
     tool_calls_parsed: int = 0
+    success: float | None = None  # task success (the reward function's ``success`` component), when it has one
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class DecisionRule:
     parse_margin: float = 0.1
     tool_call_margin: float = 0.1
     refusal_margin: float = 0.05
+    success_margin: float = 0.1
     length_tolerance: float = 3.0
     min_reward: float = 0.0
 
@@ -131,6 +134,11 @@ GUARDS = (
     (_Figure("refusals", lambda r: float(r.refusal), False), "refusal_margin"),
 )
 LENGTHS = (_Figure("length_not_longer", _log_length, False), _Figure("length_not_shorter", _log_length, True))
+SUCCESS = _Figure("task_success", lambda r: float(r.success or 0.0), True)
+
+
+def _has_success(figures: EvalFigures) -> bool:
+    return bool(figures.results) and all(r.success is not None for r in figures.results)
 
 
 def paired_test(figure: _Figure, candidate: EvalFigures, reference: EvalFigures, reference_role: str,
@@ -166,6 +174,8 @@ def judge(candidate: EvalFigures, serving: EvalFigures | None, rule: DecisionRul
     if serving.answer_length > 0:
         tests += [paired_test(f, candidate, serving, "serving", math.log1p(rule.length_tolerance), rule.alpha)
                   for f in LENGTHS]
+    if _has_success(candidate) and _has_success(serving):
+        tests.append(paired_test(SUCCESS, candidate, serving, "serving", rule.success_margin, rule.alpha))
     if anchor is not None and anchor.version != serving.version:
         tests.append(paired_test(REWARD, candidate, anchor, "anchor", rule.margin, rule.alpha))
     failures = [_failure(t) for t in tests if not t.passed]

@@ -167,7 +167,8 @@ class PromotionGate:
         self.trust = TrustedVersions(control, cfg.inference.max_version_jump)
         self.rule = DecisionRule(margin=self.gcfg.margin, alpha=self.gcfg.alpha, parse_margin=self.gcfg.parse_margin,
                                  tool_call_margin=self.gcfg.tool_call_margin, refusal_margin=self.gcfg.refusal_margin,
-                                 length_tolerance=self.gcfg.length_tolerance, min_reward=self.gcfg.min_reward)
+                                 success_margin=self.gcfg.success_margin, length_tolerance=self.gcfg.length_tolerance,
+                                 min_reward=self.gcfg.min_reward)
         self.difference_std = self.gcfg.difference_std  # the prior; then what the last decision measured
         self.sprt = SprtSettings(alpha=self.gcfg.canary_alpha, beta=self.gcfg.canary_beta,
                                  delta=self.gcfg.canary_min_effect, min_samples=self.gcfg.canary_min_samples,

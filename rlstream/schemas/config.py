@@ -484,6 +484,8 @@ class GateConfig(Section):
                                     "arguments parse")
     refusal_margin: float = Field(0.05, ge=0, description="non-inferiority margin of the share of refusals (a "
                                   "candidate may refuse at most this much more often)")
+    success_margin: float = Field(0.1, ge=0, description="non-inferiority margin of the task success rate (where the "
+                                  "evaluation's reward function reports a success component)")
     length_tolerance: float = Field(3.0, ge=0, description="answer-length guard: the mean paired difference of "
                                     "log(1 + tokens) must lie within log(1 + this) of the serving version's, either way "
                                     "(default: within a factor 4)")

@@ -69,6 +69,20 @@ def test_worse_beyond_a_margin_is_rejected_with_the_test_figures(changes: dict[s
     assert "lower bound" in verdict.reason and "alpha 0.025" in verdict.reason
 
 
+def test_task_success_is_a_guard_where_both_versions_report_it() -> None:
+    def with_success(f: EvalFigures, rate: float | None) -> EvalFigures:
+        results = tuple(SampleResult(**{**r.__dict__, "success": None if rate is None else float(i < N * rate)})
+                        for i, r in enumerate(f.results))
+        return EvalFigures(**{**f.__dict__, "results": results})
+
+    serving = with_success(SERVING, 0.8)
+    verdict = judge(with_success(figures(4), 0.6), serving, RULE)  # same reward, success 0.2 lower
+    assert not verdict.promote and verdict.failures[0].startswith("task_success vs serving v3")
+    assert judge(with_success(figures(4), 0.8), serving, RULE).promote
+    unreported = judge(with_success(figures(4), None), serving, RULE)  # only one side reports it: no test
+    assert unreported.promote and unreported.test("task_success", "serving") is None
+
+
 def test_every_failing_test_is_named() -> None:
     verdict = judge(figures(4, shift=-0.3, refusals=0.3), SERVING, RULE)
     assert [f.split(" vs ")[0] for f in verdict.failures] == ["reward", "refusals"]
