@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from rlstream.cli.common import (ConfigOption, OverrideOption, console, err_console, load_or_exit,
+from rlstream.cli.common import (ConfigOption, OverrideOption, UsageProblem, console, err_console, load_or_exit,
                                  require_writable_file)
 from rlstream.cli.ops import OutputFormat, run_or_exit
 
@@ -77,8 +77,7 @@ def export_command(
         last = parse_position(stop) if stop else None
         check_range(first, last)
     except ReplayError as exc:
-        err_console.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(code=2) from None
+        raise UsageProblem(str(exc)) from None
     report = run_or_exit(export_trajectories(cfg, out, ExportFormat(export_format.value), first, last, selection,
                                              layout=ParquetLayout(layout.value)))
     if fmt == OutputFormat.json:

@@ -28,16 +28,12 @@ def run(
                                 "before its transaction commits"),
 ) -> None:
     """Train from `groups` until learner.total_steps (SIGINT/SIGTERM stop cleanly after the current step)."""
-    from rlstream.learner.reporting import ReportingError
     from rlstream.learner.service import run_learner
 
     cfg = load_or_exit(config, override)
-    try:
-        outcome = run_learner(cfg, holder=holder, kill_after_step=kill_after_step,
-                              pause_in_announcement=pause_in_announcement)
-    except ReportingError as exc:  # a tracker not installed, or its run not started (no W&B API key, ...)
-        err_console.print(str(exc), style="red", markup=False, highlight=False)
-        raise typer.Exit(code=1) from None
+    # a tracker that cannot start, a model that is not a directory: answered by RlstreamGroup (one line)
+    outcome = run_learner(cfg, holder=holder, kill_after_step=kill_after_step,
+                          pause_in_announcement=pause_in_announcement)
     state = outcome.state
     console.print(f"learner stopped at step {state.step}, version {state.version}, "
                   f"{state.groups_trained} groups trained")

@@ -13,7 +13,8 @@ from typing import Any, Coroutine, Optional, TypeVar
 
 import typer
 
-from rlstream.cli.common import ConfigOption, OverrideOption, console, err_console, load_or_exit, run_async
+from rlstream.cli.common import (ConfigOption, OverrideOption, UsageProblem, console, err_console, load_or_exit,
+                                 run_async)
 
 T = TypeVar("T")
 
@@ -78,8 +79,7 @@ def replay_command(
         last = parse_position(stop) if stop else None
         check_range(first, last)
     except ReplayError as exc:
-        err_console.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(code=2) from None
+        raise UsageProblem(str(exc)) from None
     report = run_or_exit(replay(cfg, run_id, first, last, selection, into_prefix=into_prefix,
                                  join_rewards=join_rewards))
     if fmt == OutputFormat.json:
