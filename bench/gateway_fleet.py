@@ -6,7 +6,8 @@
    requests); the three ways alternate in rounds so that a slow moment of the shared machine hits each;
 2. the time from a session's last call (its explicit end answered) to its trajectory being readable on
    ``trajectories`` (read_committed), with sessions stitched in the stream app (a `rlstream streams worker` over
-   ``calls``) and, in the same run, with a gateway that holds sessions in memory (``--session-stitching gateway``).
+   ``calls``) and, in the same run, with a gateway that holds sessions in memory
+   (``-o gateway.session_stitching gateway``).
 
 The upstreams are bench/canned_upstream.py processes (they answer at once), so what is measured is the gateways'
 and the stitcher's work, not a model's.
@@ -85,7 +86,7 @@ class Fleet:
     async def gateway(self, name: str, upstream: str, *extra: str) -> str:
         port = free_port()
         proc = self._spawn(name, [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve",
-                                  "--upstream", upstream, "--port", str(port), "--served-model", MODEL,
+                                  "--upstream", upstream, "--port", str(port), "-o", "gateway.served_model", MODEL,
                                   "--spool-dir", str(self.root / f"spool-{name}"), "--gateway-id", name,
                                   *extra, *self.overrides])
         url = f"http://127.0.0.1:{port}"
@@ -203,10 +204,11 @@ async def run_fleet(args: argparse.Namespace) -> None:
             await serving.record_replica(MODEL, ReplicaAck(f"replica-{index}", 0, MODEL, url=url,
                                                            loaded={0: MODEL}), 3600)
         fleet.streams_worker()
-        single = await fleet.gateway("gateway-single", upstreams[0], "--no-route-versions")
+        single = await fleet.gateway("gateway-single", upstreams[0], "-o", "gateway.route_versions", "false")
         members = [await fleet.gateway(f"gateway-{i}", upstreams[0]) for i in range(args.gateways)]
-        in_memory = await fleet.gateway("gateway-in-memory", upstreams[0], "--no-route-versions",
-                                        "--session-stitching", "gateway", "--session-idle-s", "600")
+        in_memory = await fleet.gateway("gateway-in-memory", upstreams[0], "-o", "gateway.route_versions",
+                                        "false", "-o", "gateway.session_stitching", "gateway", "-o",
+                                        "gateway.session_idle_s", "600")
         proxy = RoundRobinProxy([("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in members])
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)  # each call a new connection
         async with proxy.running(), httpx.AsyncClient(timeout=60, limits=limits) as http:

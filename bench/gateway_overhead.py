@@ -14,7 +14,7 @@ On two cores everything competes: vLLM's CPU engine binds its threads to every c
 vLLM and the other way round. `--separate-core` gives vLLM the last core alone (as on its own device) and the
 broker, the gateway and the clients the others; `--upstream canned` replaces vLLM with bench/canned_upstream.py,
 which answers at once, so what is left is the gateway's own work. `--no-logprobs` runs the gateway asking vLLM for
-token ids only (`rlstream gateway serve --no-logprobs`), which saves vLLM's logprobs work. `--keys` adds a second
+token ids only (`-o gateway.request_logprobs false`), which saves vLLM's logprobs work. `--keys` adds a second
 gateway that authenticates its clients (a keys file: tenant, allowed models and tasks), alternating with the first in
 the same rounds, and prints what the key check adds; every captured response carries a signed feedback token either
 way, and the cost of issuing one (and of checking a key) is timed on its own too.
@@ -47,7 +47,7 @@ from rlstream.ops.vllm import start_vllm_server  # noqa: E402
 from rlstream.gateway.app import Gateway, create_app  # noqa: E402
 from rlstream.gateway.auth import AccessConfig, KeyStore  # noqa: E402
 from rlstream.gateway.feedback_tokens import FeedbackSigner  # noqa: E402
-from rlstream.gateway.config import GatewayConfig  # noqa: E402
+from rlstream.gateway.config import GatewaySettings  # noqa: E402
 from rlstream.gateway.filtering import upstream_request  # noqa: E402
 from rlstream.gateway.server import serving  # noqa: E402
 from rlstream.rollout.publisher import TrajectoryPublisher  # noqa: E402
@@ -140,9 +140,11 @@ async def measure_gateway_process(upstream: str, bootstrap: str, root: Path, arg
     def start(name: str, extra: list[str]) -> str:
         port = free_port()
         cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve", "--upstream",
-               upstream, "--port", str(port), "--served-model", MODEL, "--no-route-versions", "--spool-dir",
-               str(root / f"spool-{name}"), "-o", "kafka.bootstrap_servers", bootstrap, "-o", "topics.prefix",
-               "bench.", "-o", "policy", MODEL, "--no-logprobs" if args.no_logprobs else "--logprobs", *extra]
+               upstream, "--port", str(port), "-o", "gateway.served_model", MODEL, "-o", "gateway.route_versions",
+               "false", "--spool-dir", str(root / f"spool-{name}"), "-o", "kafka.bootstrap_servers", bootstrap, "-o",
+               "topics.prefix",
+               "bench.", "-o", "policy", MODEL, "-o", "gateway.request_logprobs", str(not args.no_logprobs).lower(),
+               *extra]
         with open(root / f"{name}.log", "ab") as log:
             procs.append(spawn(cmd, stdout=log, stderr=subprocess.STDOUT))
         return f"http://127.0.0.1:{port}"
@@ -234,7 +236,8 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.in_process:
             publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
             await publisher.start()
-            settings = GatewayConfig(port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL,
+            settings = GatewaySettings(session_stitching="gateway",
+                                       port=0, upstream_url=server.url, served_model=MODEL, policy=MODEL,
                                      request_logprobs=not args.no_logprobs)
             gateway = Gateway(settings, publisher)
             async with contextlib.AsyncExitStack() as servers:
@@ -302,7 +305,8 @@ async def keys_ab_in_process(requests: int) -> str:
 
     def gateway(access: AccessConfig | None) -> Gateway:
         upstream = httpx.AsyncClient(transport=httpx.ASGITransport(canned_app), base_url="http://upstream")
-        return Gateway(GatewayConfig(served_model=MODEL, policy=MODEL), _Discard(), client=upstream, access=access)
+        return Gateway(GatewaySettings(session_stitching="gateway",
+                                       served_model=MODEL, policy=MODEL), _Discard(), client=upstream, access=access)
 
     keys_file = Path(tempfile.mkdtemp(prefix="rlstream-bench-keys-")) / "keys.json"
     keys_file.write_text(json.dumps(KEYS_FILE))
@@ -362,7 +366,7 @@ def main() -> None:
     parser.add_argument("--separate-core", action="store_true",
                         help="vLLM alone on the last core, the broker, the gateway and the clients on the others")
     parser.add_argument("--no-logprobs", action="store_true",
-                        help="the gateway asks the upstream for token ids only (rlstream gateway serve --no-logprobs)")
+                        help="the gateway asks the upstream for token ids only (-o gateway.request_logprobs false)")
     parser.add_argument("--keys", action="store_true",
                         help="also a gateway that authenticates its clients with an API key, in the same rounds")
     parser.add_argument("--gateways", type=int, default=0,

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from rlstream.gateway.auth import OPEN, PRINCIPAL_KEY, AccessConfig, Principal, forbidden, task_for
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback import FeedbackIndex
 from rlstream.gateway.feedback_tokens import FeedbackSigner, generate_secret
 from rlstream.gateway.limits import LimitStats, malformed_answer
@@ -71,7 +71,7 @@ def upstream_json(response: httpx.Response, raw: bytes, max_choices: int = 1 << 
     return payload  # type: ignore[no-any-return]
 
 
-def upstream_failed(exc: Exception, config: GatewayConfig, what: str = "unreachable") -> JSONResponse:
+def upstream_failed(exc: Exception, config: GatewaySettings, what: str = "unreachable") -> JSONResponse:
     """The 502 for an upstream that failed: the client learns the kind of failure, never the upstream's address
     (which may carry credentials); the log gets the details with secrets masked."""
     log.warning(f"upstream {what}", upstream=config.upstream_shown, error=mask_text(str(exc)),
@@ -87,7 +87,7 @@ class Gateway:
     serving one, ``policy@N`` version N) and each request and session is pinned to one version, sent to a replica
     that acknowledged loading it (docs/promotion.md)."""
 
-    def __init__(self, config: GatewayConfig, publisher: Submitter, route: RouteSource | None = None,
+    def __init__(self, config: GatewaySettings, publisher: Submitter, route: RouteSource | None = None,
                  client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None,
                  access: AccessConfig | None = None, fleet: FleetRouter | StaticFleet | None = None) -> None:
         self.config = config

@@ -14,8 +14,8 @@
   categories table; ``gen_ai.evaluation.name`` is the component. Its feedback id is ``otel:<response id>:<name>``:
   the same evaluator scoring the same response again corrects its score. Other log records are ignored.
 
-A categorical value becomes a reward through the gateway's table (``GatewayConfig.feedback_categories``); an unknown
-category is refused (422, or a rejected OTLP record) rather than guessed.
+A categorical value becomes a reward through the gateway's table (the ``gateway.feedback_categories`` setting); an
+unknown category is refused (422, or a rejected OTLP record) rather than guessed.
 """
 from __future__ import annotations
 

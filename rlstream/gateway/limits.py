@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, MutableMapping
 
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -76,9 +76,9 @@ class LimitStats:
 
 
 class RequestLimits:
-    """ASGI middleware enforcing the request bounds of a :class:`GatewayConfig` (see the module docstring)."""
+    """ASGI middleware enforcing the request bounds of a :class:`GatewaySettings` (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, config: GatewayConfig, stats: LimitStats) -> None:
+    def __init__(self, app: ASGIApp, config: GatewaySettings, stats: LimitStats) -> None:
         self.app, self.config, self.stats = app, config, stats
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -160,7 +160,7 @@ class RequestLimits:
 class _BodyGuard:
     """``receive`` with the body's size and read deadline enforced."""
 
-    def __init__(self, receive: Receive, config: GatewayConfig, declared: int | None) -> None:
+    def __init__(self, receive: Receive, config: GatewaySettings, declared: int | None) -> None:
         self._receive, self.config, self.declared = receive, config, declared
         self.deadline = time.monotonic() + config.body_read_timeout_s
         self.read = 0
@@ -241,7 +241,7 @@ def check_choices(body: dict[str, Any], max_choices: int) -> None:
 
 
 # -- the connection: a deadline and a size cap for the request line and headers --------------------------------
-def guarded_protocol(config: GatewayConfig) -> type:
+def guarded_protocol(config: GatewaySettings) -> type:
     """uvicorn's httptools protocol with ``header_read_timeout_s`` and ``max_header_bytes`` enforced before the app
     sees the request (uvicorn itself waits for headers for ever and does not cap them under httptools)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -304,7 +304,7 @@ def guarded_protocol(config: GatewayConfig) -> type:
     return GuardedHttpToolsProtocol
 
 
-def uvicorn_options(config: GatewayConfig) -> dict[str, Any]:
+def uvicorn_options(config: GatewaySettings) -> dict[str, Any]:
     """The uvicorn settings that bound slow and large requests at the connection."""
     options: dict[str, Any] = {"timeout_keep_alive": config.keep_alive_timeout_s,
                                "h11_max_incomplete_event_size": config.max_header_bytes}

@@ -263,8 +263,9 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
             sup.spawn("gateway", rlstream_command("gateway", "serve", *c, *serves.gateway, "--upstream", vllm.url,
-                                                  "--port", str(gateway_port), "--served-model", cfg.rollout.model,
-                                                  "--session-idle-s", "30", "--spool-dir", str(run_dir / "spool")))
+                                                  "--port", str(gateway_port), "-o", "gateway.served_model",
+                                                  cfg.rollout.model, "-o", "gateway.session_idle_s", "30",
+                                                  "--spool-dir", str(run_dir / "spool")))
             low, high = opts.feedback_delay_s
             sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
                                                 "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s",

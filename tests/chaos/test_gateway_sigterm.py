@@ -90,7 +90,8 @@ async def test_sigterm_with_21000_open_sessions_loses_none(rl_config: RlstreamCo
                                                            tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     # sessions held in the gateway's memory (calls stitched in streams are on the topic as they complete)
-    extra = ("--spool-dir", str(spool), "--max-open-sessions", str(SESSIONS + 1000), "--session-stitching", "gateway")
+    extra = ("--spool-dir", str(spool), "-o", "gateway.max_open_sessions", str(SESSIONS + 1000), "-o",
+             "gateway.session_stitching", "gateway")
     first = second = None
     with explained(lambda: (first, second)):
         async with canned_upstream() as upstream, httpx.AsyncClient(timeout=60) as http:

@@ -141,7 +141,8 @@ class GatewayProcess(ChildProcess):
                      "topics.prefix": cfg.topics.prefix, "topics.partitions": str(cfg.topics.partitions),
                      "run_id": cfg.run_id, "policy": cfg.policy}
         cmd = [sys.executable, "-m", "rlstream.cli", "--log-format", "json", "gateway", "serve",
-               "--upstream", upstream, "--port", str(port), "--no-route-versions", "--spool-after-s", "1", *extra]
+               "--upstream", upstream, "--port", str(port), "-o", "gateway.route_versions", "false",
+               "-o", "gateway.spool_after_s", "1", *extra]
         for key, value in overrides.items():
             cmd += ["-o", key, value]
         super().__init__(cmd, log_path, env={"XDG_STATE_HOME": str(log_path.parent / "state")})
@@ -181,7 +182,7 @@ async def test_gateway_sigkilled_with_a_full_spool_loses_nothing(rl_config: Rlst
     n = 100
     broker, cfg, topics = await own_broker(rl_config, tmp_path)
     port = free_port()
-    extra = ("--spool-dir", str(tmp_path / "spool")) if spool else ("--no-spool",)
+    extra = ("--spool-dir", str(tmp_path / "spool")) if spool else ("-o", "gateway.spool", "false")
     first = second = None
     try:
         with explained(lambda: (first, second)):

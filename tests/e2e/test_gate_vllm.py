@@ -31,7 +31,7 @@ from rlstream.inference.vllm_backend import VllmBackend
 from rlstream.learner.service import Learner
 from rlstream.ops.vllm import VllmServer, start_vllm_server
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving as gateway_serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.routing import FleetRouter
@@ -168,7 +168,8 @@ def test_rejected_full_weight_candidate_never_serves(
         await publisher.start()
 
         def gateway() -> Gateway:
-            return Gateway(GatewayConfig(port=0, upstream_url=server_a.url, run_id=cfg.run_id, policy=policy,
+            return Gateway(GatewaySettings(session_stitching="gateway",
+                                           port=0, upstream_url=server_a.url, run_id=cfg.run_id, policy=policy,
                                          served_model=SERVED_MODEL, session_idle_s=120), publisher,
                            fleet=FleetRouter(control, policy, SERVED_MODEL, ttl_s=0.2))
 

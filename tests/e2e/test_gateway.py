@@ -9,7 +9,7 @@ import pytest
 
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent, TrajectorySource
@@ -36,7 +36,8 @@ async def test_gateway_matches_vllm_and_captures_exact_tokens(vllm: VllmServer, 
     request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0}
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=2, session_idle_s=60)
     async with httpx.AsyncClient(timeout=60) as http:
         direct = (await http.post(f"{vllm.url}/v1/chat/completions",
@@ -116,7 +117,8 @@ async def test_a_streamed_n_choice_answer_is_one_group_with_each_choices_own_tok
                "stream": True, "seed": 7}
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=1, session_idle_s=60)
     texts: dict[int, str] = {0: "", 1: ""}
     async with httpx.AsyncClient(timeout=60) as http:
@@ -149,7 +151,8 @@ async def test_token_ids_only_capture_records_the_exact_tokens_without_asking_vl
     request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            session_idle_s=60, request_logprobs=False)
     async with httpx.AsyncClient(timeout=60) as http:
         direct = (await http.post(f"{vllm.url}/v1/chat/completions", json={**request, "return_token_ids": True})).json()
@@ -180,7 +183,8 @@ async def test_the_responses_api_through_the_gateway_to_real_vllm_is_answered_an
                "max_output_tokens": 8, "temperature": 0}
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=3, session_idle_s=60)
     async with httpx.AsyncClient(timeout=60) as http:
         direct = await http.post(f"{vllm.url}/v1/responses", json=request)
@@ -213,7 +217,8 @@ async def test_langchain_streamed_tool_call_through_the_gateway_is_captured_as_a
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=4, session_idle_s=60)
     async with serving(Gateway(config, publisher)) as url:
         llm = ChatOpenAI(model=SERVED_MODEL, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=64,
@@ -259,7 +264,8 @@ async def test_an_openai_agents_sdk_agent_with_a_function_tool_is_captured_and_r
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=5, session_idle_s=60)
     session = "agents-sdk-session-1"
     async with serving(Gateway(config, publisher)) as url:
@@ -302,7 +308,8 @@ async def test_a_three_turn_tool_session_is_one_trajectory_and_a_rewritten_histo
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=6, session_idle_s=60)
     session = "tool-session-1"
     forced = {"type": "function", "function": {"name": "pick_letter"}}
@@ -362,7 +369,8 @@ async def test_tool_choice_auto_is_answered_out_of_the_box_and_captured(vllm: Vl
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=2, session_idle_s=60)
     async with serving(Gateway(config, publisher)) as url:
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", default_headers={"X-Session-Id": "auto-1"})

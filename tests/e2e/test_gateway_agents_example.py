@@ -16,7 +16,7 @@ import httpx
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
 from rlstream.gateway.auth import AccessConfig
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
@@ -44,7 +44,8 @@ async def test_the_documented_agents_sdk_example_runs_as_written_and_is_captured
     assert 'model="policy"' in script.read_text() and SERVED_MODEL == "policy"
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=1, session_idle_s=120)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "RLSTREAM_"))}
     async with serving(Gateway(config, publisher, access=AccessConfig(api_keys=[KEY]))) as url:

@@ -12,7 +12,7 @@ import httpx
 
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent
@@ -36,7 +36,7 @@ async def test_a_tool_session_across_two_gateways_is_one_trajectory_of_vllms_tok
     session = "fleet-tool-session"
     forced = {"type": "function", "function": {"name": "pick_letter"}}
     try:
-        configs = [GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+        configs = [GatewaySettings(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                                  policy_version=6, session_stitching="streams", gateway_id=f"g{i}") for i in range(2)]
         async with serving(Gateway(configs[0], publisher)) as first, serving(Gateway(configs[1], publisher)) as second:
             clients = [AsyncOpenAI(base_url=f"{url}/v1", api_key="none", default_headers={"X-Session-Id": session})

@@ -11,7 +11,7 @@ import pytest
 
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import TrajectoryEvent, TrajectorySource
@@ -102,7 +102,8 @@ async def test_responses_streamed_and_not_with_a_tool_round_trip_capture_vllms_e
 
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    config = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                            policy_version=3, session_idle_s=120)
     sessions = {"responses-plain": False, "responses-streamed": True}
     client_answers: dict[str, list[dict[str, Any]]] = {}

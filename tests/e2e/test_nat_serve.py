@@ -17,7 +17,7 @@ import yaml
 from rlstream.ops.ports import free_port
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
@@ -48,7 +48,8 @@ async def test_nat_serve_requests_are_captured_one_per_session_and_rewarded(
 ) -> None:
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
-    gateway = GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
+    gateway = GatewaySettings(session_stitching="gateway",
+                              port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=rl_config.policy,
                             served_model=SERVED_MODEL, session_idle_s=120)
     async with serving(Gateway(gateway, publisher)) as gateway_url:
         config = tmp_path / "serve.yml"

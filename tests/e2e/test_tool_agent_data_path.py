@@ -25,7 +25,7 @@ from rlstream.ops.tool_task import DEMONSTRATION, TASK_NAME, TOOL_NAME, ToolEpis
 from rlstream.ops.vllm import VllmServer
 from rlstream.gateway.app import Gateway
 from rlstream.gateway.auth import AccessConfig
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.sampling import SamplingSettings
@@ -125,7 +125,7 @@ async def _sessions(cfg: RlstreamConfig, names: TopicNames, server: VllmServer,
     feedback on that session."""
     publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards, calls_topic=names.calls)
     await publisher.start()
-    gateway = Gateway(GatewayConfig(port=0, upstream_url=server.url, run_id=cfg.run_id, policy=cfg.policy,
+    gateway = Gateway(GatewaySettings(port=0, upstream_url=server.url, run_id=cfg.run_id, policy=cfg.policy,
                                     served_model=SERVED_MODEL, session_stitching="streams", session_idle_s=120),
                       publisher, access=AccessConfig(api_keys=[KEY]))
     sampling = SamplingSettings(model=SERVED_MODEL, temperature=0.7, max_tokens=64)

@@ -16,7 +16,7 @@ from rlstream.inference.sync import InferenceSyncWorker, adapter_name
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.ops.vllm import VllmServer, start_vllm_server
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent, WeightsKind
@@ -104,7 +104,8 @@ async def test_gateway_sends_the_upstream_key(keyed_vllm: VllmServer, rl_config:
     request = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     try:
         for key, want in ((None, 401), (KEY, 200)):  # the control first: without the key vLLM refuses
-            gateway = Gateway(GatewayConfig(upstream_url=keyed_vllm.url, upstream_api_key=key,
+            gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                              upstream_url=keyed_vllm.url, upstream_api_key=key,
                                             run_id=rl_config.run_id), publisher)
             await gateway.start()
             try:

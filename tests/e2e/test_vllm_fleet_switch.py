@@ -31,7 +31,7 @@ from rlstream.inference.sync import InferenceSyncWorker, adapter_name
 from rlstream.inference.vllm_backend import VllmBackend
 from rlstream.ops.vllm import VllmServer, start_vllm_server
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving as gateway_serving
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.rollout.routing import FleetRouter, production_version
@@ -147,7 +147,8 @@ def test_serving_moves_only_when_every_alive_replica_loaded_it(
         publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories,
                                                     created_topics.rewards)
         await publisher.start()
-        gateway = Gateway(GatewayConfig(port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=policy,
+        gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                          port=0, upstream_url=vllm.url, run_id=rl_config.run_id, policy=policy,
                                         served_model=SERVED_MODEL, session_idle_s=120), publisher,
                           fleet=FleetRouter(control, policy, SERVED_MODEL, ttl_s=0.2))
         try:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from bench.canned_upstream import chat_completions as canned_chat, models as canned_models
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig, KeyStore, exposure_problem
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback_tokens import FeedbackSigner
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
@@ -84,7 +84,8 @@ async def gateway_client(rl_config: Any, created_topics: Any, tmp_path: Path) ->
     upstream = canned_upstream()
     access = AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr(SECRET), feedback_token_ttl_s=600,
                           reward_range=(-1.0, 1.0))
-    gateway = Gateway(GatewayConfig(policy=POLICY, served_model=POLICY, run_id=rl_config.run_id, session_idle_s=60),
+    gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                      policy=POLICY, served_model=POLICY, run_id=rl_config.run_id, session_idle_s=60),
                       publisher, client=httpx.AsyncClient(transport=httpx.ASGITransport(upstream),
                                                           base_url="http://upstream"), access=access)
     await gateway.start()
@@ -280,7 +281,8 @@ async def test_simulated_users_send_the_key_and_are_refused_without_it(rl_config
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
     key = "rls-" + "k" * 40
-    gateway = Gateway(GatewayConfig(port=0, policy=POLICY, served_model=POLICY, run_id=rl_config.run_id,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                      port=0, policy=POLICY, served_model=POLICY, run_id=rl_config.run_id,
                                     session_idle_s=60), publisher,
                       client=httpx.AsyncClient(transport=httpx.ASGITransport(canned_upstream())),
                       access=AccessConfig(api_keys=[SecretStr(key)]))

@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.integration.test_gateway_auth import canned_upstream
@@ -53,7 +53,8 @@ async def gateway(rl_config: Any, created_topics: Any, tmp_path: Path) -> AsyncI
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()
     access = AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr("s" * 32), reward_range=(-1.0, 1.0))
-    config = GatewayConfig(policy=POLICY, served_model=POLICY, run_id=rl_config.run_id, session_idle_s=600,
+    config = GatewaySettings(session_stitching="gateway",
+                             policy=POLICY, served_model=POLICY, run_id=rl_config.run_id, session_idle_s=600,
                            feedback_categories={"thumbs_up": 1.0, "thumbs_down": -1.0, "meh": 0.0})
     gw = Gateway(config, publisher, access=access,
                  client=httpx.AsyncClient(transport=httpx.ASGITransport(canned_upstream()), base_url="http://up"))

@@ -21,7 +21,7 @@ from rlstream.learner.service import Learner
 from rlstream.ops.lineage import version_lineage
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import PolicyVersion, RewardEvent
@@ -106,7 +106,8 @@ async def _traffic(cfg: RlstreamConfig, names: TopicNames) -> tuple[list[str], l
     upstream = Starlette(routes=[Route("/v1/chat/completions", n_choices, methods=["POST"])])
     access = AccessConfig(api_keys=[SecretStr(KEY)], feedback_secret=SecretStr("s" * 32),
                           feedback_token_ttl_s=600, reward_range=cfg.streams.reward_range)
-    gateway = Gateway(GatewayConfig(policy=cfg.policy, served_model="policy", run_id=cfg.run_id, session_idle_s=60),
+    gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                      policy=cfg.policy, served_model="policy", run_id=cfg.run_id, session_idle_s=60),
                       publisher, client=httpx.AsyncClient(transport=httpx.ASGITransport(upstream),
                                                           base_url="http://upstream"), access=access)
     await gateway.start()

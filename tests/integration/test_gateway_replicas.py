@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from rlstream.rollout.routing import FleetRouter
 from rlstream.schemas.config import RlstreamConfig
@@ -43,7 +43,8 @@ async def test_spread_sticky_sessions_and_pinned_versions(rl_config: RlstreamCon
                 2: "p-v2"}), 60)
             await serving_control.promote(policy, 2, token=await serving_control.issue_token(policy), reason="t",
                                           decided_by="test")
-            gateway = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+            gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                              port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
                               Discard(), fleet=FleetRouter(control, policy, "base", ttl_s=0.2))
             async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:
                 async def ask(model: str, user: str, session: str | None = None) -> None:
@@ -79,7 +80,8 @@ async def test_spread_sticky_sessions_and_pinned_versions(rl_config: RlstreamCon
                 assert all(m == "p-v2" for m, u in fast.requests)
             # the control: a gateway whose client does not count requests in flight goes round robin, half to the
             # slow replica
-            blind = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+            blind = Gateway(GatewaySettings(session_stitching="gateway",
+                                            port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
                             Discard(), fleet=FleetRouter(control, policy, "base", ttl_s=0.2),
                             client=httpx.AsyncClient(timeout=30))
             async with serving(blind) as blind_url, httpx.AsyncClient(timeout=30) as http:
@@ -101,7 +103,8 @@ async def test_upstreams_named_without_redis_spread_keep_sessions_and_refuse_oth
 
     async with canned_replica() as a, canned_replica() as b:
         fleet = StaticFleet([a.url, b.url], "policy", "base", version=4)
-        gateway = Gateway(GatewayConfig(port=0, policy="policy", served_model="base", policy_version=4), Discard(),
+        gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                          port=0, policy="policy", served_model="base", policy_version=4), Discard(),
                           fleet=fleet)
         async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:
             async def ask(model: str, user: str, session: str | None = None) -> int:
@@ -138,7 +141,8 @@ async def test_naming_an_unpromoted_version_needs_the_evaluate_scope(rl_config: 
         async with canned_replica() as replica:
             await serving_control.record_replica(policy, ReplicaAck("r", 3, "p-v3", url=replica.url, loaded={
                 0: "base", 3: "p-v3"}), 60)
-            gateway = Gateway(GatewayConfig(port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
+            gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                              port=0, policy=policy, served_model="base", run_id=rl_config.run_id),
                               Discard(), access=AccessConfig(api_keys_file=keys),
                               fleet=FleetRouter(control, policy, "base", ttl_s=0))
             async with serving(gateway) as url, httpx.AsyncClient(timeout=30) as http:

@@ -21,9 +21,9 @@ async def test_api_keys_from_the_cli_open_a_routable_address_and_only_they_authe
     seen: list[str] = []
     async with recording_upstream(seen) as port:
         upstream = f"http://127.0.0.1:{port}"
-        keyed = GatewayProcess(rl_config, upstream, free_port(), tmp_path / "keyed.log", "--no-spool",
+        keyed = GatewayProcess(rl_config, upstream, free_port(), tmp_path / "keyed.log", "-o", "gateway.spool", "false",
                                "--host", "0.0.0.0", "--api-key", KEY_1, "--api-key", KEY_2)
-        open_ = GatewayProcess(rl_config, upstream, free_port(), tmp_path / "open.log", "--no-spool")
+        open_ = GatewayProcess(rl_config, upstream, free_port(), tmp_path / "open.log", "-o", "gateway.spool", "false")
         for gateway in (keyed, open_):
             gateway.env["RLSTREAM_GATEWAY_API_KEYS"] = ""
             gateway.start()

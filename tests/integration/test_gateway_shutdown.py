@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.models import TrajectoryEvent
@@ -21,7 +21,7 @@ from tests.support.learner_helpers import read_whole_topic
 from tests.unit.test_gateway_sessions import USER, fake_upstream
 
 
-async def run_gateway(config: GatewayConfig, publisher: TrajectoryPublisher, sessions: int) -> Gateway:
+async def run_gateway(config: GatewaySettings, publisher: TrajectoryPublisher, sessions: int) -> Gateway:
     """Open ``sessions`` sessions (one call each), then stop the gateway as a graceful shutdown does."""
     gateway = Gateway(config, publisher, client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     await gateway.start()
@@ -41,7 +41,8 @@ async def test_open_sessions_past_the_queue_at_shutdown_reach_kafka(rl_config: R
                                                                     created_topics: TopicNames, tmp_path: Path,
                                                                     spool: bool) -> None:
     sessions, queue_size = 300, 100
-    config = GatewayConfig(queue_size=queue_size, session_idle_s=600, spool_dir=tmp_path / "spool" if spool else None,
+    config = GatewaySettings(session_stitching="gateway",
+                             queue_size=queue_size, session_idle_s=600, spool_dir=tmp_path / "spool" if spool else None,
                            run_id=rl_config.run_id, drain_timeout_s=20)
     publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
     await publisher.start()

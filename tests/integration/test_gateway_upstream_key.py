@@ -47,7 +47,7 @@ async def test_gateway_sends_the_upstream_key_and_never_logs_it(rl_config: Rlstr
     seen: list[str] = []
     async with recording_upstream(seen) as port:
         upstream = f"http://127.0.0.1:{port}"
-        extra: tuple[str, ...] = ("--no-spool",)
+        extra: tuple[str, ...] = ("-o", "gateway.spool", "false")
         env: dict[str, str] = {}
         if how == "cli":
             extra += ("--upstream-api-key", key)

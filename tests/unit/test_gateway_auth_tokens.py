@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal, task_for
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback import Feedback
 from rlstream.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError, is_feedback_token
 from tests.unit.test_gateway_fuzz import canned_upstream
@@ -114,7 +114,7 @@ _paths = st.sampled_from(["/v1/feedback", "/v1/feedback", "/v1/chat/completions"
 @given(requests=st.lists(st.tuples(_paths, _credentials, _feedback, st.booleans()), min_size=1, max_size=6))
 def test_keyed_gateway_never_answers_500(requests: list[tuple[str, str | None, dict[str, Any], bool]]) -> None:
     async def run() -> None:
-        gateway = Gateway(GatewayConfig(policy="m", served_model="m"), FakePublisher(),
+        gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="m", served_model="m"), FakePublisher(),
                           client=httpx.AsyncClient(transport=httpx.MockTransport(canned_upstream)),
                           access=AccessConfig(api_keys=[SecretStr(_KEY)], feedback_secret=SecretStr(_SIGNER_SECRET)))
         await gateway.start()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from tests.unit.test_gateway_sessions import FakePublisher
 
 FUZZ = settings(max_examples=int(os.environ.get("RLSTREAM_FUZZ_EXAMPLES", "300")), deadline=None,
@@ -101,7 +101,8 @@ header_sets = st.dictionaries(
 
 @pytest.fixture(scope="module")
 def app_under_fuzz() -> Iterator[tuple[asyncio.Runner, Gateway, httpx.AsyncClient]]:
-    config = GatewayConfig(max_choices=256, max_open_sessions=50, remembered_trajectories=1000, queue_size=100_000)
+    config = GatewaySettings(session_stitching="gateway",
+                             max_choices=256, max_open_sessions=50, remembered_trajectories=1000, queue_size=100_000)
     runner = asyncio.Runner()
     gateway = Gateway(config, FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(canned_upstream)))
     runner.run(gateway.start())

@@ -14,7 +14,7 @@ import pytest
 
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback_tokens import FeedbackTokenError
 from rlstream.gateway.service import GatewayOptions, prepare_gateway
 from rlstream.schemas.config import RlstreamConfig
@@ -51,7 +51,7 @@ async def test_feedback_by_chat_completion_id_reaches_its_trajectory_of_its_tena
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps([{"key": ACME_KEY, "tenant": "acme"}, {"key": GLOBEX_KEY, "tenant": "globex"}]))
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="m", served_model="m"), publisher,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="m", served_model="m"), publisher,
                       client=httpx.AsyncClient(transport=numbered_upstream()), access=AccessConfig(api_keys_file=keys))
     await gateway.start()
     acme, globex = {"authorization": f"Bearer {ACME_KEY}"}, {"authorization": f"Bearer {GLOBEX_KEY}"}
@@ -77,7 +77,8 @@ async def test_feedback_by_chat_completion_id_reaches_its_trajectory_of_its_tena
 
 async def test_issued_session_ids_are_unguessable_and_address_a_session() -> None:
     publisher = FakePublisher()
-    gateway, c = await gateway_client(GatewayConfig(session_idle_s=600), publisher=publisher)
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway",
+                                                      session_idle_s=600), publisher=publisher)
     try:
         issued = []
         for _ in range(20):
@@ -108,7 +109,8 @@ async def test_a_session_past_max_session_bytes_is_split_before_its_next_call(ma
     """The bound is checked as a call begins: the call that crosses it still joins its trajectory; the next call
     that continues the conversation starts a new one, the full trajectory is published, the split counted."""
     publisher = FakePublisher()
-    gateway, c = await gateway_client(GatewayConfig(max_session_bytes=max_session_bytes, session_idle_s=600),
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway",
+                                                      max_session_bytes=max_session_bytes, session_idle_s=600),
                                       publisher=publisher)
     try:
         history = [{"role": "user", "content": "x" * 600}]  # each call holds ~640 bytes: 2 calls pass 1024
@@ -132,10 +134,11 @@ async def test_a_session_past_max_session_bytes_is_split_before_its_next_call(ma
 
 async def test_feedback_tokens_live_as_long_as_the_reward_window_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RLSTREAM_GATEWAY_API_KEYS", raising=False)
-    cfg = RlstreamConfig.model_validate({"streams": {"reward_window_s": 1234.0}})  # not AccessConfig's 86,400
-    assert prepare_gateway(cfg, GatewayOptions(spool=False, feedback_token_ttl_s=60.0)).access.feedback_token_ttl_s \
-        == 60.0  # an explicit lifetime wins
-    prepared = prepare_gateway(cfg, GatewayOptions(spool=False))
+    cfg = RlstreamConfig.model_validate({"streams": {"reward_window_s": 1234.0},  # not AccessConfig's 86,400
+                                         "gateway": {"spool": False, "session_stitching": "gateway"}})
+    explicit = cfg.model_copy(update={"gateway": cfg.gateway.model_copy(update={"feedback_token_ttl_s": 60.0})})
+    assert prepare_gateway(explicit).access.feedback_token_ttl_s == 60.0  # an explicit lifetime wins
+    prepared = prepare_gateway(cfg, GatewayOptions())
     assert prepared.access.feedback_token_ttl_s == 1234.0
     gateway = Gateway(prepared.gw, FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(
         fake_upstream)), access=prepared.access)

@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.limits import json_depth, parse_json, RequestRejected
 from rlstream.gateway.spool import Spool, SpoolRecord
 from rlstream.schemas.models import TrajectoryEvent
@@ -22,7 +22,7 @@ from tests.unit.test_gateway_sessions import USER, FakePublisher, fake_upstream
 CHAT = {"model": "m", "messages": [USER]}
 
 
-async def gateway_client(config: GatewayConfig, upstream: Any = fake_upstream,
+async def gateway_client(config: GatewaySettings, upstream: Any = fake_upstream,
                          publisher: Any = None) -> tuple[Gateway, httpx.AsyncClient]:
     transport = httpx.MockTransport(upstream)
     gateway = Gateway(config, publisher or FakePublisher(), client=httpx.AsyncClient(transport=transport))
@@ -35,7 +35,7 @@ def error_of(r: httpx.Response) -> str:
 
 
 async def test_body_size_is_413_whether_declared_or_streamed() -> None:
-    gateway, c = await gateway_client(GatewayConfig(max_body_bytes=4096))
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway", max_body_bytes=4096))
     try:
         big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
         r = await c.post("/v1/chat/completions", json=big)
@@ -64,7 +64,7 @@ async def test_body_size_is_413_whether_declared_or_streamed() -> None:
     ("/v1/chat/completions", {"Content-Length": "-5"}, 400),
 ])
 async def test_ids_and_headers_are_bounded(path: str, headers: dict[str, Any], status: int) -> None:
-    gateway, c = await gateway_client(GatewayConfig())
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway"))
     try:
         body = json.dumps(CHAT).encode()
         r = await c.post(path, content=body, headers=headers)
@@ -77,7 +77,7 @@ async def test_ids_and_headers_are_bounded(path: str, headers: dict[str, Any], s
 
 
 async def test_end_session_checks_the_id() -> None:
-    gateway, c = await gateway_client(GatewayConfig())
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway"))
     try:
         assert (await c.post("/v1/sessions/x%00y/end")).status_code == 400
         assert (await c.post("/v1/sessions/fine-id/end")).status_code == 404
@@ -96,7 +96,7 @@ async def test_end_session_checks_the_id() -> None:
     b"\xff\xfe not utf-8",
 ])
 async def test_json_depth_and_non_finite_numbers_are_400(body: bytes) -> None:
-    gateway, c = await gateway_client(GatewayConfig())
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway"))
     try:
         for route in ("/v1/chat/completions", "/v1/responses", "/v1/feedback"):
             r = await c.post(route, content=body)
@@ -114,7 +114,8 @@ def test_json_depth_counts_nesting() -> None:
 
 
 async def test_n_is_bounded_and_one_request_cannot_flush_the_feedback_index() -> None:
-    gateway, c = await gateway_client(GatewayConfig(max_choices=8, remembered_trajectories=100))
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway",
+                                                      max_choices=8, remembered_trajectories=100))
     try:
         first = await c.post("/v1/chat/completions", json=CHAT)
         tid = first.headers["x-rlstream-trajectory-id"]
@@ -134,7 +135,8 @@ async def test_concurrency_limit_is_503_with_retry_after() -> None:
         await release.wait()
         return fake_upstream(request)
 
-    gateway, c = await gateway_client(GatewayConfig(max_concurrent_requests=2), upstream=slow_upstream)
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway",
+                                                      max_concurrent_requests=2), upstream=slow_upstream)
     try:
         held = [asyncio.create_task(c.post("/v1/chat/completions", json=CHAT)) for _ in range(2)]
         while gateway.limit_stats.in_flight < 2:
@@ -160,7 +162,7 @@ async def test_malformed_upstream_answers_are_502_or_passed_without_token_data(a
     def upstream(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=answer)
 
-    gateway, c = await gateway_client(GatewayConfig(max_choices=8), upstream=upstream)
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway", max_choices=8), upstream=upstream)
     try:
         r = await c.post("/v1/chat/completions", json=CHAT)
         if isinstance(answer, dict) and answer.get("prompt_token_ids") == "abc":
@@ -180,7 +182,8 @@ async def test_a_502_never_shows_the_upstreams_credentials() -> None:
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError(f"cannot reach {request.url}", request=request)
 
-    config = GatewayConfig(upstream_url=f"http://alice:{secret}@upstream.internal:8000", upstream_api_key="key-9f8e7d")
+    config = GatewaySettings(session_stitching="gateway",
+                             upstream_url=f"http://alice:{secret}@upstream.internal:8000", upstream_api_key="key-9f8e7d")
     with capture_logs() as logs:
         gateway, c = await gateway_client(config, upstream=down)
         try:
@@ -200,7 +203,8 @@ async def test_a_502_never_shows_the_upstreams_credentials() -> None:
 
 async def test_open_sessions_are_capped_and_long_sessions_split() -> None:
     publisher = FakePublisher()
-    gateway, c = await gateway_client(GatewayConfig(max_open_sessions=3, max_session_turns=2, session_idle_s=600),
+    gateway, c = await gateway_client(GatewaySettings(session_stitching="gateway",
+                                                      max_open_sessions=3, max_session_turns=2, session_idle_s=600),
                                       publisher=publisher)
     try:
         for index in range(5):
@@ -245,7 +249,8 @@ async def test_bounds_are_counted_in_prometheus() -> None:
     metrics = MetricsPublisher(None, None, "metrics", source="gateway", run_id="r",  # type: ignore[arg-type]
                                prometheus_port=0)  # the gateway's figures go to Prometheus only
     assert metrics.prometheus is not None
-    gateway = Gateway(GatewayConfig(max_open_sessions=1, session_idle_s=0.2), FakePublisher(),
+    gateway = Gateway(GatewaySettings(session_stitching="gateway",
+                                      max_open_sessions=1, session_idle_s=0.2), FakePublisher(),
                       client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)), metrics=metrics)
     await gateway.start()
     try:

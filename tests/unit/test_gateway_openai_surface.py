@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from rlstream.ops.toy import CHATML_TEMPLATE
 from rlstream.ops.vllm import tool_call_args, tool_call_parser_for
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback_shapes import FeedbackShapeError, evaluation_records, reward_of
 from rlstream.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
                                                 response_tokens, responses_upstream_request)
@@ -132,7 +132,7 @@ async def models(request: Request) -> JSONResponse:
 @pytest.mark.unit
 async def test_unserved_routes_answer_json_errors_and_models_hide_server_paths() -> None:
     upstream = Starlette(routes=[Route("/v1/models", models)])
-    gateway = Gateway(GatewayConfig(), FakePublisher(), client=httpx.AsyncClient(
+    gateway = Gateway(GatewaySettings(session_stitching="gateway"), FakePublisher(), client=httpx.AsyncClient(
         transport=httpx.ASGITransport(upstream), base_url="http://up"))
     await gateway.start()
     try:
@@ -229,18 +229,18 @@ def test_gateway_serve_takes_the_feedback_categories_table(monkeypatch: pytest.M
     import rlstream.gateway.service as gateway_service
     from rlstream.cli.app import app
 
-    served: list[GatewayConfig] = []
+    served: list[GatewaySettings] = []
 
-    async def serve(cfg: Any, gw: GatewayConfig, *args: Any) -> None:
+    async def serve(cfg: Any, gw: GatewaySettings, *args: Any) -> None:
         served.append(gw)
 
     monkeypatch.setattr(gateway_service, "_serve", serve)
     monkeypatch.setattr(gateway_service, "run", lambda coro: __import__("asyncio").run(coro))
     env = {"RLSTREAM_GATEWAY_API_KEYS": ""}
-    bad = CliRunner().invoke(app, ["gateway", "serve", "--feedback-category", "great"], env=env)
-    assert bad.exit_code == 2 and "NAME=REWARD" in bad.output, bad.output
-    ok = CliRunner().invoke(app, ["gateway", "serve", "--no-spool", "--feedback-category", "great=1",
-                                  "--feedback-category", "awful=-1"], env=env)
+    bad = CliRunner().invoke(app, ["gateway", "serve", "-o", "gateway.feedback_categories", "{great: very}"], env=env)
+    assert bad.exit_code == 2 and "gateway.feedback_categories.great" in bad.output, bad.output
+    ok = CliRunner().invoke(app, ["gateway", "serve", "-o", "gateway.spool", "false", "-o",
+                                  "gateway.feedback_categories", "{great: 1, awful: -1}"], env=env)
     assert ok.exit_code == 0, ok.output
     assert served[0].feedback_categories == {"great": 1.0, "awful": -1.0}
 

@@ -10,7 +10,7 @@ import pytest
 
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.rollout.streaming import StreamAccumulator
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.filtering import client_asked, filter_response, upstream_request
 from rlstream.gateway.sessions import MESSAGES, TOKENS, SessionStore, continuation, extends, recorded_call
 from rlstream.schemas.models import Message, RewardEvent, TrajectoryEvent, TrajectorySource
@@ -138,7 +138,7 @@ def fake_upstream(request: httpx.Request) -> httpx.Response:
 
 async def test_app_captures_filters_and_takes_feedback() -> None:
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="p", policy_version=7), publisher,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p", policy_version=7), publisher,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     await gateway.start()
     try:
@@ -174,7 +174,8 @@ async def test_upstream_down_is_502_with_openai_error() -> None:
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
-    gateway = Gateway(GatewayConfig(), FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(down)))
+    gateway = Gateway(GatewaySettings(session_stitching="gateway"), FakePublisher(),
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(down)))
     await gateway.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
@@ -189,7 +190,7 @@ async def test_full_queue_drops_without_failing_the_response() -> None:
         async def submit(self, topic: str, key: str, event: Any) -> Any:
             await asyncio.sleep(3600)
 
-    gateway = Gateway(GatewayConfig(queue_size=1, drain_timeout_s=0.1), Stuck(),
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", queue_size=1, drain_timeout_s=0.1), Stuck(),
                       client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     await gateway.start()
     try:
@@ -215,7 +216,7 @@ def upstream_with_choices(request: httpx.Request) -> httpx.Response:
 
 async def test_n_choices_become_one_group_of_n_trajectories() -> None:
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), publisher,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(upstream_with_choices)))
     await gateway.start()
     try:
@@ -259,7 +260,7 @@ def streamed_choices_upstream(request: httpx.Request) -> httpx.Response:
 
 async def test_streamed_n_choices_become_one_group_of_n_trajectories() -> None:
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), publisher,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(streamed_choices_upstream)))
     await gateway.start()
     try:
@@ -293,7 +294,7 @@ def responses_upstream(request: httpx.Request) -> httpx.Response:
 
 async def test_responses_api_is_passed_through_and_recorded() -> None:
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="p"), publisher,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), publisher,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(responses_upstream)))
     await gateway.start()
     try:
@@ -330,7 +331,7 @@ def test_token_ids_only_leaves_logprobs_to_the_client() -> None:
 
 
 async def test_a_streamed_answer_is_handed_on_one_write_per_event() -> None:
-    gateway = Gateway(GatewayConfig(policy="p"), FakePublisher(),
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), FakePublisher(),
                       client=httpx.AsyncClient(transport=httpx.MockTransport(streamed_choices_upstream)))
     app = create_app(gateway)
     request = json.dumps({"model": "m", "messages": [USER], "n": 1, "stream": True}).encode()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import serving
 from tests.unit.test_gateway_sessions import USER, FakePublisher, fake_upstream
 
@@ -59,7 +59,8 @@ class Trickler:
 
 @pytest.mark.parametrize("timeout_s,clients", [(1.0, 100), (30.0, 10)], ids=["bounded", "long-timeout-control"])
 async def test_slow_clients_are_cut_off_within_the_read_timeout(timeout_s: float, clients: int) -> None:
-    config = GatewayConfig(port=0, body_read_timeout_s=timeout_s, header_read_timeout_s=timeout_s)
+    config = GatewaySettings(session_stitching="gateway",
+                             port=0, body_read_timeout_s=timeout_s, header_read_timeout_s=timeout_s)
     gateway = Gateway(config, FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     give_up_s = 4.0
     async with serving(gateway) as url:
@@ -85,7 +86,7 @@ async def test_slow_clients_are_cut_off_within_the_read_timeout(timeout_s: float
 async def test_oversized_headers_are_refused_at_the_connection() -> None:
     """An 8 MB session-id header: the connection is answered 400 and closed after about max_header_bytes, long
     before the header timeout (uvicorn's httptools protocol alone buffers the whole line until it ends)."""
-    config = GatewayConfig(port=0, header_read_timeout_s=30)
+    config = GatewaySettings(session_stitching="gateway", port=0, header_read_timeout_s=30)
     gateway = Gateway(config, FakePublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     async with serving(gateway) as url:
         host, port = url.removeprefix("http://").split(":")

@@ -13,7 +13,7 @@ import pytest
 
 from rlstream.gateway import spool as spool_module
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.queue import CaptureQueue
 from rlstream.gateway.spool import (SEGMENT_HEADER, Spool, SpoolError, SpoolRecord, encode_record, read_frame,
                                             scan)
@@ -258,7 +258,8 @@ def test_disk_failure_drops_and_counts_then_recovers(tmp_path: Path, monkeypatch
 
 
 async def test_full_spool_never_fails_a_response(tmp_path: Path) -> None:
-    config = GatewayConfig(policy="p", spool_dir=tmp_path, spool_max_bytes=4096, spool_after_s=0.1)
+    config = GatewaySettings(session_stitching="gateway",
+                             policy="p", spool_dir=tmp_path, spool_max_bytes=4096, spool_after_s=0.1)
     gateway = Gateway(config, FlakyPublisher(), client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     await gateway.start()
     try:

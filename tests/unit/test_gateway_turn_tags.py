@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.sessions import recorded_call
 from rlstream.schemas.models import TrajectoryEvent
 from tests.unit.test_gateway_sessions import USER, FakePublisher
@@ -39,7 +39,7 @@ async def test_a_session_that_straddles_a_reload_is_tagged_turn_by_turn() -> Non
         return next(served)
 
     publisher = FakePublisher()
-    gateway = Gateway(GatewayConfig(policy="p"), publisher, route=route,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), publisher, route=route,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(session_upstream)))
     await gateway.start()
     try:

@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaProducer
 from prometheus_client import generate_latest
 
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.config import GatewayConfig
+from rlstream.gateway.config import GatewaySettings
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import MetricEvent
 from rlstream.transport import metric_names as mn
@@ -166,7 +166,7 @@ async def test_gateway_reports_its_overhead_to_prometheus_only(endpoint: Prometh
     metrics = MetricsPublisher(producer, AvroCodec(), "metrics", "gateway", "r", prometheus_port=endpoint.port,
                                prometheus_addr="127.0.0.1")
     assert metrics.prometheus is endpoint
-    gateway = Gateway(GatewayConfig(policy="p"), FakePublisher(), metrics=metrics,
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), FakePublisher(), metrics=metrics,
                       client=httpx.AsyncClient(transport=httpx.MockTransport(fake_upstream)))
     await gateway.start()
     try:
