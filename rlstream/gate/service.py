@@ -507,7 +507,8 @@ class PromotionGate:
         evidence = {**verdict.evidence(), "plan.needed": float(plan.needed), "plan.examples": float(plan.examples),
                     "plan.samples": float(plan.samples)}
         if verdict.promote:
-            evidence[ANCHOR_KEY] = float(next_anchor(verdict, candidate, anchor_version) or candidate)
+            moved = next_anchor(verdict, candidate, anchor_version)  # version 0 (the base weights) is an anchor too
+            evidence[ANCHOR_KEY] = float(candidate if moved is None else moved)
         else:
             evidence[ANCHOR_KEY] = float(anchor_version)
         if not verdict.promote:

@@ -121,6 +121,7 @@ def test_the_anchor_moves_only_to_a_candidate_shown_better() -> None:
     assert next_anchor(better, 4, 3) == 4
     equal = judge(figures(4), SERVING, RULE)
     assert equal.promote and next_anchor(equal, 4, 3) == 3
+    assert next_anchor(equal, 4, 0) == 0  # the base weights stay the anchor
     rejected = judge(figures(4, shift=-0.3), SERVING, RULE)
     assert next_anchor(rejected, 4, 3) == 3
     assert next_anchor(judge(figures(4), None, RULE), 4, None) == 4  # the first promotion
