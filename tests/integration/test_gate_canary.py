@@ -406,3 +406,119 @@ def test_an_operator_rollback_ends_the_running_canary(rl_config: RlstreamConfig,
     ended = [d for d in recorded if d.decision == DecisionKind.reject and d.version == 3]
     assert len(ended) == 1 and "ended by an operator's rollback to v1: bad answers" in ended[0].reason
     assert [d.decision for d in recorded].count(DecisionKind.rollback) == 1
+
+
+def test_an_undecided_canary_held_for_an_operator_waits_then_the_operator_ends_it(
+        rl_config: RlstreamConfig, created_topics: TopicNames) -> None:
+    """``gate.canary_undecided: hold``: at canary_max_s the canary keeps its share and is recorded as held (never
+    promoted); ``rlstream rollback --to`` the serving version ends it, serving staying at v1."""
+    from rlstream.ops.promotion import operator_move
+
+    cfg = timeout_config(rl_config, canary_max_s=1.0, canary_undecided="hold")
+
+    async def scenario() -> tuple[Any, Any, Any, PromotionGate]:
+        control = ControlPlane(str(cfg.redis.url))
+        serving = await setup_fleet(cfg, control)
+        gate = await new_gate(cfg, control)
+        try:
+            await gate.start_canary(2, 1, figures(2), figures(1), Verdict(True))
+            deadline = time.monotonic() + 20
+            while not (gate.canary is not None and gate.canary.held) and time.monotonic() < deadline:
+                await gate.pump(timeout_ms=100)
+                await gate.step_canary()
+            for _ in range(3):  # held: it stays, whatever time passes
+                await gate.step_canary()
+            held = (gate.canary is not None and gate.canary.held, await serving.serving(cfg.policy),
+                    await serving.canary_state(cfg.policy))
+            outcome = await operator_move(cfg, 1, DecisionKind.rollback, "not worth the wait", timeout_s=5.0)
+            await gate.step_canary()
+            return held, outcome, await serving.serving(cfg.policy), gate
+        finally:
+            await gate._stop()
+            await control.close()
+
+    (held, pointer, saved), outcome, after, gate = asyncio.run(scenario())
+    assert held and pointer.version == 1 and pointer.canary_version == 2 and saved is not None and saved.held
+    assert outcome.moved and after.version == 1 and after.canary_version is None and gate.canary is None
+    recorded = asyncio.run(decisions(cfg, created_topics))
+    assert [d.decision for d in recorded] == [DecisionKind.canary, DecisionKind.canary, DecisionKind.reject]
+    assert "held for an operator" in recorded[1].reason and recorded[1].candidate_metrics["canary_held"] == 1
+    assert "serving stays at v1: not worth the wait" in recorded[2].reason and recorded[2].version == 2
+    assert not any(d.decision in (DecisionKind.promote, DecisionKind.finish_canary) for d in recorded)
+
+
+def test_a_full_weights_canary_runs_on_its_share_of_the_replicas(rl_config: RlstreamConfig,
+                                                                 created_topics: TopicNames) -> None:
+    """Two serve replicas holding full weights v1: the canary v2 goes to one of them (the pointer's
+    ``canary_workers``), whose sync worker loads it while the other keeps v1 (``full_version_for_serve``); the router
+    sends the canary's share of sessions there and everything else to v1 (control: every replica following the newest
+    of serving and canary, the old rule, answers all traffic with the canary)."""
+    from rlstream.inference.sync import full_version_for_serve
+    from rlstream.rollout.routing import FleetRouter, NoServingVersion
+    from rlstream.schemas.models import WeightsKind
+
+    cfg = canary_config(rl_config)
+    policy = cfg.policy
+
+    async def ack(serving: ServingControl, loaded: dict[str, int]) -> None:
+        for wid, version in loaded.items():
+            await serving.record_replica(policy, ReplicaAck(wid, version, policy, url=f"http://{wid}:1",
+                                                            loaded={version: policy}, follows="serving"), 120.0)
+
+    async def sync_workers(serving: ServingControl, stop: asyncio.Event) -> None:
+        """What each replica's sync worker loads: the full version the pointer asks of it."""
+        while not stop.is_set():
+            wanted = await serving.wanted(policy)
+            await ack(serving, {wid: full_version_for_serve("serving", None, wanted, wid) or 1
+                                for wid in ("w0", "w1")})
+            await asyncio.sleep(0.2)
+
+    async def shares(router: FleetRouter, tag: str) -> dict[tuple[int, str | None], int]:
+        out: dict[tuple[int, str | None], int] = {}
+        for i in range(600):
+            try:
+                route = await router.route(session_id=f"{tag}-{i}")
+                key = (route.version, route.worker_id)
+            except NoServingVersion:  # the serving version is loaded nowhere
+                key = (-1, None)
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    async def scenario() -> tuple[Any, Any, dict[tuple[int, str | None], int], dict[tuple[int, str | None], int]]:
+        control = ControlPlane(str(cfg.redis.url))
+        serving = ServingControl(control)
+        await serving.promote(policy, 1, token=await serving.issue_token(policy), reason="start", decided_by="test",
+                              expected_version=-1)
+        await ack(serving, {"w0": 1, "w1": 1})
+        gate = await new_gate(cfg, control)
+        stop = asyncio.Event()
+        workers = asyncio.create_task(sync_workers(serving, stop))
+        try:
+            gate.known[2] = PolicyVersion(policy=policy, version=2, base_model="m", uri="/v2", learner_step=2,
+                                          kind=WeightsKind.full)
+            await gate.start_canary(2, 1, figures(2), figures(1), Verdict(True))
+            pointer = await serving.serving(policy)
+            await asyncio.sleep(0.5)
+            routed = await shares(FleetRouter(control, policy, policy, ttl_s=30), "s")
+            stop.set()
+            await workers
+            await ack(serving, {"w0": 2, "w1": 2})  # control: the old rule, max(serving, canary) on every replica
+            old_rule = await shares(FleetRouter(control, policy, policy, ttl_s=30), "t")
+            return pointer, gate.decisions[-1], routed, old_rule
+        finally:
+            stop.set()
+            await gate._stop()
+            await control.close()
+
+    pointer, started, routed, old_rule = asyncio.run(scenario())
+    assert started.decision == DecisionKind.canary and pointer.canary_version == 2, started.reason
+    assert len(pointer.canary_workers) == 1
+    chosen = pointer.canary_workers[0]
+    other = ({"w0", "w1"} - {chosen}).pop()
+    assert set(routed) == {(2, chosen), (1, other)}, routed  # the canary only on its replica, serving on the other
+    n = sum(routed.values())
+    assert abs(routed[(2, chosen)] - 0.25 * n) <= 4 * math.sqrt(n * 0.25 * 0.75), routed
+    # control: no replica holds v1 any more: the canary answers every request it may take, and the serving share of
+    # the traffic finds no replica with its version
+    assert not any(version == 1 for version, _ in old_rule), old_rule
+    assert {version for version, _ in old_rule} == {2, -1}, old_rule
