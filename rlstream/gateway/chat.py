@@ -55,7 +55,7 @@ class ChatCompletions:
         if not captured:
             return await gw.passthrough("/chat/completions", body)
         asked = client_asked(body)
-        routed = await gw.routed(str(body.get("model", "")), session_id, caller)
+        routed = await gw.routed(str(body.get("model", "")), session_id, caller, body.get("user"))
         if isinstance(routed, Response):
             return routed
         model, version, base = routed

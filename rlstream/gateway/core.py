@@ -25,7 +25,7 @@ from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.gateway.spool import Spool
 from rlstream.rollout.capture import to_message
 from rlstream.rollout.routing import (FleetRouter, NoServingVersion, OutstandingTransport, StaticFleet,
-                                      VersionForbidden, VersionNotLoaded)
+                                      VersionForbidden, VersionNotLoaded, caller_identity)
 from rlstream.schemas.masking import mask_text
 from rlstream.schemas.models import CallEvent
 from rlstream.schemas.sessions import session_trajectory_id
@@ -210,12 +210,14 @@ class Gateway:
         return caller, task, scoped, caller.open_access or self.is_policy_model(model)
 
     # -- routing --
-    async def routed(self, model: str, session_id: str | None,
-                     caller: Principal) -> tuple[str, int, str] | JSONResponse:
-        """:meth:`route_pinned` for ``caller``, or the error the client gets: 404 for a version no replica has,
-        403 for a version the caller may not name, 503 while nothing serves."""
+    async def routed(self, model: str, session_id: str | None, caller: Principal,
+                     user: object = None) -> tuple[str, int, str] | JSONResponse:
+        """:meth:`route_pinned` for ``caller`` (``user``: the request's ``user`` field, which with the key identifies
+        a caller without a session for the canary's share), or the error the client gets: 404 for a version no
+        replica has, 403 for a version the caller may not name, 503 while nothing serves."""
+        identity = caller_identity(caller.key_id, user if isinstance(user, str) else None)
         try:
-            return await self.route_pinned(model, session_id, caller.scopes)
+            return await self.route_pinned(model, session_id, caller.scopes, identity)
         except VersionNotLoaded as exc:
             return openai_error(404, str(exc), "model_not_found")
         except VersionForbidden as exc:
@@ -223,8 +225,8 @@ class Gateway:
         except NoServingVersion as exc:
             return openai_error(503, str(exc), "no_serving_version")
 
-    async def route_pinned(self, model: str, session_id: str | None,
-                           scopes: frozenset[str] = frozenset()) -> tuple[str, int, str]:
+    async def route_pinned(self, model: str, session_id: str | None, scopes: frozenset[str] = frozenset(),
+                           caller: str | None = None) -> tuple[str, int, str]:
         """(upstream model name, version, upstream base URL ending in /v1) of a call for ``model``: pinned to one
         version (the one ``policy@N`` names, the session's, or a new pick) on a replica that has it loaded.
         Raises :class:`VersionNotLoaded` for ``policy@N`` that no replica has, :class:`VersionForbidden` for a
@@ -237,7 +239,7 @@ class Gateway:
         session = self.sessions.open.get(session_id) if session_id is not None else None
         try:
             route = await self.fleet.route(pinned, session.policy_version if session is not None else None,
-                                           session_id, scopes=scopes)
+                                           session_id, scopes=scopes, caller=caller)
         except (VersionNotLoaded, VersionForbidden, NoServingVersion):
             raise
         except Exception as exc:  # Redis unreachable: the request goes out as asked, to the configured upstream

@@ -329,7 +329,7 @@ class Responses:
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         if not captured:
             return await gw.passthrough("/responses", body)
-        routed = await gw.routed(str(body.get("model", "")), session_id, caller)
+        routed = await gw.routed(str(body.get("model", "")), session_id, caller, body.get("user"))
         if isinstance(routed, Response):
             return routed
         model, version, base = routed

@@ -342,8 +342,9 @@ class StaticFleet:
         self._turn = itertools.count()
 
     async def route(self, pinned: int | None = None, session_version: int | None = None,
-                    session_id: str | None = None, scopes: Collection[str] = ()) -> Route:
-        """The route of one request (the arguments as :meth:`FleetRouter.route`; ``scopes`` change nothing: one
+                    session_id: str | None = None, scopes: Collection[str] = (), caller: str | None = None) -> Route:
+        """The route of one request (the arguments as :meth:`FleetRouter.route`; ``scopes`` and ``caller`` change
+        nothing: one
         version serves)."""
         if pinned is not None and pinned != self.version:
             raise VersionNotLoaded(f"version {pinned} of {self.policy!r} is not loaded on any replica")

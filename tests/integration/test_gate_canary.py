@@ -522,3 +522,60 @@ def test_a_full_weights_canary_runs_on_its_share_of_the_replicas(rl_config: Rlst
     # the traffic finds no replica with its version
     assert not any(version == 1 for version, _ in old_rule), old_rule
     assert {version for version, _ in old_rule} == {2, -1}, old_rule
+
+
+def test_sessionless_requests_through_the_gateway_reach_the_canary_at_its_share(rl_config: RlstreamConfig) -> None:
+    """Requests without a session id, each from another caller (the ``user`` field), through the gateway to a replica
+    holding serving v1 and canary v2 at a 0.25 share: the canary answers its share, within a binomial bound
+    (control: the same requests with nothing that identifies the caller never reach the canary)."""
+    import httpx
+
+    from rlstream.gateway.app import Gateway
+    from rlstream.gateway.config import GatewaySettings
+    from rlstream.gateway.server import serving as serving_gateway
+    from rlstream.rollout.routing import FleetRouter
+    from tests.support.fleet_support import canned_replica
+
+    policy, n = rl_config.policy, 200
+
+    class Discard:
+        trajectories_topic, rewards_topic, calls_topic = "trajectories", "rewards", "calls"
+
+        async def submit(self, topic: str, key: str, event: Any) -> "asyncio.Future[Any]":
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        try:
+            async with canned_replica() as replica:
+                await serving.record_replica(policy, ReplicaAck("w0", 2, "p-v2", url=replica.url, loaded={
+                    1: "p-v1", 2: "p-v2"}), 60)
+                token = await serving.issue_token(policy)
+                await serving.promote(policy, 1, token=token, reason="t", decided_by="test", expected_version=-1)
+                await serving.set_canary(policy, 2, 0.25, token)
+                gateway = Gateway(GatewaySettings(session_stitching="gateway", port=0, policy=policy,
+                                                  served_model="base", run_id=rl_config.run_id),
+                                  Discard(), fleet=FleetRouter(control, policy, "base", ttl_s=5))
+                async with serving_gateway(gateway) as url, httpx.AsyncClient(timeout=30) as http:
+                    for i in range(n):
+                        for user in (f"user-{i}", None):
+                            body: dict[str, Any] = {"model": policy,
+                                                    "messages": [{"role": "user", "content": f"{user or 'anon'}-{i}"}]}
+                            if user is not None:
+                                body["user"] = user
+                            answer = await http.post(f"{url}/v1/chat/completions", json=body)
+                            assert answer.status_code == 200, answer.text
+                named = [m for m, u in replica.requests if u.startswith("user-")]
+                anonymous = [m for m, u in replica.requests if u.startswith("anon-")]
+                return named, anonymous
+        finally:
+            await control.close()
+
+    named, anonymous = asyncio.run(scenario())
+    assert len(named) == len(anonymous) == n
+    hits = named.count("p-v2")
+    assert abs(hits - 0.25 * n) <= 4 * math.sqrt(n * 0.25 * 0.75), hits
+    assert anonymous.count("p-v2") == 0  # control: no identity, no canary
