@@ -63,6 +63,16 @@ def released(pointer: ServingPointer | None, version: int) -> bool:
     return pointer is not None and version in (pointer.version, pointer.canary_version)
 
 
+def promoted_below(pointer: ServingPointer) -> set[int]:
+    """The versions below serving known to have been promoted, which production falls back to while no replica holds
+    the serving version: version 0 (the base weights, where serving starts) and the gate's anchor (the best version
+    promoted; not the version a rollback left). A newer loaded version below serving may have been rejected."""
+    anchor = pointer.anchor_version
+    if anchor is not None and anchor < pointer.version and anchor != pointer.floor:
+        return {0, anchor}
+    return {0}
+
+
 def session_may_stay(pointer: ServingPointer | None, version: int) -> bool:
     """Whether a session pinned to ``version`` stays on it: released (:func:`released`) or older than serving (it
     served when the session started). A version above serving that is not the canary was rolled back (or never
@@ -231,6 +241,8 @@ class FleetRouter:
     share of sessions and of sessionless callers (:func:`in_canary_share` of the session id, else of
     :func:`caller_identity`), else the serving version (:func:`production_version`; no
     serving pointer: :class:`NoServingVersion`, unless ``serve_unpromoted``); only ``serve`` replicas take requests.
+    While no replica holds the serving version, production falls back to a promoted one below it
+    (:func:`promoted_below`), else :class:`NoServingVersion`; never to a version that may have been rejected.
     A session's version is pinned in Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its
     last call), so every gateway sends a session's calls to the version it started on, while a replica has it loaded
     and it may still serve (:func:`session_may_stay`: a rollback moves its sessions at their next call). Among the replicas that
@@ -320,11 +332,18 @@ class FleetRouter:
             route = self._on(version, replicas, session_id)
             if route is not None:
                 return route
-            older = sorted({v for r in replicas for v in r.loaded if v <= version}, reverse=True)
-            if older:  # the serving version on no alive replica: the newest loaded below it
+            # the serving version on no alive replica: the newest loaded below it that was promoted (any, without
+            # a gate)
+            allowed = None if self.serve_unpromoted or pointer is None else promoted_below(pointer)
+            older = sorted({v for r in replicas for v in r.loaded
+                            if v <= version and (allowed is None or v in allowed)}, reverse=True)
+            if older:
                 route = self._on(older[0], replicas, session_id)
                 assert route is not None
                 return route
+            if replicas and allowed is not None:
+                raise NoServingVersion(f"serving version v{version} of {self.policy!r} is not loaded on any replica "
+                                       "yet (and no promoted version below it is)")
         return Route(self.base_model, version if version is not None else self._latest)
 
 

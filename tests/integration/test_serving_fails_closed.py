@@ -146,3 +146,41 @@ def test_rollback_to_0_through_the_cli_moves_every_session(rl_config: RlstreamCo
     assert moved == {0} and fresh == {0}  # pinned sessions left the rolled-back version at their next call
     decisions = asyncio.run(read_decisions(cfg))
     assert [(d.version, d.decision, d.serving_before) for d in decisions] == [(0, DecisionKind.rollback, 3)]
+
+
+def test_serving_version_loaded_nowhere_falls_back_only_to_a_promoted_version(rl_config: RlstreamConfig) -> None:
+    cfg, policy = rl_config, rl_config.policy
+
+    async def scenario() -> tuple[set[int], set[int], str, set[int]]:
+        control = ControlPlane(str(cfg.redis.url))
+        try:
+            serving = ServingControl(control)
+            for version in (0, 1, 3):  # what the gate did: the base, 1 passed (the anchor), 2 rejected, 3 passed
+                await serving.promote(policy, version, token=await serving.issue_token(policy), reason="passed",
+                                      decided_by="gate")
+            await serving.set_anchor(policy, 1, await serving.issue_token(policy))
+            # 3 is on no replica yet (restarting); the replicas still hold the rejected 2
+            await serving.record_replica(policy, ReplicaAck("a", 2, f"{policy}-v2", url="http://a:1", loaded={
+                0: "base", 1: f"{policy}-v1", 2: f"{policy}-v2"}), 120.0)
+            await serving.record_replica(policy, ReplicaAck("b", 2, f"{policy}-v2", url="http://b:1", loaded={
+                2: f"{policy}-v2"}), 120.0)
+            fleet = FleetRouter(control, policy, "base", ttl_s=0)
+            with_anchor = set(await production_versions(fleet))
+            ungated_fleet = FleetRouter(control, policy, "base", ttl_s=0, serve_unpromoted=True)
+            ungated = {(await ungated_fleet.route()).version for _ in range(20)}  # sessionless: no pins
+            await serving.record_replica(policy, ReplicaAck("a", 2, f"{policy}-v2", url="http://a:1", loaded={
+                2: f"{policy}-v2"}), 120.0)  # now only the rejected version is loaded anywhere
+            try:
+                await fleet.route()
+                refused = ""
+            except NoServingVersion as exc:
+                refused = str(exc)
+            return with_anchor, ungated, refused, set(await production_versions(fleet))
+        finally:
+            await control.close()
+
+    with_anchor, ungated, refused, only_rejected = asyncio.run(scenario())
+    assert with_anchor == {1}  # the promoted anchor, never the rejected 2
+    assert "serving version v3" in refused and "not loaded on any replica yet" in refused
+    assert only_rejected == {None}  # 503 rather than a version the gate rejected
+    assert ungated == {2}  # control: the fallback without the promotion rule reaches the rejected version

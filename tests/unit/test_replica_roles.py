@@ -11,7 +11,7 @@ import pytest
 from rlstream.gate.service import PromotionGate
 from rlstream.inference.sync import (adapters_to_unload, full_version_for_serve, loads_on_announcement,
                                      waits_for_evaluation)
-from rlstream.rollout.routing import FleetRouter, Outstanding, VersionNotLoaded, production_version
+from rlstream.rollout.routing import FleetRouter, NoServingVersion, Outstanding, VersionNotLoaded, production_version
 from rlstream.schemas.config import InferenceConfig, RlstreamConfig
 from rlstream.schemas.models import WeightsKind
 from rlstream.transport.serving import (ReplicaAck, ServingPointer, WantedVersions, fleet_readiness,
@@ -171,3 +171,20 @@ def test_trimming_keeps_the_served_and_the_held_adapters() -> None:
     # v3 serves and v4 is being scored: both stay, the two newest others stay, v5 goes
     assert adapters_to_unload(adapters, {3, 4}, keep_adapters=2) == ["toy-v5"]
     assert adapters_to_unload(adapters[:2], set(), keep_adapters=2) == []
+
+
+def test_production_falls_back_only_to_a_promoted_version() -> None:
+    # serving 3 is loaded nowhere yet; 2 (loaded) was rejected; 1 is the gate's anchor (promoted)
+    acks = [ReplicaAck("serve-0", 2, "policy", loaded={0: "policy", 1: "p-v1", 2: "p-v2"})]
+    pointer = ServingPointer(version=3, anchor_version=1)
+    assert {asyncio.run(_router(acks, pointer, serve_unpromoted=False).route()).version for _ in range(4)} == {1}
+    no_anchor = ServingPointer(version=3)  # only version 0 is known to be promoted
+    assert asyncio.run(_router(acks, no_anchor, serve_unpromoted=False).route()).version == 0
+    rolled_back = ServingPointer(version=3, anchor_version=2, floor=2)  # an anchor a rollback left is not served
+    assert asyncio.run(_router(acks, rolled_back, serve_unpromoted=False).route()).version == 0
+    without_base = [ReplicaAck("serve-0", 2, "policy", loaded={2: "p-v2"})]
+    with pytest.raises(NoServingVersion, match="v3 of 'policy' is not loaded on any replica yet"):
+        asyncio.run(_router(without_base, no_anchor, serve_unpromoted=False).route())
+    # control: without the promotion rule (no gate: serve_unpromoted) the newest loaded below serving answers
+    assert asyncio.run(_router(acks, pointer, serve_unpromoted=True).route()).version == 2
+    assert asyncio.run(_router(without_base, no_anchor, serve_unpromoted=True).route()).version == 2
