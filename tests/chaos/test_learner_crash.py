@@ -80,10 +80,12 @@ def test_sigkill_between_checkpoints_then_resume_trains_each_group_once(
     steps = [e["step"] for e in events if e.get("event") == "learner step"]
     assert steps == [3, 4, 5, 6]
 
-    # lineage: the three versions' trained_on ranges cover every group offset exactly once
-    versions = asyncio.run(read_topic(rl_config, created_topics.policy_versions, PolicyVersion, expect=3))
-    assert [v.version for v in versions] == [1, 2, 3]
-    assert [v.learner_step for v in versions] == [2, 4, 6]
+    # lineage: the base weights (version 0, announced once, by the first run) and three trained versions whose
+    # trained_on ranges cover every group offset exactly once
+    versions = asyncio.run(read_topic(rl_config, created_topics.policy_versions, PolicyVersion, expect=4))
+    assert [v.version for v in versions] == [0, 1, 2, 3]
+    assert [v.learner_step for v in versions] == [0, 2, 4, 6]
+    assert (versions[0].group_count, versions[0].trained_on) == (0, [])
     assert sum(v.group_count for v in versions) == N_GROUPS
     trained: list[tuple[int, int]] = []
     for v in versions:
