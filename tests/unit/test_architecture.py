@@ -40,6 +40,8 @@ def test_the_layer_contracts_are_kept() -> None:
         ("rollout/capture.py", "import torch", "light SDK"),       # torch in the capture SDK
         ("nat/trainer.py", "import rlstream.finetune.runtime", "nat builds on"),  # nat past finetune's public API
         ("gateway/service.py", "import typer", "typer only in the CLI"),   # a service parsing arguments
+        ("gateway/core.py", "import rlstream.learner.batch", "the gateway builds on"),  # the gateway on a service
+        ("rollout/capture.py", "import rlstream.gateway.core", "layers"),  # the SDK importing the gateway above it
         ("ops/processes.py", "import rlstream.ops.infra", "process handling stands alone"),  # a cycle back up
     ],
 )
