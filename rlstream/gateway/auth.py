@@ -30,10 +30,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from rlstream.gateway.feedback_tokens import is_feedback_token
+from rlstream.schemas.config import StreamsConfig
 from rlstream.schemas.masking import remember_secret
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
+_STREAMS = StreamsConfig.model_fields  # the defaults below are the stream app's, declared there
 
 #: ``evaluate``: may name any version (``policy@N`` for an N that neither serves nor is the canary: a candidate)
 Scope = Literal["inference", "feedback", "admin", "evaluate"]
@@ -93,8 +95,8 @@ class ApiKeySpec(BaseModel):
 
 
 class AccessConfig(BaseModel):
-    """Who may call the gateway and what feedback it takes (the CLI fills it from options, the environment and the
-    main config)."""
+    """Who may call the gateway and what feedback it takes (``prepare_gateway`` fills it from the gateway section,
+    the process's flags and the environment)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -105,10 +107,11 @@ class AccessConfig(BaseModel):
     feedback_secret: SecretStr | None = Field(None, description="HMAC secret of the feedback tokens (at least 16 "
                                               "bytes; shared by every gateway behind one load balancer). None: a "
                                               "random one per start")
-    feedback_token_ttl_s: float = Field(86_400.0, gt=0, description="a feedback token expires this long after its "
-                                        "response (rlstream gateway serve: streams.reward_window_s)")
-    reward_range: tuple[float, float] = Field((-10.0, 10.0), description="rewards and components outside [low, "
-                                              "high] are answered 422 (rlstream gateway serve: streams.reward_range)")
+    feedback_token_ttl_s: float = Field(_STREAMS["reward_window_s"].default, gt=0, description="a feedback token "
+                                        "expires this long after its response (gateway.feedback_token_ttl_s, else "
+                                        "streams.reward_window_s)")
+    reward_range: tuple[float, float] = Field(_STREAMS["reward_range"].default, description="rewards and components "
+                                              "outside [low, high] are answered 422 (streams.reward_range)")
 
     def key_store(self) -> "KeyStore":
         return KeyStore([k.get_secret_value() for k in self.api_keys], self.api_keys_file)
