@@ -58,7 +58,8 @@ def test_stale_groups_are_dropped_counted_and_consumed(rl_config: RlstreamConfig
     learner = Learner(cfg, holder="staleness-test")
     state = asyncio.run(learner.run())
 
-    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=3))
+    versions = asyncio.run(read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=4))
+    assert [v.version for v in versions] == [0, 1, 2, 3]  # the base weights, then one version per step
     trained = sorted(o for v in versions for r in v.trained_on for o in range(r.first, r.last + 1))
     metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
     stale_counts = [m.value for m in metrics if m.name == mn.LEARNER_GROUPS_SKIPPED
