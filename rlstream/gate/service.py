@@ -13,8 +13,8 @@ rewards of feedback.py finishes the promotion or rolls the canary back. Every de
 ``promotions``. Candidates that arrive while one is evaluated or a canary runs are not decided one by one: the next
 decision is about the newest.
 
-No figure is kept between decisions: each decision measures the candidate, the serving version and the anchor on a
-replica that has each loaded, with the sample size gate.power asks for (statistics.sample_size). An evaluation that
+Each decision measures the candidate, the serving version and the anchor on a replica that has each loaded (the
+anchor's latest measurement stands in only while no replica holds it, as with full weights), with the sample size gate.power asks for (statistics.sample_size). An evaluation that
 produces no result (:class:`rlstream.gate.evaluation.EvaluationFailed`) decides nothing: it is counted in
 ``gate/evaluation_failures`` and the decision is tried again. The anchor after each decision is on its record
 (``candidate_metrics["anchor_version"]``) and on the serving pointer (``anchor_version``: replicas keep it loaded,
@@ -175,6 +175,7 @@ class PromotionGate:
                                  max_samples=self.gcfg.canary_max_samples)
         self.known: dict[int, PolicyVersion] = {}  # trusted records of the policy
         self.anchor: int | None = None  # the best version promoted (None: not known yet; the serving version then)
+        self.anchor_figures: EvalFigures | None = None  # its latest measurement (for when no replica holds it)
         self.decided = 0  # the newest candidate decided about (or given up on)
         self.canary: Canary | None = None
         self.clock = FeedbackClock()
@@ -487,11 +488,11 @@ class PromotionGate:
                         serving=serving_version)
             await asyncio.sleep(ERROR_BACKOFF_S)
             return
+        anchor_fresh = anchor_figures is not None
         if anchor_figures is None and serving_figures is not None:
-            log.warning("anchor not measurable now (no replica has it loaded); no decision", candidate=candidate,
-                        anchor=anchor_version)
-            await asyncio.sleep(ERROR_BACKOFF_S)
-            return
+            anchor_figures, anchor_version = self._anchor_not_loaded(anchor_version, serving_figures)
+        elif anchor_figures is not None:
+            self.anchor_figures = anchor_figures
         await self.metrics.emit(mn.GATE_EVAL_REWARD_MEAN, candidate_figures.reward_mean, step=candidate,
                                 tags={"policy": self.policy, "role": "candidate"})
         if serving_figures is not None:
@@ -505,7 +506,7 @@ class PromotionGate:
             # versions measures almost no spread, and a tiny sample would lose the power asked for)
             self.difference_std = max(measured.std, self.gcfg.difference_std)
         evidence = {**verdict.evidence(), "plan.needed": float(plan.needed), "plan.examples": float(plan.examples),
-                    "plan.samples": float(plan.samples)}
+                    "plan.samples": float(plan.samples), "anchor_fresh": float(anchor_fresh)}
         if verdict.promote:
             moved = next_anchor(verdict, candidate, anchor_version)  # version 0 (the base weights) is an anchor too
             evidence[ANCHOR_KEY] = float(candidate if moved is None else moved)
@@ -527,6 +528,18 @@ class PromotionGate:
             anchor = serving_version
         self.anchor = anchor
         return anchor
+
+    def _anchor_not_loaded(self, anchor: int, serving: EvalFigures) -> tuple[EvalFigures, int]:
+        """The anchor's figures when no replica holds it now (a full-weights fleet holds serving and the candidate
+        only): its latest measurement, on the same prompts and seeds; without one (a restarted gate) the serving
+        version becomes the anchor."""
+        if self.anchor_figures is not None and self.anchor_figures.version == anchor:
+            log.info("anchor not loaded on any replica; its latest measurement is used", anchor=anchor)
+            return self.anchor_figures, anchor
+        log.warning("anchor not loaded on any replica and not measured by this gate; the serving version is the "
+                    "anchor now", anchor=anchor, serving=serving.version)
+        self.anchor, self.anchor_figures = serving.version, serving
+        return serving, serving.version
 
     async def _move_anchor(self, version: int) -> None:
         """Make ``version`` the anchor, on the serving pointer too (replicas keep it loaded; a restart reads it)."""
@@ -573,6 +586,8 @@ class PromotionGate:
             await self._decided(outcome.decision)
             if ANCHOR_KEY in evidence:
                 await self._move_anchor(int(evidence[ANCHOR_KEY]))
+                if self.anchor == candidate:
+                    self.anchor_figures = candidate_figures
             await self._observe_serving()
         else:
             await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",

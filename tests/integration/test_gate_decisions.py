@@ -187,3 +187,47 @@ def test_an_evaluation_that_fails_decides_nothing(rl_config: RlstreamConfig, cre
                             SampleResult(key=r.key, reward=0.0, parses=False, refusal=False, length=0)
                             for r in serving.results))
     assert not judge(zeros, serving, DecisionRule(0.1, 0.025)).promote
+
+
+def test_an_anchor_no_replica_holds_is_judged_on_its_latest_measurement(
+        rl_config: RlstreamConfig, created_topics: TopicNames, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full weights: once serving moved on, no replica holds the anchor (the serve replica holds serving, the
+    evaluation replica the candidate); the gate judges against the anchor's latest measurement instead of waiting
+    for it forever. Control: a restarted gate, which never measured the anchor, takes the serving version as anchor."""
+    cfg = gate_config(rl_config)
+    scripted = ScriptedEvaluation()
+    monkeypatch.setattr(gate_service, "evaluate_version", scripted)
+    monkeypatch.setattr(gate_service, "ERROR_BACKOFF_S", 0.0)
+
+    async def scenario() -> tuple[list[PromotionDecision], list[PromotionDecision]]:
+        control = ControlPlane(str(cfg.redis.url))
+        serving = await setup_fleet(cfg, control)
+        gate = await start_gate(cfg, control)
+        try:
+            announce(gate, 2)
+            await gate.step()  # v2 promoted; v1 stays the anchor
+            await serving.record_replica(cfg.policy, ReplicaAck("w0", 4, f"{cfg.policy}-v4", url="http://127.0.0.1:9",
+                                                                loaded={2: f"{cfg.policy}-v2",
+                                                                        4: f"{cfg.policy}-v4"}), 120.0)
+            announce(gate, 4)  # 0.08 below serving v2, 0.12 below the anchor v1 that no replica holds now
+            await gate.step()
+        finally:
+            await gate._stop()
+        restarted = await start_gate(cfg, control)
+        try:
+            announce(restarted, 4)
+            restarted.decided = 2
+            await restarted.step()
+        finally:
+            await restarted._stop()
+            await control.close()
+        return gate.decisions, restarted.decisions
+
+    decided, after_restart = asyncio.run(scenario())
+    assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote), (4, DecisionKind.reject)]
+    rejected = decided[-1]
+    assert "reward vs anchor v1" in rejected.reason and "vs serving" not in rejected.reason, rejected.reason
+    assert rejected.candidate_metrics["anchor_fresh"] == 0.0 and rejected.candidate_metrics["anchor_version"] == 1
+    assert scripted.calls[:4] == [2, 1, 4, 2]  # v1 not measured for the second decision
+    assert [(d.version, d.decision) for d in after_restart] == [(4, DecisionKind.promote)]  # the control
+    assert after_restart[0].candidate_metrics["anchor_version"] == 2
