@@ -90,7 +90,6 @@ class Learner:
         # fault injection for tests: SIGSTOP self once this version's record is sent, before its transaction commits
         self.pause_in_announcement = pause_in_announcement
         check_report_to(self.lcfg.report_to)  # a missing tracker package fails now, not after the first step
-        require_model_dir(self.lcfg.model)  # before the lease is taken and anything is loaded
         self.codec = codec_for(cfg)
         # a registry that is down or refuses a schema stops the learner now, not after its first step
         self.codec.ensure_registered([PolicyVersion.avro_name, MetricEvent.avro_name, DeadLetter.avro_name])
@@ -129,6 +128,7 @@ class Learner:
 
         Under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 runs this loop and the other ranks follow it
         (:mod:`rlstream.learner.distributed`)."""
+        require_model_dir(self.lcfg.model)  # before the lease is taken and anything is loaded
         self.parallel = distributed.from_environment(self._device())
         try:
             if self.parallel is not None and not self.parallel.is_driver:
