@@ -122,6 +122,7 @@ def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter
     assert cfg.rollout.workflow == "rlstream.ops.tool_task:tool_agent"
     assert cfg.rollout.reward_function == "rlstream.ops.tool_task:tool_reward"
     assert cfg.learner.lora.enabled and cfg.learner.groups_per_step == 8
+    assert cfg.gate.episode == "rlstream.ops.tool_task:gate_episode"  # the gate evaluates the agent's own episode
     args = task_vllm_args(opts, tmp_path)
     assert args[0] == "--chat-template" and Path(args[1]).read_text().startswith("{%- for message")
     assert args[2:] == ["--tool-call-parser", "hermes"]
@@ -130,6 +131,7 @@ def test_up_with_the_tool_task_runs_the_agent_and_its_verifier_on_a_lora_adapter
     assert task_vllm_args(toy, tmp_path) == [] and task_users_args(toy) == []
     toy_cfg, _ = compose_config(toy, "run-u", tmp_path, stack, tmp_path / "smollm2", "http://127.0.0.1:9", None)
     assert toy_cfg.rollout.reward_function == "rlstream.ops.toy:toy_strict_reward"
+    assert toy_cfg.gate.episode is None  # one chat completion
 
 
 async def test_an_unreachable_server_is_an_error_not_a_failed_episode() -> None:
