@@ -91,8 +91,8 @@ def test_rewards_validated_at_the_door_and_corrected_until_the_group_leaves_trai
 
         state = asyncio.run(Learner(cfg, holder="door-to-learner").run())
         assert state.step == 2 and state.groups_trained == 2
-        versions = asyncio.run(read_topic(cfg, names.policy_versions, PolicyVersion, expect=2))
-        assert [x.version for x in versions] == [1, 2]
+        versions = asyncio.run(read_topic(cfg, names.policy_versions, PolicyVersion, expect=3))
+        assert [x.version for x in versions] == [0, 1, 2]  # the base weights, then one version per step
         trained = [g.group_id for x in versions for g in asyncio.run(version_lineage(cfg, x.version)).groups]
         assert sorted(trained) == sorted(g.group_id for g in groups)  # each group trained once, the task goes on
         assert worker.alive(), worker.log_tail()

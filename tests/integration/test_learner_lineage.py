@@ -78,8 +78,9 @@ def test_skips_dead_letters_and_exact_lineage(rl_config: RlstreamConfig, created
     # the learner went on past every bad record and trained on exactly the two usable groups
     assert state.step == 1 and state.offsets == {PARTITION: offsets[6] + 1} and state.groups_trained == 2
     assert dict(learner.skipped) == {"other_policy": 1, "other_run": 1, "validation": 1}
-    (version,) = asyncio.run(read_topic(cfg, names.policy_versions, PolicyVersion, expect=1))
-    assert version.group_count == 2
+    base, version = asyncio.run(read_topic(cfg, names.policy_versions, PolicyVersion, expect=2))
+    assert (base.version, base.group_count, base.trained_on) == (0, 0, [])  # the base weights, announced first
+    assert version.version == 1 and version.group_count == 2
     assert [(r.topic, r.partition, r.first, r.last) for r in version.trained_on] == [
         (names.groups, PARTITION, offsets[2], offsets[2]), (names.groups, PARTITION, offsets[6], offsets[6])]
 
@@ -123,4 +124,4 @@ def test_skips_dead_letters_and_exact_lineage(rl_config: RlstreamConfig, created
     assert table.exit_code == 0, table.output
     assert good_b.group_id in table.stdout and "trajectory records" in table.stdout
     missing = runner.invoke(app, ["lineage", "7", "-c", str(config)])
-    assert missing.exit_code == 1 and "has no version 7" in missing.output and "latest versions: 1" in missing.output
+    assert missing.exit_code == 1 and "has no version 7" in missing.output and "latest versions: 0, 1" in missing.output
