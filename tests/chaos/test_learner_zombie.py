@@ -87,8 +87,8 @@ def test_a_woken_zombie_learner_cannot_publish(rl_config: RlstreamConfig, create
 
     versions = [v for v in asyncio.run(read_whole_topic(rl_config, created_topics.policy_versions, PolicyVersion))
                 if v.policy == rl_config.policy]
-    assert [v.version for v in versions] == [1, 2]  # ...and publishes nothing
-    assert versions[1].fencing_token > versions[0].fencing_token  # the successor's lease is a newer one
+    assert [v.version for v in versions] == [0, 1, 2]  # the base, the zombie's 1, the successor's 2: nothing more
+    assert versions[2].fencing_token > versions[1].fencing_token  # the successor's lease is a newer one
     assert asyncio.run(latest(rl_config)) == 2  # the pointer never moved back
     # nor did it write a checkpoint over the successor's (same step numbers, shared directory)
     states = list((shared / "checkpoints").glob("step-*/state.json"))
