@@ -44,6 +44,10 @@ class LearnerState:
     publishing_offsets: dict[int, list[int]] = field(default_factory=dict)  # of the version being announced
     publishing_groups: int = 0
     groups_trained: int = 0
+    # the last move back to the serving version's weights: the version reset to, and this learner's version then
+    reset_to: int | None = None
+    reset_at: int | None = None
+    resets: int = 0  # moves back to the serving version's weights, over the run
 
     def record_trained(self, partition: int, offset: int) -> None:
         """A group at ``partition``/``offset`` was trained into the weights (pending publication)."""
@@ -78,7 +82,13 @@ class LearnerState:
                    pending_groups=int(d.get("pending_groups", 0)),
                    publishing_offsets=offsets_of("publishing_offsets", "publishing_ranges"),
                    publishing_groups=int(d.get("publishing_groups", 0)),
-                   groups_trained=int(d.get("groups_trained", 0)))
+                   groups_trained=int(d.get("groups_trained", 0)),
+                   reset_to=_int_or_none(d.get("reset_to")), reset_at=_int_or_none(d.get("reset_at")),
+                   resets=int(d.get("resets", 0)))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 class CheckpointError(RuntimeError):

@@ -20,9 +20,11 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-#: what rank 0 broadcasts: START (followers load the replica), STEP (with the step's samples), STOP
+#: what rank 0 broadcasts: START (followers load the replica), STEP (with the step's samples), RESET (with the
+#: verified serving weights to move back to), STOP
 START = "start"
 STEP = "step"
+RESET = "reset"
 STOP = "stop"
 
 

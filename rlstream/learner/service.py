@@ -19,6 +19,7 @@ weights that are not finite are never checkpointed nor published (``learner/publ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -38,6 +39,7 @@ from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy, pick_device, require_model_dir
 from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPublishLoop
 from rlstream.learner.publish import Announcer
+from rlstream.learner.reset import fresh_trainer, load_serving_weights, verified_serving_weights, versions_ahead
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.learner.waiting import WaitingForGroups
@@ -46,8 +48,10 @@ from rlstream.transport.control import ControlPlane, Lease, LeaseLost
 from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_consumer, make_producer
 from rlstream.transport.log import get_logger
+from rlstream.transport.manifest import ManifestError
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.serving import ServingControl, staleness_reference
+from rlstream.transport.promotions import PromotionsFollower
+from rlstream.transport.serving import ServingControl, ServingPointer, staleness_reference
 from rlstream.transport.signals import on_stop_signals
 from rlstream.transport.topic_reader import TopicReader, fetch_batch, wait_for_partitions
 from rlstream.schemas.codec import CodecError, codec_for
@@ -61,6 +65,10 @@ REDIS_PATIENCE_IN_STEP_S = 3.0
 #: how often the learner reads the serving pointer (its staleness reference under a promotion gate)
 SERVING_REFRESH_S = 2.0
 SERVICE = "learner"
+#: how often a learner held at ``learner.max_versions_ahead_of_serving`` looks at the serving pointer and ``promotions``
+HELD_POLL_S = 1.0
+#: after a failed move back to the serving version (its weights did not verify), how long before the next try
+RESET_RETRY_S = 30.0
 #: Why a group was consumed without training (the ``reason`` tag of ``learner/groups_skipped``).
 SKIP_OTHER_POLICY, SKIP_OTHER_RUN, SKIP_VALIDATION = "other_policy", "other_run", "validation"
 #: A group whose oldest trained turn is more than ``streams.max_policy_lag`` versions behind the learner's version.
@@ -117,7 +125,11 @@ class Learner:
         self._waiting: WaitingForGroups | None = None  # tells the rollout when this learner has nothing to read
         self._serving_control: ServingControl | None = None  # the gate's serving pointer (staleness reference)
         self._serving: int | None = None
+        self._serving_pointer: ServingPointer | None = None
         self._serving_read_at = float("-inf")
+        self._promotions: PromotionsFollower | None = None  # the gate's decisions (when to move back to serving)
+        self._reset_failed_at = float("-inf")
+        self._held_since: float | None = None  # held at learner.max_versions_ahead_of_serving since then
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -165,10 +177,14 @@ class Learner:
         log.info("data-parallel rank following the driver", rank=parallel.rank, world_size=parallel.world_size,
                  step=state.step)
         while True:
-            command, samples = await asyncio.to_thread(parallel.broadcast_command)
+            command, payload = await asyncio.to_thread(parallel.broadcast_command)
+            if command == distributed.RESET:  # the driver moved back to the serving version's weights
+                await asyncio.to_thread(load_serving_weights, policy, payload)
+                trainer = fresh_trainer(policy, self.lcfg, trainer, parallel)
+                continue
             if command != distributed.STEP:
                 return state
-            await asyncio.to_thread(trainer.step, samples)
+            await asyncio.to_thread(trainer.step, payload)
             state.step += 1
 
     async def _drive(self) -> LearnerState:
@@ -179,6 +195,7 @@ class Learner:
         announcer_started = False
         consumer = make_consumer(self.cfg.kafka, group_id=f"{self.cfg.policy}-learner",
                                  isolation_level="read_committed")
+        decisions: Any = None  # the gate's decisions, read from the topic's start (when rejections can reset)
         renew_task: asyncio.Task[None] | None = None
         try:
             self.lease = await self._acquire(control)
@@ -210,6 +227,10 @@ class Learner:
             await self.loop.announce_base()  # version 0: what serves before the gate promoted anything
             await consumer.start()
             await self._assign_and_seek(consumer, state)
+            if self.lcfg.reset_after_rejections > 0:
+                decisions = make_consumer(self.cfg.kafka, group_id=None)
+                await decisions.start()
+                self._promotions = PromotionsFollower(decisions, self.codec, self.topics.promotions, self.cfg.policy)
             # records that do not decode (or that no step can use, see _decode) go to dlq with the reason
             reader = self._reader = TopicReader(
                 consumer, self.codec, TrajectoryGroup, errors=(CodecError, ValueError),
@@ -218,6 +239,8 @@ class Learner:
                      offsets=state.offsets, holder=self.holder)
             while state.step < self.lcfg.total_steps and not self._stop.is_set() and not self.lease_lost:
                 self.training_version = state.version  # what the next step trains on top of (staleness is against it)
+                if not await self._within_bound_of_serving(state, metrics):
+                    break
                 taken = await self._take_groups(reader, self.lcfg.groups_per_step)
                 if taken is None:
                     break
@@ -233,6 +256,8 @@ class Learner:
                 renew_task.cancel()
             self._reporters.close()
             await consumer.stop()
+            if decisions is not None:
+                await decisions.stop()
             await producer.stop()
             if announcer_started:
                 try:
@@ -380,9 +405,94 @@ class Learner:
                 pointer = await asyncio.wait_for(self._serving_control.serving(self.cfg.policy),
                                                  timeout=REDIS_PATIENCE_IN_STEP_S)
                 self._serving = pointer.version if pointer is not None else None
+                self._serving_pointer = pointer
             except Exception as exc:  # noqa: BLE001 - staleness falls back to the last pointer read
                 log.warning("serving pointer not read (Redis unreachable?)", error=str(exc))
         return self._serving
+
+    # -- bounded ahead of serving --------------------------------------------------------------------------
+    def versions_ahead(self, state: LearnerState) -> int | None:
+        """How many versions the learner's weights are ahead of serving (None without a serving pointer)."""
+        if self._serving is None:
+            return None
+        return versions_ahead(state.version, self._serving, state.reset_to, state.reset_at)
+
+    async def _within_bound_of_serving(self, state: LearnerState, metrics: MetricsPublisher) -> bool:
+        """Before a step: move back to the serving version's weights when the gate's rejections call for it
+        (:meth:`_reset_due`), then wait while the learner is ``learner.max_versions_ahead_of_serving`` versions ahead
+        of serving. False when the learner is asked to stop while it waits."""
+        bound = self.lcfg.max_versions_ahead_of_serving
+        tags = {"policy": self.cfg.policy}
+        while True:
+            await self._serving_version()
+            ahead = self.versions_ahead(state)
+            if ahead is None:
+                self._held_since = None
+                return True
+            if await self._reset_due(state, ahead, bound) and await self._reset_to_serving(state, metrics):
+                continue
+            if bound is None or ahead < bound:
+                if self._held_since is not None:
+                    log.info("learner within its bound of the serving version again", ahead=ahead, bound=bound,
+                             serving=self._serving, version=state.version,
+                             held_s=round(time.monotonic() - self._held_since, 1))
+                self._held_since = None
+                return True
+            if self._held_since is None:
+                self._held_since = time.monotonic()
+                log.warning("learner held: its weights are as far ahead of the serving version as allowed",
+                            ahead=ahead, bound=bound, serving=self._serving, version=state.version)
+                await metrics.emit(metric_names.LEARNER_VERSIONS_AHEAD_OF_SERVING, float(ahead), step=state.step,
+                                   tags=tags)
+            if self._stop.is_set() or self.lease_lost:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=HELD_POLL_S)
+
+    async def _reset_due(self, state: LearnerState, ahead: int, bound: int | None) -> bool:
+        """Whether to move back to serving: ``learner.reset_after_rejections`` rejections in a row of versions
+        trained since the last reset, or, held at the bound, the newest version rejected (nothing is left for the
+        gate to judge)."""
+        if self._promotions is None or ahead <= 0 or time.monotonic() - self._reset_failed_at < RESET_RETRY_S:
+            return False
+        try:
+            await self._promotions.poll()
+        except Exception as exc:  # noqa: BLE001 - Kafka unreachable: decide with what was read
+            log.warning("promotions not read", error=str(exc))
+        run = self._promotions.rejections(above=state.reset_at if state.reset_at is not None else 0)
+        if run.count >= self.lcfg.reset_after_rejections:
+            return True
+        return bound is not None and ahead >= bound and state.version in run.versions
+
+    async def _reset_to_serving(self, state: LearnerState, metrics: MetricsPublisher) -> bool:
+        """Load the serving version's verified weights, start a new optimizer, checkpoint; False (retried after
+        ``RESET_RETRY_S``) when its weights do not verify or fit."""
+        assert self.loop is not None and self.policy is not None
+        pointer, ahead = self._serving_pointer, self.versions_ahead(state)
+        if pointer is None:
+            return False
+        try:
+            weights = await asyncio.to_thread(verified_serving_weights, pointer, self.cfg.policy, self.versions_root)
+            await asyncio.to_thread(load_serving_weights, self.policy, weights)
+        except (ManifestError, OSError) as exc:
+            self._reset_failed_at = time.monotonic()
+            log.error("the serving version's weights were refused; the learner trains on from its own",
+                      serving=pointer.version, uri=pointer.uri, error=str(exc))
+            return False
+        if self.parallel is not None:
+            await asyncio.to_thread(self.parallel.broadcast_command, distributed.RESET, weights)
+        self.loop.trainer = fresh_trainer(self.policy, self.lcfg, self.loop.trainer, self.parallel)
+        state.pending_offsets, state.pending_groups = {}, 0  # trained into weights that are gone: not the lineage
+        state.reset_to, state.reset_at = weights.version, state.version
+        state.resets += 1
+        await self.loop.save(checkpoint=True, publish=False, figures={})  # a restart resumes from serving's weights
+        log.warning("learner moved back to the serving version's weights after gate rejections; optimizer reset",
+                    serving=weights.version, was_ahead=ahead, version=state.version, next_version=state.version + 1,
+                    resets=state.resets, directory=str(weights.directory))
+        tags = {"policy": self.cfg.policy}
+        await metrics.emit(metric_names.LEARNER_RESETS_TO_SERVING, float(state.resets), step=state.step, tags=tags)
+        await metrics.emit(metric_names.LEARNER_VERSIONS_AHEAD_OF_SERVING, 0.0, step=state.step, tags=tags)
+        return True
 
     def _skip_reason(self, group: TrajectoryGroup) -> str | None:
         """Why a decoded group is not for this learner (None when it is)."""
@@ -430,6 +540,7 @@ class Learner:
                                tags={"reason": "nonfinite_weights", "policy": self.cfg.policy})
         if saved.version is not None:
             self._known_version = max(self._known_version, saved.version.version)
+        await self._report_serving_distance(state, metrics, control)
         await self._commit_for_monitoring(consumer, state)
 
     async def _report(self, state: LearnerState, stats: StepStats | None, lag: list[int],
@@ -458,6 +569,24 @@ class Learner:
         log.info("learner step", step=state.step, groups=n_groups,
                  loss=round(stats.loss, 5) if stats else None, reward_mean=round(stats.reward_mean, 4) if stats else None,
                  tokens_per_s=round(stats.tokens_per_s, 1) if stats else None)
+
+    async def _report_serving_distance(self, state: LearnerState, metrics: MetricsPublisher,
+                                       control: ControlPlane) -> None:
+        """After a step's publication: how far ahead of serving the learner now is, and its moves back."""
+        tags = {"policy": self.cfg.policy}
+        ahead = self.versions_ahead(state)
+        if ahead is not None:
+            await metrics.emit(metric_names.LEARNER_VERSIONS_AHEAD_OF_SERVING, float(ahead), step=state.step,
+                               tags=tags)
+        await metrics.emit(metric_names.LEARNER_RESETS_TO_SERVING, float(state.resets), step=state.step, tags=tags)
+        try:
+            await control.set_status(self.cfg.run_id, {
+                "learner_versions_ahead_of_serving": "" if ahead is None else ahead,
+                "learner_resets_to_serving": state.resets,
+                "learner_reset_to": "" if state.reset_to is None else state.reset_to},
+                patience_s=REDIS_PATIENCE_IN_STEP_S)
+        except Exception as exc:  # noqa: BLE001 - status is for operators
+            log.warning("run status not written (Redis unreachable?)", error=str(exc))
 
     @staticmethod
     def _pause_self() -> None:

@@ -343,6 +343,15 @@ class LearnerConfig(Section):
         default_factory=list, description="also write each learner step's figures to these trackers (transformers' "
         "names); the learner fails at start-up when a tracker's package is not installed")
     logging_dir: Path | None = Field(None, description="TensorBoard event files (default <output_dir>/logs)")
+    max_versions_ahead_of_serving: int | None = Field(
+        4, ge=1, description="while a promotion gate's serving pointer exists: the learner trains no step while its "
+        "weights are this many versions ahead of the serving version (counted along the versions it trained, from "
+        "the one it last reset to; docs/off-policy.md); None = no bound")
+    reset_after_rejections: int = Field(
+        3, ge=0, description="after this many consecutive gate rejections of its versions (promotions topic), or "
+        "when held at learner.max_versions_ahead_of_serving with its newest version rejected, the learner reloads "
+        "the serving version's published weights (sha256-verified), resets its optimizer and trains on from "
+        "there; 0 = never")
 
 
 class RolloutConfig(Section):

@@ -78,7 +78,6 @@ INFERENCE_ENGINE_DOWN = "inference/engine_down"
 #: 1 while the worker's server answers its health check and holds its versions, 0 while it is down (tag ``worker``).
 INFERENCE_ENGINE_UP = "inference/engine_up"
 
-
 # --- learner (source ``learner``; step = learner step, ``STEP_TAG`` = ``STEP_LEARNER``) ---------------------------
 #: Groups trained on in the step.
 LEARNER_GROUPS = "learner/groups"
@@ -122,6 +121,12 @@ LEARNER_PUBLISH_REFUSED = "learner/publish_refused"
 #: 1 while the learner holds its Redis lease and Redis confirms it, 0 from a failed renewal until a renewal succeeds,
 #: and once the lease is lost (then no checkpoint or version is written); emitted when it changes.
 LEARNER_LEASE_HELD = "learner/lease_held"
+#: How many versions the learner's weights are ahead of the serving version (counted along what it trained, from
+#: the version it last reset to; docs/off-policy.md); emitted each step and while it is held at the bound.
+LEARNER_VERSIONS_AHEAD_OF_SERVING = "learner/versions_ahead_of_serving"
+#: Moves back to the serving version's weights (after ``learner.reset_after_rejections`` gate rejections), running
+#: total over the run (kept in the checkpoint).
+LEARNER_RESETS_TO_SERVING = "learner/resets_to_serving"
 
 # --- stream app (source ``streams:<worker>``, tag ``worker``; counters are totals since the worker started) --------
 #: The prefix of every stream-app name. A counter may carry a reason after one more dot
@@ -233,7 +238,8 @@ LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEAR
            LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_ROWS_DROPPED_NONFINITE, LEARNER_SECONDS,
            LEARNER_TOKENS_PER_S)
 #: The learner's counters outside a step's figures.
-LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD)
+LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD,
+                    LEARNER_VERSIONS_AHEAD_OF_SERVING, LEARNER_RESETS_TO_SERVING)
 STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREAMS_EVENTS_OUT_PER_S,
            STREAMS_ASSEMBLY_LATENCY_P50_S, STREAMS_ASSEMBLY_LATENCY_P99_S, STREAMS_ASSEMBLY_LATENCY_S,
            STREAMS_CONSUMER_LAG,
@@ -406,6 +412,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "confirmed, 0 after a failed renewal or once it is lost"),
     _counter(LEARNER_PUBLISH_REFUSED, "rlstream_learner_publish_refused_total", ("policy", "reason"), "Publications "
              "the learner refused (weights not finite)"),
+    _gauge(LEARNER_VERSIONS_AHEAD_OF_SERVING, "rlstream_learner_versions_ahead_of_serving", _LEARNER, "Versions "
+           "the learner's weights are ahead of the serving version"),
+    _total(LEARNER_RESETS_TO_SERVING, "rlstream_learner_resets_to_serving_total", _LEARNER, "Moves of the learner "
+           "back to the serving version's weights after gate rejections"),
     # stream app: its counters report running totals since the worker started
     _total(STREAMS_EVENTS_IN, "rlstream_streams_events_in_total", _WORKER, "Trajectory and reward events consumed"),
     _total(STREAMS_EVENTS_OUT, "rlstream_streams_events_out_total", _WORKER, "Groups produced to the groups topic"),
