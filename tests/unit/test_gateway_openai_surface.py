@@ -64,7 +64,7 @@ def test_inference_serve_passes_vllm_options_through(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(vllm, "start_vllm_server", start)
     result = CliRunner().invoke(app, ["inference", "serve", str(tmp_path), "--vllm-arg=--max-num-seqs=8",
                                       "--tool-call-parser", "hermes", "--", "--enforce-eager", "--block-size", "32"])
-    assert isinstance(result.exception, RuntimeError), result.output
+    assert result.exit_code == 1 and "RuntimeError: stop here" in result.output, result.output  # the one-line answer
     assert seen["extra_args"] == ["--max-num-seqs=8", "--enforce-eager", "--block-size", "32"]
     assert seen["tool_call_parser"] == "hermes"
 
@@ -85,7 +85,7 @@ def test_inference_serve_starts_vllm_with_lora_and_automatic_tool_choice(monkeyp
     monkeypatch.setattr(vllm, "spawn", spawn)
     result = CliRunner().invoke(app, ["inference", "serve", str(tmp_path), "--served-model", "Qwen/Qwen2.5-3B",
                                       "--tool-call-parser", "hermes"])
-    assert isinstance(result.exception, RuntimeError), result.output
+    assert result.exit_code == 1 and "RuntimeError: stop here" in result.output, result.output  # the one-line answer
     (cmd,) = seen
     assert cmd[cmd.index("--model") + 1] == str(tmp_path) and "Qwen/Qwen2.5-3B" in cmd
     assert "--enable-lora" in cmd and "--enable-auto-tool-choice" in cmd
