@@ -24,6 +24,7 @@ from typing import Any
 from rlstream.gate.episodes import EpisodeRequest, NoAnswer, arguments_parse, score_answer
 from rlstream.gate.rules import SampleResult
 from rlstream.rollout.sampling import SamplingSettings
+from rlstream.streams.telemetry import TOOL_CALL_UNPARSED_COMPONENT, TOOL_CALLS_COMPONENT
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -224,15 +225,29 @@ def verify(example: dict[str, Any], episode: ToolEpisode) -> ToolVerdict:
                        answer_words=len(answer.split()))
 
 
+#: the call markup of :data:`CHAT_TEMPLATE`: left in the model's text, it is a call the server's parser did not parse
+TOOL_CALL_MARKUP = "<tool_call>"
+
+
+def unparsed_call(episode: ToolEpisode) -> bool:
+    """Whether the model wrote a tool call that did not parse: call markup left in its answer, or a call whose
+    arguments are not a JSON object with ``entity`` and ``attribute``."""
+    return TOOL_CALL_MARKUP in (episode.final_answer or "") or any(
+        _call_arguments(call) is None for call in episode.calls)
+
+
 def tool_reward(example: dict[str, Any], output: Any) -> dict[str, float]:
     """The reward function (``rollout.reward_function``): the verifier's reward as ``reward``, and as components the
-    task success, whether the tool call parsed, and the answer length in words (what the held-out view averages).
+    task success, whether the tool call parsed, the answer length in words (what the held-out view averages), and
+    the tool calls made and whether one did not parse (what the stream app counts: ``TOOL_CALLS_COMPONENT``,
+    ``TOOL_CALL_UNPARSED_COMPONENT`` of :mod:`rlstream.streams.telemetry`).
 
     ``output``: a :class:`ToolEpisode`, or a plain answer text (no tool called)."""
     episode = output if isinstance(output, ToolEpisode) else ToolEpisode(final_answer=str(output or ""))
     verdict = verify(example, episode)
     return {"reward": verdict.reward, "success": float(verdict.success), "tool_call_parsed": float(verdict.parsed),
-            "answer_words": float(verdict.answer_words)}
+            "answer_words": float(verdict.answer_words), TOOL_CALLS_COMPONENT: float(len(episode.calls)),
+            TOOL_CALL_UNPARSED_COMPONENT: float(unparsed_call(episode))}
 
 
 # --- the agent ------------------------------------------------------------------------------------------------

@@ -140,9 +140,9 @@ class UserPopulation:
         from rlstream.rollout.runner import score
 
         if self.rng.random() < self.pop.feedback_share:
-            reward = score(self.reward_fn(example, output))[0]
+            reward, components = score(self.reward_fn(example, output))
             delay = self.rng.uniform(*self.pop.feedback_delay_s)
-            task = asyncio.create_task(self._send_feedback(http, session, reward, delay))
+            task = asyncio.create_task(self._send_feedback(http, session, reward, delay, components))
             self._feedback.add(task)
             task.add_done_callback(self._feedback.discard)
 
@@ -172,9 +172,14 @@ class UserPopulation:
         reply = await chat.ainvoke([(m["role"], m["content"]) for m in messages])
         return str(reply.content)
 
-    async def _send_feedback(self, http: httpx.AsyncClient, session: str, reward: float, delay_s: float) -> None:
+    async def _send_feedback(self, http: httpx.AsyncClient, session: str, reward: float, delay_s: float,
+                             components: dict[str, float] | None = None) -> None:
+        """The reward with the reward function's components (the stream app counts the tool task's from them)."""
         await asyncio.sleep(delay_s)
-        response = await http.post(f"{self.base}/v1/feedback", json={"session_id": session, "reward": reward})
+        body: dict[str, object] = {"session_id": session, "reward": reward}
+        if components:
+            body["components"] = {k: v for k, v in components.items() if k != "reward"}
+        response = await http.post(f"{self.base}/v1/feedback", json=body)
         if response.status_code == 202:
             self.stats.feedback_sent += 1
         else:

@@ -118,6 +118,10 @@ def faust_credentials(kafka: KafkaConfig) -> Any:
     return None
 
 
+#: Assembly outcomes that take an episode's first score (an accepted trajectory, or a reward held or joined; not a
+#: duplicate or a correction): the record whose reward components say how the episode used its tools.
+FIRST_SCORES = ("trajectories_accepted", "rewards_held", "rewards_joined")
+
 class DetachedValues(MutableMapping[str, Any]):
     """A table view whose values are private copies.
 
@@ -438,6 +442,9 @@ class StreamsApp:
                 f"holding this record needs a {size}-byte state record (key {key[:80]!r}), over "
                 f"kafka.max_message_bytes ({limit}); the group holds too many members")))
         groups.apply()
+        if any(outcome.counts[first] for first in FIRST_SCORES):  # each episode's tool use once (no duplicates)
+            self.telemetry.count_tool_use(event.reward_components if isinstance(event, TrajectoryEvent)
+                                          else event.components)
         return outcome
 
     async def _stitch(self, msg: Any, src: SourceRef, now: float) -> None:

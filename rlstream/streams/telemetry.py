@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from math import isfinite
+from typing import Mapping
 
 from rlstream.transport import metric_names as mn
 
@@ -26,6 +28,28 @@ def counter_key(name: str, reason: str | None = None) -> str:
     return f"{key}.{reason}" if reason else key
 
 
+#: Reward components a tool task's reward function reports (rlstream/ops/tool_task.py: tool_reward) and the app
+#: counts: the tool calls the server parsed, and 1.0 when the model wrote a call that did not parse.
+TOOL_CALLS_COMPONENT = "tool_calls"
+TOOL_CALL_UNPARSED_COMPONENT = "tool_call_unparsed"
+
+
+def tool_use_counts(components: Mapping[str, float]) -> tuple[str, ...]:
+    """The counters one scored episode moves, from its reward components: none unless they carry
+    ``TOOL_CALLS_COMPONENT`` (a tool task's episode); then ``STREAMS_TOOL_EPISODES``, and
+    ``STREAMS_TOOL_CALL_PARSE_FAILURES`` when the model wrote a call that did not parse, else
+    ``STREAMS_TOOL_EPISODES_WITHOUT_CALL`` when it made no call at all."""
+    calls = components.get(TOOL_CALLS_COMPONENT)
+    if calls is None or not isfinite(calls):
+        return ()
+    unparsed = components.get(TOOL_CALL_UNPARSED_COMPONENT, 0.0)
+    if isfinite(unparsed) and unparsed > 0:
+        return mn.STREAMS_TOOL_EPISODES, mn.STREAMS_TOOL_CALL_PARSE_FAILURES
+    if calls <= 0:
+        return mn.STREAMS_TOOL_EPISODES, mn.STREAMS_TOOL_EPISODES_WITHOUT_CALL
+    return (mn.STREAMS_TOOL_EPISODES,)
+
+
 #: The counters turned into per-second rates at each report, and the names of those rates.
 RATES = {mn.STREAMS_EVENTS_IN: mn.STREAMS_EVENTS_IN_PER_S, mn.STREAMS_EVENTS_OUT: mn.STREAMS_EVENTS_OUT_PER_S}
 
@@ -35,7 +59,9 @@ class Telemetry:
     """Counts since start plus a snapshot taken at each report, to turn counts into rates."""
 
     #: counters an alert watches exist from the start at 0, so their first increase is seen (Prometheus convention)
-    counts: Counter[str] = field(default_factory=lambda: Counter({mn.STREAMS_UNPROVEN_GAPS: 0}))
+    counts: Counter[str] = field(default_factory=lambda: Counter({
+        mn.STREAMS_UNPROVEN_GAPS: 0, mn.STREAMS_TOOL_EPISODES: 0, mn.STREAMS_TOOL_CALL_PARSE_FAILURES: 0,
+        mn.STREAMS_TOOL_EPISODES_WITHOUT_CALL: 0}))
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
     _last_counts: Counter[str] = field(default_factory=Counter)
@@ -44,6 +70,11 @@ class Telemetry:
     def count(self, name: str, n: int = 1, reason: str | None = None) -> None:
         """Add ``n`` to a counter (see :func:`counter_key` for ``name`` and ``reason``)."""
         self.counts[counter_key(name, reason)] += n
+
+    def count_tool_use(self, components: Mapping[str, float]) -> None:
+        """Count a scored episode's tool use (:func:`tool_use_counts`)."""
+        for name in tool_use_counts(components):
+            self.count(name)
 
     def observe_latency(self, seconds: float) -> None:
         self.latencies_s.append(max(0.0, seconds))

@@ -185,6 +185,12 @@ STREAMS_SESSIONS_IDLE_CLOSED = "streams.sessions_idle_closed"
 STREAMS_SESSION_DUPLICATE_CALLS = "streams.session_duplicate_calls"
 STREAMS_SESSION_CALLS_INCOMPLETE = "streams.session_calls_incomplete"
 STREAMS_SESSION_ENDS_UNKNOWN = "streams.session_ends_unknown"
+#: Scored episodes of a tool task (a trajectory or reward whose components carry ``tool_calls``).
+STREAMS_TOOL_EPISODES = "streams.tool_episodes"
+#: Tool-task episodes in which the model wrote a tool call that did not parse (reward component ``tool_call_unparsed`` > 0).
+STREAMS_TOOL_CALL_PARSE_FAILURES = "streams.tool_call_parse_failures"
+#: Tool-task episodes without any tool call (reward component ``tool_calls`` 0, nothing left unparsed).
+STREAMS_TOOL_EPISODES_WITHOUT_CALL = "streams.tool_episodes_without_call"
 
 # --- capture gateway (source ``gateway``; Prometheus only: one value per call) -----------------------------------
 #: Seconds the gateway spent on a captured call besides waiting for the upstream: the whole handler minus the
@@ -251,7 +257,8 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_GROUPS_TIMED_OUT, STREAMS_GROUPS_EXPIRED, STREAMS_CLOSED_FORGOTTEN, STREAMS_GROUPS_WITHOUT_RECORDS,
            STREAMS_PAYLOADS_READ_BACK, STREAMS_SESSION_CALLS, STREAMS_SESSION_TRAJECTORIES, STREAMS_SESSION_SPLITS,
            STREAMS_SESSION_SPLITS_LONG, STREAMS_SESSION_RETOKENIZED, STREAMS_SESSIONS_IDLE_CLOSED,
-           STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN)
+           STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN,
+           STREAMS_TOOL_EPISODES, STREAMS_TOOL_CALL_PARSE_FAILURES, STREAMS_TOOL_EPISODES_WITHOUT_CALL)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
         GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED,
@@ -477,6 +484,11 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _total(STREAMS_SESSION_DUPLICATE_CALLS, "rlstream_streams_session_duplicate_calls_total", _WORKER, "Session calls re-sent by a gateway and dropped by call id"),
     _total(STREAMS_SESSION_CALLS_INCOMPLETE, "rlstream_streams_session_calls_incomplete_total", _WORKER, "Session records without a turn, reply or reward"),
     _total(STREAMS_SESSION_ENDS_UNKNOWN, "rlstream_streams_session_ends_unknown_total", _WORKER, "Session ends for sessions with no open trajectory"),
+    _total(STREAMS_TOOL_EPISODES, "rlstream_streams_tool_episodes_total", _WORKER, "Scored tool-task episodes"),
+    _total(STREAMS_TOOL_CALL_PARSE_FAILURES, "rlstream_streams_tool_call_parse_failures_total", _WORKER,
+           "Tool-task episodes with a tool call that did not parse"),
+    _total(STREAMS_TOOL_EPISODES_WITHOUT_CALL, "rlstream_streams_tool_episodes_without_call_total", _WORKER,
+           "Tool-task episodes without a tool call"),
     # capture gateway
     _histogram(GATEWAY_OVERHEAD_S, "rlstream_gateway_overhead_seconds", ("route", "streamed"), "Time the gateway "
                "spent on a captured call besides waiting for the upstream", topic=False,

@@ -219,6 +219,15 @@ ALERT_CASES: list[dict[str, Any]] = [
      "labels": [{"run_id": "r", "source": "inference:a", "worker": "a"}]},
     {"series": {'rlstream_streams_unproven_gaps_total{run_id="r",source="s",worker="w"}': "0x5 1 2 3x20"},
      "alert": "RlstreamStreamsPartitionStopped", "quiet_at": "5m", "fires_at": "9m", "labels": [{"worker": "w"}]},
+    # 2 tool episodes a minute, 3 of every 4 with a call that did not parse (control: 1 of 4 on another worker)
+    {"series": {'rlstream_streams_tool_episodes_total{run_id="r",source="s",worker="w"}': "0+2x60",
+                'rlstream_streams_tool_call_parse_failures_total{run_id="r",source="s",worker="w"}': "0+1.5x60",
+                'rlstream_streams_tool_episodes_without_call_total{run_id="r",source="s",worker="w"}': "0+0.5x60"},
+     "alert": "RlstreamToolCallsNotParsing", "quiet_at": "12m", "fires_at": "40m", "labels": [{}]},
+    {"series": {'rlstream_streams_tool_episodes_total{run_id="r",source="s",worker="w"}': "0+2x60",
+                'rlstream_streams_tool_call_parse_failures_total{run_id="r",source="s",worker="w"}': "0+0.5x60",
+                'rlstream_streams_tool_episodes_without_call_total{run_id="r",source="s",worker="w"}': "0+1.5x60"},
+     "alert": "RlstreamToolTaskWithoutToolCalls", "quiet_at": "12m", "fires_at": "40m", "labels": [{}]},
 ]
 
 

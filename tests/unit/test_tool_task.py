@@ -24,7 +24,7 @@ def test_the_right_tool_call_and_the_tools_value_in_the_answer_earn_everything()
     assert (verdict.parsed, verdict.right_call, verdict.right_answer) == (True, True, True)
     assert verdict.reward == pytest.approx(1.0) and verdict.success and verdict.answer_words == 4
     assert tool_reward(EXAMPLE, episode) == {"reward": pytest.approx(1.0), "success": 1.0, "tool_call_parsed": 1.0,
-                                             "answer_words": 4.0}
+                                             "answer_words": 4.0, "tool_calls": 1.0, "tool_call_unparsed": 0.0}
 
 
 def test_names_are_matched_without_case_or_outer_spaces() -> None:
