@@ -1,4 +1,4 @@
-"""``rlstream export`` and ``rlstream import``: slices of ``trajectories`` as Parquet or ATIF files, and ATIF back."""
+"""``rlstream export`` and ``rlstream import``: slices of ``trajectories`` as Parquet or ATIF files, and back."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ class ExportFormatOption(str, Enum):
 
 class ImportFormatOption(str, Enum):
     atif = "atif"
+    parquet = "parquet"
 
 
 def require_export_extra(*modules: str) -> None:
@@ -40,6 +41,8 @@ def require_export_extra(*modules: str) -> None:
 class LayoutOption(str, Enum):
     messages = "messages"
     prompt_completion = "prompt-completion"
+    dpo = "dpo"
+    kto = "kto"
 
 
 def export_command(
@@ -48,7 +51,8 @@ def export_command(
     export_format: ExportFormatOption = typer.Option(ExportFormatOption.parquet, "--format",
                                                      help="parquet (TRL / datasets) or atif (JSON Lines)"),
     layout: LayoutOption = typer.Option(LayoutOption.messages, "--layout",
-                                        help="Parquet: a `messages` column, or `prompt` + `completion`"),
+                                        help="Parquet: `messages`, `prompt-completion`, or from groups `dpo` "
+                                             "(prompt/chosen/rejected) or `kto` (prompt/completion/label)"),
     start: Optional[str] = typer.Option(None, "--from", help="offset, partition:offset[,..] or ISO time (default: beginning)"),
     stop: Optional[str] = typer.Option(None, "--to", help="exclusive; same forms (default: the end offsets of now)"),
     run: Optional[list[str]] = typer.Option(None, "--run", help="keep only trajectories of this run (repeatable)"),
@@ -83,26 +87,30 @@ def export_command(
     if fmt == OutputFormat.json:
         print(json.dumps(report.to_dict()))
         return
-    console.print(f"{report.path} ({report.format}): {report.written} trajectories, {report.turns} turns, "
+    groups = (f"; {report.groups} groups, {report.groups_without_preference} without a preference"
+              if layout in (LayoutOption.dpo, LayoutOption.kto) else "")
+    console.print(f"{report.path} ({report.format}): {report.written} rows, {report.turns} turns, "
                   f"{report.token_ids} token ids; read {report.read}, filtered {report.filtered}, "
-                  f"undecodable {report.undecodable}", highlight=False)
+                  f"duplicates {report.duplicates}, undecodable {report.undecodable}{groups}", highlight=False)
 
 
 def import_command(
-    path: Path = typer.Argument(..., exists=True, dir_okay=False, help="ATIF file: JSON Lines, a JSON array or one object"),
-    import_format: ImportFormatOption = typer.Option(..., "--format", help="the file's format (atif)"),
+    path: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                help="ATIF file (JSON Lines, a JSON array or one object) or Parquet file"),
+    import_format: ImportFormatOption = typer.Option(..., "--format", help="the file's format (atif or parquet)"),
     run_id: str = typer.Option(..., "--run-id", help="the new run id the trajectories are published under"),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--report", help="the summary as a table or JSON"),
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
 ) -> None:
-    """Publish the trajectories of an ATIF file to `trajectories` as a new run (source=replay); records that are
-    not valid go to `dlq` with the reason."""
-    from rlstream.ops.export import import_atif
+    """Publish the trajectories of an ATIF or Parquet file to `trajectories` as a new run (source=replay); records
+    that are not valid go to `dlq` with the reason. Importing the same file as the same run again publishes the
+    same trajectory ids, which an export gives once."""
+    from rlstream.ops.export import ImportFormat, import_trajectories
 
-    require_export_extra("nat.atif")
+    require_export_extra("nat.atif" if import_format == ImportFormatOption.atif else "pyarrow")
     cfg = load_or_exit(config, override)
-    report = run_or_exit(import_atif(cfg, path, run_id))
+    report = run_or_exit(import_trajectories(cfg, path, run_id, ImportFormat(import_format.value)))
     if fmt == OutputFormat.json:
         print(json.dumps(report.to_dict()))
     else:

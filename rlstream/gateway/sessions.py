@@ -203,7 +203,7 @@ def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: 
                   served_model: str, *, policy_version: int | None = None) -> RecordedCall:
     """A gateway call as capture's RecordedCall (grammar-constrained logprobs dropped, as capture does); its turn
     carries ``policy_version`` (the version the call was routed to) and the request's sampling temperature."""
-    from rlstream.rollout.capture import constrained, request_temperature, to_message
+    from rlstream.rollout.capture import constrained, request_temperature, request_tools, to_message
     from rlstream.schemas.models import Turn
 
     if logprobs is not None and constrained({**request, "extra_body": {
@@ -215,4 +215,5 @@ def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: 
                 completion_logprobs=logprobs, trainable=True, finish_reason=finish_reason,
                 policy_version=policy_version, temperature=request_temperature(request))
     return RecordedCall(request_messages=[to_message(m) for m in request.get("messages", [])],
-                        response_message=to_message(message), turn=turn, served_model=served_model)
+                        response_message=to_message(message), turn=turn, served_model=served_model,
+                        tools=request_tools(request))

@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, TypeVar
 
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.transport.log import get_logger
-from rlstream.schemas.models import Message, ToolCall, TrajectoryEvent, TrajectorySource, Turn
+from rlstream.schemas.models import (TOOLS_METADATA_KEY, Message, ToolCall, TrajectoryEvent, TrajectorySource,
+                                     Turn)
 
 log = get_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,6 +132,8 @@ class RecordedCall:
     response_message: Message
     turn: Turn
     served_model: str
+    #: the request's tool schemas (OpenAI's ``tools``), as JSON-ready dicts
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -236,12 +240,43 @@ class Recording:
         served = sorted({c.served_model for c in self.calls})
         if served:
             meta.setdefault("served_models", ",".join(served))
+        tools = merged_tools(c.tools for c in self.calls)
+        if tools:
+            meta.setdefault(TOOLS_METADATA_KEY, json.dumps(tools, sort_keys=True))
         return TrajectoryEvent(
             run_id=run_id, example_id=example_id, group_id=group_id, group_size=group_size,
             generation_index=generation_index, policy=policy, policy_version=policy_version, source=source,
             messages=messages, turns=self.turns(), reward=reward, reward_components=dict(reward_components or {}),
             metadata=meta, target=",".join(targets) if targets else None, producer_id=producer_id,
         )
+
+
+def request_tools(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tool schemas a chat request offered (``tools``), as JSON-ready dicts (SDK models dumped); [] for none or
+    for a value that is not a list of schemas."""
+    tools = request.get("tools")
+    if not isinstance(tools, (list, tuple)):
+        return []
+    out = []
+    for tool in tools:
+        if hasattr(tool, "model_dump"):
+            tool = tool.model_dump(exclude_none=True)
+        if isinstance(tool, dict):
+            out.append(json.loads(json.dumps(tool, default=str)))
+    return out
+
+
+def merged_tools(per_call: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The distinct tool schemas of a trajectory's calls, in the order they were first offered."""
+    seen: set[str] = set()
+    out = []
+    for tools in per_call:
+        for tool in tools:
+            key = json.dumps(tool, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(tool)
+    return out
 
 
 def current_recording() -> Recording | None:
@@ -368,6 +403,7 @@ def _add_call(recording: Recording, where: tuple[bool, str | None], kwargs: dict
         response_message=to_message(message),
         turn=turn,
         served_model=str(call_kwargs.get("model")),
+        tools=request_tools(kwargs),
     ))
 
 

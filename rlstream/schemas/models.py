@@ -79,6 +79,11 @@ class Turn(WireModel):
     temperature: float | None = None  # the sampling temperature of this call (None: 1.0)
 
 
+#: ``TrajectoryEvent.metadata`` key of the tool schemas (OpenAI's ``tools``) the trajectory's calls offered: JSON text
+#: of a list, each schema once, in the order first offered
+TOOLS_METADATA_KEY = "tools"
+
+
 class TrajectoryEvent(WireModel):
     avro_name: ClassVar[str] = "rlstream.v1.TrajectoryEvent"
     trajectory_id: str = Field(default_factory=new_id)
