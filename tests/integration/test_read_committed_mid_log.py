@@ -225,9 +225,9 @@ def test_a_learner_resumed_past_an_aborted_groups_transaction_trains_the_committ
                              cwd=Path(__file__).parents[2], env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
 
-    versions = asyncio.run(read_topic(rl_config, names.policy_versions, PolicyVersion, expect=3))
-    assert [v.version for v in versions] == [1, 2, 3]
-    assert [(r.first, r.last) for r in versions[2].trained_on] == [(later[0], later[1])]
+    versions = asyncio.run(read_topic(rl_config, names.policy_versions, PolicyVersion, expect=4))
+    assert [v.version for v in versions] == [0, 1, 2, 3]  # 0: the base weights, announced by the first learner
+    assert [(r.first, r.last) for r in versions[3].trained_on] == [(later[0], later[1])]
     lineage = asyncio.run(version_lineage(rl_config, 3))
     assert [(g.partition, g.offset) for g in lineage.groups] == [(PARTITION, o) for o in later]
     assert lineage.unresolved == []

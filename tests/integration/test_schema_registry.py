@@ -142,7 +142,7 @@ def test_every_writer_and_reader_goes_through_the_registry(rl_config: RlstreamCo
     assert [r["reward"] for r in read[names.rewards]] == [0.9, 0.9]
     assert sorted(g["group_id"] for g in read[names.groups]) == sorted({t.group_id for t in trajectories})
     assert len(groups) == 2
-    assert [v["version"] for v in read[names.policy_versions]] == [1]
+    assert [v["version"] for v in read[names.policy_versions]] == [0, 1]  # the base weights, then the step's
     assert [d["error_type"] for d in read[names.dlq]] == ["corrupt_payload"]
     assert [(d["version"], d["decision"]) for d in read[names.promotions]] == [(1, "reject")]
     sources = {m["source"].split(":")[0] for m in read[names.metrics]}

@@ -168,8 +168,8 @@ async def test_the_learner_dead_letters_through_the_reader_and_trains_on(rl_conf
     state = await learner.run()
 
     assert state.step == 1 and state.offsets == {PARTITION: offsets[-1] + 1}
-    (version,) = await read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=1)
-    assert version.group_count == 2
+    base, version = await read_topic(cfg, created_topics.policy_versions, PolicyVersion, expect=2)
+    assert (base.version, version.version, version.group_count) == (0, 1, 2)  # the base weights, then the step's
     assert [(r.partition, r.first, r.last) for r in version.trained_on] == [(PARTITION, offsets[2], offsets[3])]
     letters = await read_topic(cfg, created_topics.dlq, DeadLetter, expect=1)
     assert [(d.source_offset, d.key, d.error_type, d.service) for d in letters] == [

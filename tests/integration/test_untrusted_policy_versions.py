@@ -228,7 +228,7 @@ async def _hostile_scenario(cfg: RlstreamConfig, names: TopicNames, worker: Work
 
     # operator tools: only the learner's versions count; the others are flagged with their reason
     status = await collect_status(cfg)
-    assert [v["version"] for v in status["recent_versions"]] == [2, 1]
+    assert [v["version"] for v in status["recent_versions"]] == [2, 1, 0]  # 0: the base weights
     assert sorted(u["reason"] for u in status["untrusted_versions"]) == sorted(
         ["version_jump", "foreign_fencing_token", "foreign_fencing_token", "not_announced", "replayed"])
     out = io.StringIO()
@@ -236,7 +236,8 @@ async def _hostile_scenario(cfg: RlstreamConfig, names: TopicNames, worker: Work
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     trusted_rows = [r["version"] for r in rows if "_error" not in r and "_untrusted" not in r]
     flagged = sorted(r["_untrusted"].split(":", 1)[0] for r in rows if "_untrusted" in r)
-    assert trusted_rows == [1, 2] and flagged == sorted(u["reason"] for u in status["untrusted_versions"])
+    # each learner version counted once (a partition holding a byte copy may be read before the learner's)
+    assert sorted(trusted_rows) == [0, 1, 2] and flagged == sorted(u["reason"] for u in status["untrusted_versions"])
     with pytest.raises(LineageError, match="version_jump"):
         await version_lineage(cfg, 2 ** 62)
     assert len((await version_lineage(cfg, 2)).groups) == 2
