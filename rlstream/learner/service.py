@@ -15,6 +15,10 @@ version; each turn judged by its own recorded version) are skipped and counted
 decode, and groups that cannot be tokenised or batched (e.g. a token id outside the vocabulary), go to ``dlq``
 with the reason. A step whose loss or gradient is not finite changes nothing (``learner/nonfinite_skipped``), and
 weights that are not finite are never checkpointed nor published (``learner/publish_refused``).
+
+Under a promotion gate the learner starts no step while it is ``learner.max_versions_ahead_of_serving`` versions
+ahead of the serving version, and after ``learner.reset_after_rejections`` rejections on ``promotions`` it moves back
+to the serving version's verified weights with a new optimizer (:mod:`rlstream.learner.reset`, docs/off-policy.md).
 """
 from __future__ import annotations
 
