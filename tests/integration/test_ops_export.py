@@ -13,10 +13,12 @@ import pytest
 from nat.atif import Trajectory
 from typer.testing import CliRunner
 
-from rlstream.ops.export import ExportFilter, ExportFormat, ParquetLayout, export_trajectories, import_atif
+from rlstream.ops.export import (ExportFilter, ExportFormat, ImportFormat, ParquetLayout, export_trajectories,
+                                 import_atif, import_trajectories)
 from rlstream.ops.replay import Position, parse_position, replay_group_id, replay_trajectory_id
 from rlstream.schemas.config import dump_config
-from rlstream.schemas.models import DeadLetter, MetricEvent, TrajectoryEvent, TrajectorySource
+from rlstream.schemas.models import (TOOLS_METADATA_KEY, DeadLetter, MetricEvent, ToolCall, TrajectoryEvent,
+                                     TrajectorySource)
 from rlstream.transport.topic_reader import TopicMissingError
 from tests.support.factories import make_trajectory
 from tests.support.ops_helpers import publish, read_all
@@ -90,7 +92,7 @@ async def test_parquet_loads_in_datasets_and_trains_one_trl_sft_step(rl_config, 
         assert (row["kafka_partition"], row["kafka_offset"]) == (partition, offset)
         calls = [m["tool_calls"] for m in row["messages"] if m["tool_calls"]]
         assert calls == ([[{"id": "call_1", "type": "function", "function": {"name": "lookup",
-                                                                          "arguments": '{"q": "x"}'}}]]
+                                                                          "arguments": {"q": "x"}}}]]
                          if any(m.tool_calls for m in event.messages) else [])
 
     # TRL's SFT input pipeline (chat template, tokenization, labels) and one optimizer step on the tiny model
@@ -270,3 +272,139 @@ async def test_slices_by_offsets_time_run_version_task_and_source(rl_config, cre
     with pytest.raises(TopicMissingError):
         await export_trajectories(missing, tmp_path / "failed.parquet", ExportFormat.parquet)
     assert not [p for p in tmp_path.iterdir() if "failed" in p.name]
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def preference_group(run_id: str, example: str, rewards: list[float | None]) -> list[TrajectoryEvent]:
+    """One group of ``len(rewards)`` trajectories, each answering ``<example> answer <i>``, tools offered."""
+    out = []
+    for i, reward in enumerate(rewards):
+        event = make_trajectory(run_id=run_id, example_id=example, group_size=len(rewards), generation_index=i,
+                                reward=reward, seed=i + sum(map(ord, example)))
+        event.messages[-1].content = f"{example} answer {i}"
+        event.metadata[TOOLS_METADATA_KEY] = json.dumps([WEATHER])
+        out.append(event)
+    return out
+
+
+async def test_dpo_and_kto_exports_load_for_trl_preference_trainers(rl_config, created_topics, tmp_path):
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+    from tests.support.learner_helpers import tiny_model
+
+    # three groups, members interleaved: rewards 0.1/0.8/0.3/0.8 (chosen 1, rejected 0), 0.5/0.5/0.5 (no
+    # preference), 1.0/None/-1.0 (chosen 0, rejected 2; KTO mean 0.0)
+    groups = [preference_group(rl_config.run_id, "a", [0.1, 0.8, 0.3, 0.8]),
+              preference_group(rl_config.run_id, "b", [0.5, 0.5, 0.5]),
+              preference_group(rl_config.run_id, "c", [1.0, None, -1.0])]
+    events = [e for i in range(4) for g in groups for e in g[i:i + 1]]
+    await publish(rl_config, created_topics.trajectories, events, by_key)
+
+    dpo_path = tmp_path / "dpo.parquet"
+    stdout = await cli(rl_config, tmp_path, "export", "--out", str(dpo_path), "--layout", "dpo", "--report", "json")
+    report = json.loads(stdout)
+    assert (report["written"], report["groups"], report["groups_without_preference"]) == (2, 3, 1)
+    dpo = load_dataset("parquet", data_files=str(dpo_path), split="train")
+    assert {"prompt", "chosen", "rejected"} <= set(dpo.column_names) and "messages" not in dpo.column_names
+    rows = {row["example_id"]: row for row in dpo}
+    assert set(rows) == {"a", "c"}
+    assert [m["content"] for m in rows["a"]["chosen"]] == ["a answer 1"]
+    assert [m["content"] for m in rows["a"]["rejected"]] == ["a answer 0"]
+    assert (rows["a"]["chosen_reward"], rows["a"]["rejected_reward"]) == (0.8, 0.1)
+    assert [m["content"] for m in rows["c"]["chosen"]] == ["c answer 0"]
+    assert [m["content"] for m in rows["c"]["rejected"]] == ["c answer 2"]
+    assert rows["a"]["tools"] == [WEATHER]
+
+    # what DPOTrainer does with a conversational row: the chat template over prompt / chosen / rejected, tools
+    # from the row's own column
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model(tmp_path / "models"))
+    # the tiny model's template, with the tools' names listed as tool-aware templates list them
+    tokenizer.chat_template = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+                               "</tools>{% endif %}" + tokenizer.chat_template)
+    row = rows["a"]
+    assert is_conversational(row)
+    text = maybe_apply_chat_template({k: row[k] for k in ("prompt", "chosen", "rejected")}, tokenizer,
+                                     tools=row["tools"])
+    assert text["prompt"].startswith("<tools>weather;</tools>")
+    assert text["prompt"].endswith("<|im_start|>assistant\n")
+    assert text["chosen"].startswith("a answer 1") and text["rejected"].startswith("a answer 0")
+
+    kto_path = tmp_path / "kto.parquet"
+    await export_trajectories(rl_config, kto_path, ExportFormat.parquet, layout=ParquetLayout.kto)
+    kto = load_dataset("parquet", data_files=str(kto_path), split="train")
+    labels = {(row["example_id"], row["completion"][0]["content"]): row["label"] for row in kto}
+    # a: mean 0.5 -> 0.8, 0.8 above; c: mean 0.0 -> 1.0 above; b gives no rows
+    assert labels == {("a", "a answer 0"): False, ("a", "a answer 1"): True, ("a", "a answer 2"): False,
+                      ("a", "a answer 3"): True, ("c", "c answer 0"): True, ("c", "c answer 2"): False}
+    assert all(is_conversational(row) for row in kto)
+
+
+async def test_tools_column_and_arguments_as_objects(rl_config, created_topics, tmp_path):
+    from datasets import load_dataset
+
+    event = make_trajectory(run_id=rl_config.run_id, example_id="tools", turns=2, with_tool_call=True, seed=5)
+    event.messages[2].tool_calls = [ToolCall(id="call_1", name="weather", arguments='{"city": "Paris"}'),
+                                    ToolCall(id="call_2", name="weather", arguments="Paris, please")]
+    event.metadata[TOOLS_METADATA_KEY] = json.dumps([WEATHER])
+    bare = make_trajectory(run_id=rl_config.run_id, example_id="bare", seed=6)
+    await publish(rl_config, created_topics.trajectories, [event, bare], by_key)
+    out = tmp_path / "tools.parquet"
+    await export_trajectories(rl_config, out, ExportFormat.parquet)
+    rows = {row["example_id"]: row for row in load_dataset("parquet", data_files=str(out), split="train")}
+    assert rows["tools"]["tools"] == [WEATHER] and rows["bare"]["tools"] is None
+    calls = rows["tools"]["messages"][2]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"city": "Paris"}, "Paris, please"]
+    # pyarrow alone reads the same columns as JSON text
+    raw = {r["example_id"]: r for r in pq.read_table(out).to_pylist()}
+    assert [json.loads(t) for t in raw["tools"]["tools"]] == [WEATHER]
+    assert [json.loads(c["function"]["arguments"]) for c in raw["tools"]["messages"][2]["tool_calls"]] == \
+        [{"city": "Paris"}, "Paris, please"]
+
+
+async def test_parquet_import_twice_exports_each_trajectory_once(rl_config, created_topics, tmp_path):
+    events = varied(rl_config.run_id, "pq", 4, version=2)
+    events[0].metadata[TOOLS_METADATA_KEY] = json.dumps([WEATHER])
+    await publish(rl_config, created_topics.trajectories, events, by_key)
+    first = tmp_path / "first.parquet"
+    await export_trajectories(rl_config, first, ExportFormat.parquet)
+
+    stdout = await cli(rl_config, tmp_path, "import", str(first), "--format", "parquet", "--run-id", "again",
+                       "--report", "json")
+    assert json.loads(stdout)["published"] == len(events)
+    report = await import_trajectories(rl_config, first, "again", ImportFormat.parquet)
+    assert report.published == len(events) and report.dead_lettered == 0
+
+    # control: the topic holds every imported trajectory twice, under the same id
+    copies = [e for _, _, e in await read_all(rl_config, created_topics.trajectories, TrajectoryEvent)
+              if e.run_id == "again"]
+    assert len(copies) == 2 * len(events) and len({e.trajectory_id for e in copies}) == len(events)
+    assert {e.trajectory_id for e in copies} == {replay_trajectory_id("again", e.trajectory_id) for e in events}
+
+    second = tmp_path / "second.parquet"
+    exported = await export_trajectories(rl_config, second, ExportFormat.parquet,
+                                         selection=ExportFilter(run_ids=frozenset({"again"})))
+    assert (exported.written, exported.duplicates) == (len(events), len(events))
+    rows = {json.loads(r["metadata"])["replay_of_trajectory_id"]: r for r in pq.read_table(second).to_pylist()}
+    assert len(rows) == len(events)
+    for original in events:
+        row = rows[original.trajectory_id]
+        assert row["completion_token_ids"] == [t.completion_token_ids for t in original.turns]
+        assert row["completion_logprobs"] == [t.completion_logprobs for t in original.turns]
+        assert (row["reward"], row["policy_version"], row["source"]) == (original.reward, 2, "replay")
+        assert [m["content"] for m in row["messages"]] == [m.content for m in original.messages]
+    assert [json.loads(t) for t in rows[events[0].trajectory_id]["tools"]] == [WEATHER]
+    copy = next(e for e in copies if e.metadata["replay_of_trajectory_id"] == events[0].trajectory_id)
+    assert copy.messages == events[0].messages and copy.turns == events[0].turns
+    assert copy.metadata["imported_from"] == "first.parquet:" + copy.metadata["imported_from"].split(":")[1]
+
+    # a file that is not Parquet fails before anything is published
+    bogus = tmp_path / "bogus.parquet"
+    bogus.write_text("not parquet")
+    with pytest.raises(ValueError):
+        await import_trajectories(rl_config, bogus, "bogus", ImportFormat.parquet)
