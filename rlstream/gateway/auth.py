@@ -107,6 +107,8 @@ class AccessConfig(BaseModel):
     feedback_secret: SecretStr | None = Field(None, description="HMAC secret of the feedback tokens (at least 16 "
                                               "bytes; shared by every gateway behind one load balancer). None: a "
                                               "random one per start")
+    feedback_secret_previous: SecretStr | None = Field(None, description="the rotated-out secret: its tokens still "
+                                                       "verify, none are signed with it")
     feedback_token_ttl_s: float = Field(_STREAMS["reward_window_s"].default, gt=0, description="a feedback token "
                                         "expires this long after its response (gateway.feedback_token_ttl_s, else "
                                         "streams.reward_window_s)")
@@ -287,6 +289,12 @@ class KeyStore:
         log.info("API keys file reloaded", path=str(self.keys_file), keys=len(self._by_digest))
         return True
 
+    def knows(self, key_id: str) -> bool:
+        """True while a key with this id (:func:`fingerprint`) is configured (after a reload of the keys file, a
+        removed key is not)."""
+        self.maybe_reload()
+        return any(p.key_id == key_id for p in self._by_digest.values())
+
     def authenticate(self, key: str) -> Principal | None:
         """The principal of ``key``, or None for an unknown key."""
         self.maybe_reload()
@@ -314,6 +322,27 @@ class KeyStore:
                                   f"key; retry in {wait} s", "rate_limit_error", "rate_limit_exceeded")
             usage.tokens -= 1.0
         usage.in_flight += 1
+
+    def charge(self, principal: Principal, cost: int, now: float | None = None) -> None:
+        """Count ``cost`` more requests of ``principal`` against its requests per minute (the choices of a chat
+        request beyond the first: ``n=256`` costs 256 in all); :class:`AuthRefusal` (429) when they are not left."""
+        if principal.rpm is None or cost <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        usage = self._usage.get(principal.key_id)
+        if usage is None:
+            usage = self._usage[principal.key_id] = _KeyUsage(tokens=float(principal.rpm), refilled=now)
+        usage.tokens = min(float(principal.rpm), usage.tokens + (now - usage.refilled) * principal.rpm / 60.0)
+        usage.refilled = now
+        if cost + 1 > principal.rpm:
+            raise AuthRefusal(429, f"this request counts as {cost + 1} requests (n), more than this API key's "
+                              f"{principal.rpm} per minute", "rate_limit_error", "rate_limit_exceeded")
+        if usage.tokens < cost:
+            wait = math.ceil((cost - usage.tokens) * 60.0 / principal.rpm)
+            raise AuthRefusal(429, f"rate limit of {principal.rpm} requests per minute reached for this API key "
+                              f"(this request counts as {cost + 1}, n); retry in {wait} s", "rate_limit_error",
+                              "rate_limit_exceeded")
+        usage.tokens -= cost
 
     def release(self, principal: Principal) -> None:
         usage = self._usage.get(principal.key_id)

@@ -52,6 +52,7 @@ class ChatCompletions:
             return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
         check_choices(body, config.max_choices)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
+        gw.keys.charge(caller, requested_choices(body) - 1)  # n choices cost n requests
         if not captured:
             return await gw.passthrough("/chat/completions", body)
         asked = client_asked(body)

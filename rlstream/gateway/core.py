@@ -15,14 +15,15 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from rlstream.gateway.auth import OPEN, PRINCIPAL_KEY, AccessConfig, Principal, forbidden, task_for
+from rlstream.gateway.auth import OPEN, PRINCIPAL_KEY, AccessConfig, Principal, forbidden, task_for, unauthorized
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback import FeedbackIndex
-from rlstream.gateway.feedback_tokens import FeedbackSigner, generate_secret
+from rlstream.gateway.feedback_tokens import FeedbackGrant, FeedbackSigner, FeedbackTokenError, generate_secret
 from rlstream.gateway.limits import LimitStats, malformed_answer
 from rlstream.gateway.queue import CaptureQueue, Submitter
 from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.gateway.spool import Spool
+from rlstream.gateway.upstreams import UpstreamAllowlist
 from rlstream.rollout.capture import to_message
 from rlstream.rollout.routing import (FleetRouter, NoServingVersion, OutstandingTransport, StaticFleet,
                                       VersionForbidden, VersionNotLoaded, caller_identity)
@@ -94,16 +95,21 @@ class Gateway:
         self.fleet = fleet
         self.access = access if access is not None else AccessConfig()
         self.keys = self.access.key_store()
-        secret = self.access.feedback_secret
+        secret, previous = self.access.feedback_secret, self.access.feedback_secret_previous
         self.signer = FeedbackSigner(secret.get_secret_value() if secret is not None else generate_secret(),
-                                     self.access.feedback_token_ttl_s)
+                                     self.access.feedback_token_ttl_s,
+                                     previous.get_secret_value() if previous is not None else None)
+        self.upstreams = UpstreamAllowlist.parse(config.upstream_allowlist,
+                                                 [str(u) for u in config.upstreams] or [config.upstream_url])
+        if isinstance(fleet, FleetRouter):
+            fleet.admit = self.upstreams.allows
         self.feedback_index = FeedbackIndex(config.remembered_trajectories)
         self.publisher = publisher
         self.route = route
         self.metrics = metrics
         self.sessions = SessionStore(config.session_idle_s, config.remembered_trajectories,
                                      max_open=config.max_open_sessions, max_turns=config.max_session_turns,
-                                     max_bytes=config.max_session_bytes)
+                                     max_bytes=config.max_session_bytes, tenant_of=self.tenant_of)
         self.limit_stats = LimitStats()
         self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s)
         self._client = client
@@ -246,6 +252,8 @@ class Gateway:
             log.warning("policy version unknown (router failed); request sent as asked", error=str(exc))
             return model, self.config.policy_version, self.config.upstream_base
         base = route.url.rstrip("/") if route.url else self.config.upstream_base
+        if route.url and not self.upstreams.allows(base):  # the fleet filters them; never send the key elsewhere
+            raise NoServingVersion("no replica on gateway.upstream_allowlist has this version")
         return route.model, route.version, base if base.endswith("/v1") else base + "/v1"
 
     async def _route(self, model: str) -> tuple[str, int]:
@@ -367,17 +375,35 @@ class Gateway:
         ids = headers.get("x-rlstream-trajectory-ids")
         trajectory_ids = ids.split(",") if ids else [headers["x-rlstream-trajectory-id"]]
         tokens = []
+        may_reward = "feedback" in caller.scopes  # a token is a grant to reward: only for who may give feedback
         for trajectory_id in trajectory_ids:
-            self.feedback_index.own(caller.tenant, trajectory_id)
+            for forgotten in self.feedback_index.own(caller.tenant, trajectory_id):  # the tenant's own oldest
+                self.sessions.forget(forgotten)
+            self.sessions.claim(trajectory_id)
+            if not may_reward:
+                continue
             if session_id is not None and not ids and self.stitch_in_streams:  # any gateway routes it to the stitcher
-                tokens.append(self.signer.issue(caller.tenant, "session", self.scoped(caller.tenant, session_id)))
+                tokens.append(self.signer.issue(caller.tenant, "session", self.scoped(caller.tenant, session_id),
+                                                key_id=caller.key_id))
             else:
-                tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id))
-        headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
-        if ids:  # n > 1: the response id names the whole group, no one trajectory (not indexed)
+                tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id, key_id=caller.key_id))
+        if tokens:
+            headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
+        if ids and tokens:
             headers["x-rlstream-feedback-tokens"] = ",".join(tokens)
-        elif response_id is not None:
+        if not ids and response_id is not None:  # n > 1: the response id names the whole group (not indexed)
             self.feedback_index.add_response(caller.tenant, response_id, trajectory_ids[0])
         if session_id is not None:
             headers["x-rlstream-session-id"] = session_id
         return headers
+
+    def grant(self, token: str) -> FeedbackGrant:
+        """What a feedback token allows; :class:`AuthRefusal` (401) for a token that is forged, expired, or whose
+        key (the one that caused it) is no longer configured."""
+        try:
+            grant = self.signer.verify(token)
+        except FeedbackTokenError as exc:
+            raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
+        if grant.key_id and self.keys.enabled and not self.keys.knows(grant.key_id):
+            raise unauthorized("feedback token not valid (its API key was revoked)", "feedback_token_revoked")
+        return grant

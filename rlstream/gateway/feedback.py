@@ -6,10 +6,11 @@ NaN or a 1e200 taken in would poison a trajectory's group baseline or throw the 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from rlstream.gateway.tenants import PerTenantLru
 
 #: context key of ``Feedback.model_validate(..., context=...)``: the (low, high) range rewards must lie in
 RANGE_CONTEXT = "reward_range"
@@ -74,34 +75,37 @@ def validation_problems(errors: list[Any]) -> list[dict[str, str]]:
 
 class FeedbackIndex:
     """Who owns each recent trajectory (its tenant), and the trajectory each recent response id (the upstream's
-    ``chatcmpl-...`` / ``resp_...``) was captured into, per tenant: for clients that see the body but not the
-    response headers (the OpenAI Agents SDK). Both bounded, oldest out first."""
+    ``chatcmpl-...`` / ``resp_...``) was captured into: for clients that see the body but not the response headers
+    (the OpenAI Agents SDK). Bounded per tenant (``capacity`` trajectories and ``capacity`` response ids each,
+    oldest out first): one tenant's traffic never pushes out another tenant's entries."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._owners: OrderedDict[str, str] = OrderedDict()
-        self._responses: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._owned: PerTenantLru[str, None] = PerTenantLru(capacity)
+        self._owner_of: dict[str, str] = {}
+        self._responses: PerTenantLru[str, str] = PerTenantLru(capacity)
 
     def __len__(self) -> int:
-        return len(self._owners)
+        return len(self._owner_of)
 
-    def own(self, tenant: str, trajectory_id: str) -> None:
-        self._owners[trajectory_id] = tenant
-        self._owners.move_to_end(trajectory_id)
-        while len(self._owners) > self.capacity:
-            self._owners.popitem(last=False)
+    def own(self, tenant: str, trajectory_id: str) -> list[str]:
+        """Record ``tenant`` as the owner of ``trajectory_id``; the trajectory ids of ``tenant`` pushed out."""
+        previous = self._owner_of.get(trajectory_id)
+        if previous is not None and previous != tenant:
+            return []  # an id is owned once; another tenant never takes it over
+        self._owner_of[trajectory_id] = tenant
+        out = [old for old, _ in self._owned.put(tenant, trajectory_id, None)]
+        for old in out:
+            self._owner_of.pop(old, None)
+        return out
 
     def owner(self, trajectory_id: str) -> str | None:
-        return self._owners.get(trajectory_id)
+        return self._owner_of.get(trajectory_id)
 
     def add_response(self, tenant: str, response_id: Any, trajectory_id: str) -> None:
         if not isinstance(response_id, str) or not response_id or len(response_id) > MAX_ID_CHARS:
             return
-        key = (tenant, response_id)
-        self._responses[key] = trajectory_id
-        self._responses.move_to_end(key)
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+        self._responses.put(tenant, response_id, trajectory_id)
 
     def response(self, tenant: str, response_id: str) -> str | None:
-        return self._responses.get((tenant, response_id))
+        return self._responses.get(tenant, response_id)

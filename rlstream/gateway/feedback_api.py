@@ -10,7 +10,6 @@ from starlette.responses import JSONResponse, Response
 from rlstream.gateway.auth import BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, Principal, unauthorized
 from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway, openai_error
 from rlstream.gateway.feedback import RANGE_CONTEXT, Feedback, validation_problems
-from rlstream.gateway.feedback_tokens import FeedbackTokenError
 from rlstream.gateway.limits import parse_json
 from rlstream.gateway.sessions import KnownTrajectory
 from rlstream.schemas.models import CallEvent, CallKind, RewardEvent
@@ -42,10 +41,7 @@ class FeedbackEndpoint:
         caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
         granted: str | None = None  # the trajectory a token names
         if token:
-            try:
-                grant = gw.signer.verify(token)
-            except FeedbackTokenError as exc:
-                raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
+            grant = gw.grant(token)
             tenant = grant.tenant
             if grant.kind == "trajectory":
                 granted = grant.target_id

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -31,8 +30,10 @@ from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.feedback import (MAX_ID_CHARS, MAX_NAME_CHARS, RANGE_CONTEXT, Feedback,
                                                validation_problems)
-from rlstream.gateway.core import Gateway
+from rlstream.gateway.auth import BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, Principal, unauthorized
+from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway
 from rlstream.gateway.limits import parse_json
+from rlstream.gateway.tenants import PerTenantLru
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -156,12 +157,25 @@ class LangSmithUpdate(BaseModel):
 class FeedbackShapes:
     """The observability tools' feedback routes of one gateway; each feedback goes through ``accept`` (the rules of
     ``/v1/feedback``, :meth:`FeedbackEndpoint.accept`). LangSmith's updates name only the feedback id: the run and
-    key of each recent feedback id are kept (bounded, oldest out first) to address them."""
+    key of each recent feedback id are kept per tenant (bounded per tenant, oldest out first) to address them; a
+    tenant only ever reaches its own."""
 
     def __init__(self, gateway: Gateway, accept: Callable[[Request, Feedback], Response]) -> None:
         self.gateway = gateway
         self.accept = accept
-        self._langsmith: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._langsmith: PerTenantLru[str, tuple[str, str]] = PerTenantLru(gateway.config.remembered_trajectories)
+
+    def _tenant(self, request: Request) -> str:
+        """The tenant a feedback request speaks for, decided by its credential as ``/v1/feedback`` decides it (the
+        feedback token, else the key); :class:`AuthRefusal` (401) without a valid one."""
+        token = request.headers.get(FEEDBACK_TOKEN_HEADER) or request.scope.get(BEARER_TOKEN_KEY)
+        if token:
+            return self.gateway.grant(token).tenant
+        caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
+        if caller is None:
+            raise unauthorized("feedback needs the response's feedback token (x-rlstream-feedback-token) or an API "
+                               "key with the feedback scope", "missing_api_key")
+        return caller.tenant
 
     @property
     def categories(self) -> dict[str, float]:
@@ -221,17 +235,14 @@ class FeedbackShapes:
         if answer.status_code >= 400:
             return answer
         if feedback_id is not None:
-            self._langsmith[feedback_id] = (feedback.run_id, feedback.key)
-            self._langsmith.move_to_end(feedback_id)
-            while len(self._langsmith) > self.gateway.config.remembered_trajectories:
-                self._langsmith.popitem(last=False)
+            self._langsmith.put(self._tenant(request), feedback_id, (feedback.run_id, feedback.key))
         return JSONResponse({"id": feedback_id, "run_id": feedback.run_id, "key": feedback.key, "score": reward,
                              "rlstream": _accepted(answer)}, status_code=200)
 
     async def langsmith_update(self, request: Request) -> Response:
         """``PATCH /feedback/{feedback_id}``: a LangSmith feedback's new score, a correction of its reward."""
         feedback_id = request.path_params["feedback_id"]
-        known = self._langsmith.get(feedback_id)
+        known = self._langsmith.get(self._tenant(request), feedback_id)  # the credential first, then the lookup
         if known is None:
             return _error(404, f"unknown feedback {feedback_id[:MAX_ID_CHARS]!r}", "not_found")
         try:

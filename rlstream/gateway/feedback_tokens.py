@@ -3,9 +3,11 @@
 A token lets whoever holds the response (an agent's front end, a browser's thumbs-up button) send feedback for that
 one trajectory or session without an API key, as LangSmith's presigned feedback URLs do. It is
 ``rlsft1.<payload>.<mac>``: the payload (base64url JSON) names the tenant, what is addressed (a trajectory or a
-session) and an expiry (unix seconds); the mac is HMAC-SHA256 over ``rlsft1.<payload>`` with the gateway's secret.
-Every gateway behind one load balancer must share the secret (``--feedback-secret`` or its environment variable);
-a gateway without one generates a random secret at start, and its tokens die with it.
+session), an expiry (unix seconds) and the id of the API key whose call the token came with (a token dies with that
+key: the gateway refuses it once the key is revoked); the mac is HMAC-SHA256 over ``rlsft1.<payload>`` with the
+gateway's secret. Every gateway behind one load balancer must share the secret (``gateway.feedback_secret``); a
+gateway without one generates a random secret at start, and its tokens die with it. Rotation: the new secret becomes
+``feedback_secret`` and the old one ``feedback_secret_previous``; both verify, only the current one signs.
 """
 from __future__ import annotations
 
@@ -38,12 +40,14 @@ class FeedbackTokenError(ValueError):
 
 @dataclass(frozen=True)
 class FeedbackGrant:
-    """What a valid token allows: feedback for ``target_id`` (a ``kind``) of ``tenant``, until ``expires_at``."""
+    """What a valid token allows: feedback for ``target_id`` (a ``kind``) of ``tenant``, until ``expires_at``, while
+    the key ``key_id`` (whose call issued it; '' on an open gateway) is not revoked."""
 
     tenant: str
     kind: TargetKind
     target_id: str
     expires_at: int
+    key_id: str = ""
 
 
 def _b64(data: bytes) -> str:
@@ -64,25 +68,33 @@ def generate_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-class FeedbackSigner:
-    """Issues and checks feedback tokens with one secret."""
+def _keyed(secret: bytes | str) -> "hmac.HMAC":
+    key = secret.encode() if isinstance(secret, str) else secret
+    if len(key) < 16:
+        raise ValueError("the feedback token secret must have at least 16 bytes")
+    return hmac.new(key, digestmod=hashlib.sha256)
 
-    def __init__(self, secret: bytes | str, ttl_s: float) -> None:
-        key = secret.encode() if isinstance(secret, str) else secret
-        if len(key) < 16:
-            raise ValueError("the feedback token secret must have at least 16 bytes")
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)  # copied per token: the key is set up once
+
+class FeedbackSigner:
+    """Issues feedback tokens with one secret and checks them with it or ``previous`` (a rotated-out secret)."""
+
+    def __init__(self, secret: bytes | str, ttl_s: float, previous: bytes | str | None = None) -> None:
+        self._keyed = [_keyed(secret)]  # copied per token: each key is set up once
+        if previous is not None:
+            self._keyed.append(_keyed(previous))
         self.ttl_s = ttl_s
 
-    def _mac(self, signed: str) -> str:
-        mac = self._keyed.copy()
+    def _mac(self, signed: str, keyed: "hmac.HMAC | None" = None) -> str:
+        mac = (keyed or self._keyed[0]).copy()
         mac.update(signed.encode("ascii"))
         return _b64(mac.digest())
 
-    def issue(self, tenant: str, kind: TargetKind, target_id: str, now: float | None = None) -> str:
-        """A token for feedback on ``target_id`` by ``tenant``, valid for ``ttl_s`` from ``now``."""
+    def issue(self, tenant: str, kind: TargetKind, target_id: str, now: float | None = None,
+              key_id: str = "") -> str:
+        """A token for feedback on ``target_id`` by ``tenant``, valid for ``ttl_s`` from ``now`` while the key
+        ``key_id`` (the caller's) stays valid."""
         expires = int((time.time() if now is None else now) + self.ttl_s)
-        payload = json.dumps([tenant, _CODE_OF_KIND[kind], target_id, expires], separators=(",", ":"))
+        payload = json.dumps([tenant, _CODE_OF_KIND[kind], target_id, expires, key_id], separators=(",", ":"))
         signed = f"{PREFIX}.{_b64(payload.encode())}"
         return f"{signed}.{self._mac(signed)}"
 
@@ -91,11 +103,12 @@ class FeedbackSigner:
         if len(token) > MAX_TOKEN_CHARS or not is_feedback_token(token):
             raise FeedbackTokenError("not a feedback token")
         signed, _, mac = token.rpartition(".")
-        if not hmac.compare_digest(self._mac(signed).encode(), mac.encode("ascii", errors="replace")):
+        given = mac.encode("ascii", errors="replace")
+        if not any([hmac.compare_digest(self._mac(signed, keyed).encode(), given) for keyed in self._keyed]):
             raise FeedbackTokenError("feedback token not valid (wrong signature)")
         try:
-            tenant, code, target_id, expires = json.loads(_unb64(signed.split(".", 1)[1]))
-            grant = FeedbackGrant(str(tenant), _KIND_CODES[code], str(target_id), int(expires))
+            tenant, code, target_id, expires, key_id = json.loads(_unb64(signed.split(".", 1)[1]))
+            grant = FeedbackGrant(str(tenant), _KIND_CODES[code], str(target_id), int(expires), str(key_id))
         except (binascii.Error, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise FeedbackTokenError("feedback token not valid (malformed payload)") from exc
         if (time.time() if now is None else now) >= grant.expires_at:

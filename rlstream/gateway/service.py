@@ -82,6 +82,7 @@ def prepare_gateway(cfg: RlstreamConfig, options: GatewayOptions | None = None) 
     try:
         access = AccessConfig(api_keys=[SecretStr(k) for k in [*options.api_keys, *inline_keys_from_env()]],
                               api_keys_file=section.api_keys_file, feedback_secret=section.feedback_secret,
+                              feedback_secret_previous=section.feedback_secret_previous,
                               feedback_token_ttl_s=section.feedback_token_ttl_s or cfg.streams.reward_window_s,
                               reward_range=cfg.streams.reward_range)
         keys = access.key_store()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlstream.rollout.capture import RecordedCall, Recording
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource, new_id
@@ -101,14 +101,20 @@ class SessionStore:
     """Open session trajectories, and the ids of recent trajectories (for feedback)."""
 
     def __init__(self, idle_s: float, remembered: int = 100_000, max_open: int = 1 << 62,
-                 max_turns: int = 1 << 62, max_bytes: int = 1 << 62) -> None:
+                 max_turns: int = 1 << 62, max_bytes: int = 1 << 62,
+                 tenant_of: Callable[[str], str] = lambda session_id: "") -> None:
         self.idle_s = idle_s
         self.remembered = remembered
+        self.tenant_of = tenant_of  # the tenant of a (scoped) session id
         self.max_open, self.max_turns, self.max_bytes = max_open, max_turns, max_bytes
         #: open session trajectories, least recently active first
         self.open: OrderedDict[str, Trajectory] = OrderedDict()
-        self.known: OrderedDict[str, KnownTrajectory] = OrderedDict()
-        self.session_last: OrderedDict[str, str] = OrderedDict()  # session id -> its latest trajectory id
+        self.known: dict[str, KnownTrajectory] = {}
+        self.session_last: dict[str, str] = {}  # session id -> its latest trajectory id
+        self._session_of: dict[str, str] = {}  # trajectory id -> its session id
+        #: known trajectories no tenant has claimed yet (:meth:`claim`), oldest first, at most ``remembered``;
+        #: a claimed one is bounded by its tenant's share (the gateway's ``FeedbackIndex``) and :meth:`forget`
+        self._unclaimed: OrderedDict[str, None] = OrderedDict()
         self.splits = 0  # calls of a session that did not extend its open trajectory and started a new one
         self.retokenized = 0  # calls that continued by messages while their prompt tokens differ (tool calls)
         self.evicted = 0  # open sessions closed (and published) because max_open were open
@@ -116,15 +122,28 @@ class SessionStore:
         self._evicted: list[Trajectory] = []
 
     def remember(self, traj: Trajectory) -> None:
-        self.known[traj.trajectory_id] = KnownTrajectory(traj.trajectory_id, traj.example_id, traj.group_id)
-        self.known.move_to_end(traj.trajectory_id)
+        """Keep what feedback needs to address ``traj`` (unclaimed until :meth:`claim`)."""
+        tid = traj.trajectory_id
+        self.known[tid] = KnownTrajectory(tid, traj.example_id, traj.group_id)
+        self._unclaimed[tid] = None
+        self._unclaimed.move_to_end(tid)
         if traj.session_id:
-            self.session_last[traj.session_id] = traj.trajectory_id
-            self.session_last.move_to_end(traj.session_id)
-        while len(self.known) > self.remembered:
-            self.known.popitem(last=False)
-        while len(self.session_last) > self.remembered:
-            self.session_last.popitem(last=False)
+            self.session_last[traj.session_id] = tid
+            self._session_of[tid] = traj.session_id
+        while len(self._unclaimed) > self.remembered:
+            self.forget(self._unclaimed.popitem(last=False)[0])
+
+    def claim(self, trajectory_id: str) -> None:
+        """``trajectory_id`` now counts against its tenant's share (kept until :meth:`forget`)."""
+        self._unclaimed.pop(trajectory_id, None)
+
+    def forget(self, trajectory_id: str) -> None:
+        """Drop a known trajectory (and its session's pointer to it)."""
+        self.known.pop(trajectory_id, None)
+        self._unclaimed.pop(trajectory_id, None)
+        session_id = self._session_of.pop(trajectory_id, None)
+        if session_id is not None and self.session_last.get(session_id) == trajectory_id:
+            del self.session_last[session_id]
 
     def begin(self, session_id: str | None, prompt_ids: list[int] | None, messages: list[Message],
               policy_version: int, task: str | None = None) -> tuple[Trajectory, Trajectory | None]:
@@ -154,13 +173,21 @@ class SessionStore:
         if session_id is not None:
             self.open[session_id] = traj
             while len(self.open) > self.max_open:
-                oldest, _ = next(iter(self.open.items()))
-                evicted = self.close(oldest)
+                evicted = self.close(self._eviction_victim(session_id))
                 self.evicted += 1
                 if evicted is not None:
                     self._evicted.append(evicted)
         self.remember(traj)
         return traj, closed
+
+    def _eviction_victim(self, newcomer: str) -> str:
+        """The session to close for ``newcomer``: the least recently active of the newcomer's own tenant (another
+        tenant's sessions are never closed by it), the least recently active overall when it has no other."""
+        tenant = self.tenant_of(newcomer)
+        for session_id in self.open:
+            if session_id != newcomer and self.tenant_of(session_id) == tenant:
+                return session_id
+        return next(iter(self.open))
 
     def take_evicted(self) -> list[Trajectory]:
         """The trajectories closed because ``max_open`` sessions were open (to publish), since the last call."""

@@ -251,6 +251,10 @@ class FleetRouter:
     :class:`OutstandingTransport`; ties round robin). The pointer and acknowledgements are cached for ``ttl_s``.
     """
 
+    #: which replica addresses may take requests (the gateway's upstream allowlist); a replica whose address it
+    #: refuses is left out as if it had sent no heartbeat. None: any
+    admit: Callable[[str], bool] | None = None
+
     def __init__(self, control: ControlPlane, policy: str, base_model: str, ttl_s: float = 0.5,
                  session_ttl_s: float = 3600.0, serve_unpromoted: bool = False) -> None:
         self.serving = ServingControl(control)
@@ -265,6 +269,8 @@ class FleetRouter:
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
             replicas = await self.serving.serve_replicas(self.policy)  # never an evaluation server
+            if self.admit is not None:
+                replicas = [r for r in replicas if not r.url or self.admit(r.url)]
             pointer = await self.serving.serving(self.policy)
             if pointer is None and not replicas:  # nothing acknowledged yet: the learner's latest, as VersionRouter
                 self._latest = max(0, await self.serving.control.latest_version(self.policy))

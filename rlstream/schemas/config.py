@@ -551,6 +551,11 @@ class GatewayConfig(Section):
                                             "Authorization: Bearer; None: inference.api_key (a secret, masked in "
                                             "every output; also RLSTREAM_GATEWAY_UPSTREAM_API_KEY)")
     upstream_timeout_s: float = Field(600.0, gt=0, description="longest wait for one upstream answer")
+    upstream_allowlist: list[str] = Field(default_factory=list, description="where requests (and the upstream "
+                                          "key) may go: hosts (any port) and CIDR networks (matching hosts written "
+                                          "as addresses); a worker heartbeat naming anything else is ignored and "
+                                          "counted. Empty: the hosts of upstreams (or inference.url); '*': any "
+                                          "(trusts whoever can write Redis)")
     served_model: str | None = Field(None, description="the base model name at the upstream; requests for it (or "
                                      "for the policy name) are routed to the serving version. None: "
                                      "inference.served_model")
@@ -597,6 +602,9 @@ class GatewayConfig(Section):
     feedback_secret: Secret | None = Field(None, description="HMAC secret of the feedback tokens (at least 16 "
                                            "bytes; the same on every gateway behind one load balancer; also "
                                            "RLSTREAM_GATEWAY_FEEDBACK_SECRET). None: a random one per start")
+    feedback_secret_previous: Secret | None = Field(None, description="the secret feedback_secret replaced: tokens "
+                                                    "it signed still verify (rotation: both verify, only "
+                                                    "feedback_secret signs). None: no rotation under way")
     feedback_token_ttl_s: float | None = Field(None, gt=0, description="feedback tokens expire this long after "
                                                "their response; None: streams.reward_window_s")
     feedback_categories: dict[str, float] = Field(
