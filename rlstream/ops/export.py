@@ -11,11 +11,15 @@ by run, policy version, source, example and task (``metadata["task"]``). Formats
   ``prompt_token_ids``, ``completion_token_ids``, ``completion_logprobs`` (list columns, one entry per turn) and
   ``turns`` (each turn's message index, model, trainable flag, finish reason, version, temperature); ``reward``,
   ``reward_components`` and ``metadata`` (JSON text), ids, run, policy version, source, task, and the record's
-  ``kafka_partition`` / ``kafka_offset``.
+  ``kafka_partition`` / ``kafka_offset``; ``tools``, the captured tool schemas (``metadata["tools"]``). Tool-call
+  arguments and tool schemas are Arrow JSON (``datasets`` gives objects; arguments that are not JSON stay a
+  string). ``layout=dpo`` / ``layout=kto`` make TRL's conversational preference rows from each group
+  (:func:`preference_rows`). A trajectory id read twice is exported once.
 * **ATIF** (:mod:`rlstream.ops.atif`), JSON Lines, one ATIF trajectory per line, token ids per step.
 
-``rlstream import --format atif FILE`` publishes the trajectories of an ATIF file (JSON Lines, a JSON array or one
-JSON object) to ``trajectories`` as a new run with ``source = replay``: ids are re-derived as replay derives them
+``rlstream import --format atif|parquet FILE`` publishes the trajectories of an ATIF file (JSON Lines, a JSON array
+or one JSON object) or of a Parquet file (an export's rows, or rows with only ``messages``) to ``trajectories`` as
+a new run with ``source = replay``: ids are re-derived as replay derives them
 (uuid5 of new run + original id; ``group_id = "<new run>:<original group>"``), so importing a file twice gives the
 same ids, and ``metadata`` keeps ``replay_of_trajectory_id`` / ``replay_of_run_id`` / ``replay_of_group_id`` /
 ``replay_of_source`` and ``imported_from`` (``file:record``). A record that is not JSON, not valid ATIF, has no
