@@ -17,6 +17,7 @@ from rlstream.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError
 from rlstream.gateway.sessions import SessionStore
+from rlstream.gateway.upstreams import UpstreamAllowlist
 from tests.unit.test_gateway_sessions import FakePublisher
 
 pytestmark = pytest.mark.unit
@@ -236,3 +237,21 @@ async def test_a_second_tenant_reusing_an_id_does_not_overwrite_the_first(harnes
     assert (acme.json()["run_id"], globex.json()["run_id"]) == (acme_tid, globex_tid)
     assert (acme.json()["rlstream"]["trajectory_id"], globex.json()["rlstream"]["trajectory_id"]) == (
         acme_tid, globex_tid)
+
+
+# --- upstream allowlist ---------------------------------------------------------------------------------------
+def test_the_upstream_allowlist_admits_listed_hosts_and_networks_only() -> None:
+    allow = UpstreamAllowlist.parse(["vllm-0.internal", "10.1.0.0/16", "fd00::/8"])
+    for url in ("http://vLLM-0.internal:8000/v1", "http://10.1.2.3:9000", "http://[fd00::1]:8000"):
+        assert allow.allows(url), url
+    for url in ("http://evil.example:8000", "http://10.2.0.1:8000", "http://vllm-0.internal@evil.example/v1",
+                "http://vllm-0.internal.evil.example", "not a url", "http://[fe80::1]:8000"):
+        assert not allow.allows(url), url
+    assert allow.refused == 6
+    # without entries: the configured upstreams' hosts (any port); '*': anything (the control)
+    default = UpstreamAllowlist.parse([], ["http://127.0.0.1:8000", "https://user:pw@vllm.svc/v1"])
+    assert default.allows("http://127.0.0.1:9001") and default.allows("http://vllm.svc:8000")
+    assert not default.allows("http://127.0.0.2:8000")
+    assert UpstreamAllowlist.parse(["*"]).allows("http://evil.example:8000")
+    with pytest.raises(ValueError):
+        UpstreamAllowlist.parse(["http://x/ y"])
