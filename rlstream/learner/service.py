@@ -38,7 +38,8 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from rlstream.learner import distributed
 
-from rlstream.learner.batch import Sample, behaviour_version, collate, samples_from_groups
+from rlstream.learner.batch import (Sample, behaviour_version, collate, mark_stale_rows_without_logprobs,
+                                    samples_from_groups)
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy, pick_device, require_model_dir
 from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPublishLoop
@@ -523,11 +524,13 @@ class Learner:
             for s in t.samples:
                 s.group = index
                 samples.append(s)
+        mark_stale_rows_without_logprobs(samples, state.version, self.lcfg.max_lag_without_logprobs)
         stats = await self.loop.train_batch(samples)
         for t in taken:
             state.offsets[t.partition] = t.offset + 1
         # exact lineage: the groups whose samples went into an applied optimizer step, nothing else
-        trained = [t for t in groups if t.samples] if stats is not None and stats.trained else []
+        trained = ([t for t in groups if any(s.trainable for s in t.samples)]
+                   if stats is not None and stats.trained else [])
         self.loop.record_trained([(t.partition, t.offset) for t in trained])
         lag = [state.version - behaviour_version(g.group, g.samples) for g in groups if g.group is not None]
         await self._report(state, stats, lag, metrics, control, len(trained))

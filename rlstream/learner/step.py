@@ -145,6 +145,8 @@ class StepStats:
     nonfinite_skipped: int
     seconds: float
     rows_dropped_nonfinite: int = 0
+    rows_without_logprobs: int = 0
+    rows_without_logprobs_dropped: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -172,6 +174,8 @@ STEP_METRICS: dict[str, str] = {
     "learning_rate": mn.LEARNER_LEARNING_RATE, "tokens": mn.LEARNER_TOKENS, "sequences": mn.LEARNER_SEQUENCES,
     "trajectories": mn.LEARNER_TRAJECTORIES, "optimizer_steps": mn.LEARNER_OPTIMIZER_STEPS,
     "nonfinite_skipped": mn.LEARNER_NONFINITE_SKIPPED, "rows_dropped_nonfinite": mn.LEARNER_ROWS_DROPPED_NONFINITE,
+    "rows_without_logprobs": mn.LEARNER_ROWS_WITHOUT_LOGPROBS,
+    "rows_without_logprobs_dropped": mn.LEARNER_ROWS_WITHOUT_LOGPROBS_DROPPED,
     "seconds": mn.LEARNER_SECONDS,
     "tokens_per_s": mn.LEARNER_TOKENS_PER_S,
 }
@@ -368,23 +372,31 @@ class GRPOTrainerStep:
         When the first optimizer step's loss or gradient is not finite, the rows that make it so are found (each
         checked alone), dropped and counted (``rows_dropped_nonfinite``), and the step runs on the others: one
         poisoned row (a turn sampled at a near-zero temperature, whose gradient scales with 1/T) no longer costs
-        the whole step. Advantages stay those computed with every row."""
+        the whole step. Advantages stay those computed with every row.
+
+        Rows marked not ``trainable`` (turns without behaviour logprobs beyond ``learner.max_lag_without_logprobs``,
+        marked by the learner service) count in their group's statistics but are not trained; they are counted
+        (``rows_without_logprobs_dropped``), as are all rows without behaviour logprobs (``rows_without_logprobs``)."""
         started = time.perf_counter()
         trajs = assign_advantages(samples, self.cfg.scale_rewards, self.cfg.baseline_min_count,
                                   self.cfg.single_advantage_cap)
-        prepared = self.prepare(samples)
+        without_logprobs = sum(1 for s in samples if s.behaviour_logprobs is None)
+        rows = [s for s in samples if s.trainable]
+        if not rows:
+            return self._untrained(samples, trajs, started, without_logprobs)
+        prepared = self.prepare(rows)
         applied: list[dict[str, float]] = []
         last: dict[str, float] = {}
         skipped, dropped = 0, 0
         for iteration in range(self.cfg.num_iterations):
             last, ok = self.optimizer_step(prepared, iteration)
-            if not ok and iteration == 0 and not dropped and len(samples) > 1:
-                bad = self.nonfinite_rows(samples)
-                if bad and len(bad) < len(samples):
+            if not ok and iteration == 0 and not dropped and len(rows) > 1:
+                bad = self.nonfinite_rows(rows)
+                if bad and len(bad) < len(rows):
                     log.warning("rows with a non-finite loss or gradient dropped from the step", rows=len(bad),
-                                sequences=len(samples))
+                                sequences=len(rows))
                     dropped = len(bad)
-                    kept = [s for i, s in enumerate(samples) if i not in set(bad)]
+                    kept = [s for i, s in enumerate(rows) if i not in set(bad)]
                     prepared = self.prepare(kept)
                     last, ok = self.optimizer_step(prepared, iteration)
             if not ok:
@@ -405,6 +417,21 @@ class GRPOTrainerStep:
             reward_std=_std(rewards), advantage_mean=float(adv.mean()), advantage_std=_std(adv),
             entropy=float(reported[0].get("entropy", 0.0)),
             grad_norm=mean("grad_norm"), learning_rate=reported[0]["learning_rate"],
-            tokens=int(reported[0]["tokens"]), sequences=len(samples),
+            tokens=int(reported[0]["tokens"]), sequences=len(rows),
             trajectories=trajs.count if trajs is not None else 0, optimizer_steps=len(applied),
-            nonfinite_skipped=skipped, seconds=time.perf_counter() - started, rows_dropped_nonfinite=dropped)
+            nonfinite_skipped=skipped, seconds=time.perf_counter() - started, rows_dropped_nonfinite=dropped,
+            rows_without_logprobs=without_logprobs, rows_without_logprobs_dropped=len(samples) - len(rows))
+
+    def _untrained(self, samples: Sequence[Sample], trajs: Trajectories | None, started: float,
+                   without_logprobs: int) -> StepStats:
+        """The figures of a step none of whose rows may be trained (nothing changes)."""
+        rewards = trajs.rewards if trajs is not None else torch.zeros(1, dtype=torch.float64)
+        adv = trajectory_advantages(samples, trajs) if trajs is not None else torch.zeros(1)
+        return StepStats(
+            loss=0.0, kl=0.0, clip_fraction=0.0, is_ratio_mean=1.0, is_ratio_min=1.0, is_ratio_max=1.0,
+            reward_mean=float(rewards.mean()), reward_std=_std(rewards), advantage_mean=float(adv.mean()),
+            advantage_std=_std(adv), entropy=0.0, grad_norm=0.0,
+            learning_rate=float(self.scheduler.get_last_lr()[0]), tokens=0, sequences=0,
+            trajectories=trajs.count if trajs is not None else 0, optimizer_steps=0, nonfinite_skipped=0,
+            seconds=time.perf_counter() - started, rows_without_logprobs=without_logprobs,
+            rows_without_logprobs_dropped=len(samples))

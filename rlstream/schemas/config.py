@@ -352,6 +352,11 @@ class LearnerConfig(Section):
         "when held at learner.max_versions_ahead_of_serving with its newest version rejected, the learner reloads "
         "the serving version's published weights (sha256-verified), resets its optimizer and trains on from "
         "there; 0 = never")
+    max_lag_without_logprobs: int | None = Field(
+        1, ge=0, description="a turn without behaviour logprobs (rebuilt from messages, grammar-constrained, captured "
+        "without logprobs) can only train with importance weight 1: it trains when produced at most this many "
+        "versions before the learner's, else it counts in its group's statistics but is not trained (counted: "
+        "learner/rows_without_logprobs_dropped); None = no bound")
 
 
 class RolloutConfig(Section):

@@ -98,6 +98,10 @@ LEARNER_ADVANTAGE_STD = "learner/advantage_std"
 LEARNER_ENTROPY = "learner/entropy"
 #: Rows dropped from a step because their own loss or gradient was not finite (the step ran on the others).
 LEARNER_ROWS_DROPPED_NONFINITE = "learner/rows_dropped_nonfinite"
+#: Rows of the step without behaviour logprobs (importance weight 1: trained as if on-policy).
+LEARNER_ROWS_WITHOUT_LOGPROBS = "learner/rows_without_logprobs"
+#: Rows without behaviour logprobs not trained: produced more than learner.max_lag_without_logprobs versions ago.
+LEARNER_ROWS_WITHOUT_LOGPROBS_DROPPED = "learner/rows_without_logprobs_dropped"
 LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_LEARNING_RATE = "learner/learning_rate"
 LEARNER_TOKENS = "learner/tokens"
@@ -241,7 +245,8 @@ LEARNER = (LEARNER_GROUPS, LEARNER_POLICY_LAG_MEAN, LEARNER_POLICY_LAG_MAX, LEAR
            LEARNER_CLIP_FRACTION, LEARNER_IS_RATIO_MEAN, LEARNER_IS_RATIO_MIN, LEARNER_IS_RATIO_MAX,
            LEARNER_REWARD_MEAN, LEARNER_REWARD_STD, LEARNER_ADVANTAGE_MEAN, LEARNER_ADVANTAGE_STD, LEARNER_ENTROPY,
            LEARNER_GRAD_NORM, LEARNER_LEARNING_RATE, LEARNER_TOKENS, LEARNER_SEQUENCES, LEARNER_TRAJECTORIES,
-           LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_ROWS_DROPPED_NONFINITE, LEARNER_SECONDS,
+           LEARNER_OPTIMIZER_STEPS, LEARNER_NONFINITE_SKIPPED, LEARNER_ROWS_DROPPED_NONFINITE,
+           LEARNER_ROWS_WITHOUT_LOGPROBS, LEARNER_ROWS_WITHOUT_LOGPROBS_DROPPED, LEARNER_SECONDS,
            LEARNER_TOKENS_PER_S)
 #: The learner's counters outside a step's figures.
 LEARNER_COUNTERS = (LEARNER_GROUPS_SKIPPED, LEARNER_DLQ_TOTAL, LEARNER_PUBLISH_REFUSED, LEARNER_LEASE_HELD,
@@ -398,6 +403,10 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
            "last step"),
     _counter(LEARNER_ROWS_DROPPED_NONFINITE, "rlstream_learner_rows_dropped_nonfinite_total", _LEARNER, "Rows "
              "dropped from a step because their own loss or gradient was not finite"),
+    _counter(LEARNER_ROWS_WITHOUT_LOGPROBS, "rlstream_learner_rows_without_logprobs_total", _LEARNER, "Rows trained "
+             "or considered without behaviour logprobs (importance weight 1)"),
+    _counter(LEARNER_ROWS_WITHOUT_LOGPROBS_DROPPED, "rlstream_learner_rows_without_logprobs_dropped_total", _LEARNER,
+             "Rows without behaviour logprobs not trained: older than learner.max_lag_without_logprobs"),
     _gauge(LEARNER_ENTROPY, "rlstream_learner_entropy", _LEARNER, "Mean policy entropy (nats) over the last "
            "step's completion tokens"),
     _gauge(LEARNER_GRAD_NORM, "rlstream_learner_grad_norm", _LEARNER, "Gradient norm of the last step"),

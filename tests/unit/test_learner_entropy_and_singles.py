@@ -96,3 +96,40 @@ def test_one_poisoned_row_is_dropped_and_the_step_still_applies(model_dir: Path,
         step_module.GRPOTrainerStep.nonfinite_rows = original  # type: ignore[method-assign]
     assert unguarded.optimizer_steps == 0 and unguarded.nonfinite_skipped == 1
     assert not math.isfinite(unguarded.grad_norm)
+
+
+def test_rows_without_logprobs_are_counted_and_beyond_the_lag_not_trained(model_dir: Path) -> None:
+    """Two groups of four; group 1 has no behaviour logprobs and was sampled 3 versions before the learner's 5.
+    Within learner.max_lag_without_logprobs (1) nothing would be marked; at lag 3 its rows count in the group
+    statistics (same advantages) but are not trained."""
+    from rlstream.learner.batch import mark_stale_rows_without_logprobs
+
+    def batch() -> list:
+        samples = random_samples(groups=2, per_group=4, seed=11)
+        for s in samples:
+            s.policy_version = 4
+            if s.group == 1:
+                s.behaviour_logprobs, s.policy_version = None, 2
+        return samples
+
+    cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), device="cpu", micro_batch_size=16)
+    samples = batch()
+    assert mark_stale_rows_without_logprobs(samples, version=3, max_lag=1) == 0  # control: lag 1, all train
+    assert mark_stale_rows_without_logprobs(samples, version=5, max_lag=None) == 0  # no bound
+    assert mark_stale_rows_without_logprobs(samples, version=5, max_lag=1) == 4
+    torch.manual_seed(0)
+    stats = GRPOTrainerStep(load_policy(cfg), cfg).step(samples)
+    assert stats.rows_without_logprobs == 4 and stats.rows_without_logprobs_dropped == 4
+    assert stats.sequences == 4 and stats.trained
+    reference = batch()
+    assign_advantages(reference, "group")
+    assert [s.advantage for s in samples] == pytest.approx([s.advantage for s in reference])
+    torch.manual_seed(0)
+    everything = GRPOTrainerStep(load_policy(cfg), cfg).step(batch())  # control: unmarked, all eight train
+    assert everything.sequences == 8 and everything.rows_without_logprobs == 4
+    assert everything.rows_without_logprobs_dropped == 0
+    all_marked = batch()
+    for s in all_marked:
+        s.trainable = False
+    untrained = GRPOTrainerStep(load_policy(cfg), cfg).step(all_marked)
+    assert not untrained.trained and untrained.rows_without_logprobs_dropped == 8
