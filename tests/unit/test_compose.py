@@ -33,7 +33,11 @@ COMPONENT_COMMANDS = {("streams", "worker"), ("learner", "run"), ("rollout", "ru
                       ("topics", "create")}
 #: The variables docker-compose.yml requires (``${VAR:?message}``), with values for the tests.
 REQUIRED_ENV = {"MODEL_DIR": "/srv/models/base", "DATASET": "/srv/data/train.jsonl",
-                "ROLLOUT_REWARD": "mytask.reward:score"}
+                "ROLLOUT_REWARD": "mytask.reward:score",
+                **{f"RLSTREAM_REDIS_{user}_PASSWORD": f"{user.lower()}-password-0123456789"
+                   for user in ("SYNC", "LEARNER", "STREAMS", "ROLLOUT", "ADMIN")}}
+#: The Redis user of each service that uses Redis (the users of the compose file's redis-acl config).
+REDIS_USERS = {"inference-sync": "sync", "streams": "streams", "learner": "learner", "rollout": "rollout"}
 #: compose-go always sets the project name for interpolation.
 TEST_ENV = {**REQUIRED_ENV, "COMPOSE_PROJECT_NAME": "rlstream-test"}
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -228,7 +232,10 @@ def test_service_options_and_environment_are_real(service, monkeypatch):
         assert config_key_exists(env_key(var)), f"{service}: {var} names no config key"
         monkeypatch.setenv(var, interpolate(value, TEST_ENV))
     cfg = load_config(None, [(k, interpolate(v, TEST_ENV)) for k, v in overrides])  # values of the right type
-    assert cfg.kafka.bootstrap_servers == "kafka:9092" and cfg.redis.url == "redis://redis:6379/0"
+    assert cfg.kafka.bootstrap_servers == "kafka:9092"
+    user = REDIS_USERS.get(service)  # each service's own Redis user (docs/security.md), with its password
+    password = TEST_ENV[f"RLSTREAM_REDIS_{user.upper()}_PASSWORD"] if user else ""
+    assert cfg.redis.url == (f"redis://{user}:{password}@redis:6379/0" if user else "redis://redis:6379/0")
 
 
 def test_prometheus_scrapes_the_ports_the_services_serve():
@@ -389,3 +396,47 @@ def test_stream_workers_have_stable_ids():
 def test_schema_registry_enforces_full_transitive_compatibility():
     env = compose()["services"]["schema-registry"]["environment"]
     assert env["SCHEMA_REGISTRY_SCHEMA_COMPATIBILITY_LEVEL"].lower() == "full_transitive"
+
+
+def test_redis_acl_lets_only_the_sync_workers_write_heartbeats(tmp_path: Path) -> None:
+    """The compose file's Redis users on a real redis-server: every service reads the control plane, only ``sync``
+    writes ``rlstream:*:worker:*`` (a forged heartbeat is what would steer gateways); the default user only PINGs."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    acl = tmp_path / "users.acl"
+    acl.write_text(interpolate(compose()["configs"]["redis-acl"]["content"], TEST_ENV))
+    socket = tmp_path / "redis.sock"
+    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", "0", "--unixsocket",
+                               str(socket), "--save", "", "--appendonly", "no", "--aclfile", str(acl)],
+                              stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not socket.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server refused the ACL file"
+            time.sleep(0.02)
+
+        def client(user: str | None) -> redis.Redis:
+            password = TEST_ENV[f"RLSTREAM_REDIS_{user.upper()}_PASSWORD"] if user else None
+            return redis.Redis(unix_socket_path=str(socket), username=user, password=password)
+
+        heartbeat = "rlstream:policy:worker:w0"
+        client("sync").hset(heartbeat, mapping={"version": 1, "url": "http://vllm:8000"})
+        client("sync").expire(heartbeat, 60)
+        for user in ("learner", "streams", "rollout"):
+            assert client(user).hgetall(heartbeat)[b"url"] == b"http://vllm:8000"  # everyone reads
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client(user).hset(heartbeat, "url", "http://attacker:8000")
+        client("learner").hset("rlstream:policy:latest", "version", 2)  # its own key
+        client("rollout").hset("rlstream:run:status", "rollout_groups", 1)
+        assert client(None).ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client(None).hgetall(heartbeat)
+        # control: the admin user (the operator's) may write it: the refusals above are the per-service users'
+        client("admin").hset(heartbeat, "note", "ok")
+    finally:
+        server.terminate()
+        server.wait(10)
