@@ -80,6 +80,7 @@ class ServiceRoutes:
                              "rejected": dict(gw.limit_stats.rejected),
                              "in_flight": gw.limit_stats.in_flight,
                              "session_retokenized": gw.sessions.retokenized,
+                             "upstreams_refused": gw.upstreams.refused,
                              "request_token_data": gw.request_token_data,
                              "request_logprobs": gw.request_token_data and gw.config.request_logprobs})
 

@@ -76,6 +76,8 @@ async def _calls_with_a_forged_heartbeat(rl_config: RlstreamConfig, allowlist: l
                     answer = await http.post(f"{url}/v1/chat/completions", json={
                         "model": policy, "messages": [{"role": "user", "content": f"secret conversation {i}"}]})
                     assert answer.status_code == 200, answer.text
+                stats = (await http.get(f"{url}/rlstream/stats")).json()
+                assert stats["upstreams_refused"] == gateway.upstreams.refused
             return list(seen), len(real.requests), gateway
     finally:
         await control.close()
