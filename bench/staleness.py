@@ -52,8 +52,9 @@ from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
 #: batch-start policy times the truncated importance weight batch-start / behaviour, ``--importance-cap``).
 #: ``mask``: the same with masked importance sampling (``LossConfig.importance_correction="mask"``: tokens whose
 #: ratio is outside [``--mask-low``, ``--importance-cap``] get no loss). ``none``: behaviour logprobs withheld, the
-#: stale rollouts trained as if on-policy (the control that shows what a correction is worth).
-CORRECTIONS = ("tis", "mask", "none")
+#: stale rollouts trained as if on-policy (the control that shows what a correction is worth). ``cispo``: the
+#: learner's ``importance_correction="cispo"`` (MiniMax-M1's clipped, detached IS weight; no PPO clip).
+CORRECTIONS = ("tis", "mask", "cispo", "none")
 _TRAIN_PROMPT_SEED = 10_000  # training prompts of seed s: toy_dataset(..., seed=_TRAIN_PROMPT_SEED + s)
 _SAMPLING_SEED_STRIDE = 1_000_003  # sampling seed of step t under seed s: s * stride + t
 _EVAL_SAMPLING_SEED = 123
@@ -102,6 +103,8 @@ def train(model_dir: Path, lag: int, seed: int, args: argparse.Namespace) -> Run
     if args.correction == "mask":
         trainer.loss_cfg = dataclasses.replace(trainer.loss_cfg, importance_correction="mask",
                                                importance_mask_low=args.mask_low)
+    elif args.correction == "cispo":
+        trainer.loss_cfg = dataclasses.replace(trainer.loss_cfg, importance_correction="cispo")
     train_set = toy_dataset(args.steps * args.prompts, seed=_TRAIN_PROMPT_SEED + seed)
     held = toy_dataset(args.heldout, seed=HELDOUT_SEED)
     versions: deque[Any] = deque([copy.deepcopy(model).eval()], maxlen=lag + 1)  # the last lag+1 policies

@@ -384,6 +384,35 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
     return loss, active
 
 
+def cispo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
+               cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""
+    CISPO's per-token loss (MiniMax-M1, 2025): REINFORCE with a clipped, detached importance weight.
+
+    $$\ell_t = -\operatorname{sg}\left(\min\left(\frac{\pi_\theta(y_t)}{\mu(y_t)}, C\right)\right) A \log \pi_\theta(y_t)$$
+
+    PPO's clip zeroes the gradient of a token whose ratio left the trust region; CISPO clips the *weight* instead,
+    so every token keeps a (bounded) gradient $\min(\rho_t, C) A \nabla \log \pi_\theta(y_t)$, which is the
+    importance-corrected policy gradient with the weight truncated at $C$. $\mu$ is the behaviour policy (the
+    recorded logprobs); without them the weight is 1 (on-policy). Hand-computed: $\log\pi = \log 0.5$,
+    $\log\mu = \log 0.25$, $C = 2$, $A = 1$: weight 2, loss $-2\log 0.5 = 1.386$, gradient in $\log\pi$: $-2$.
+
+    Args:
+        logprobs (`torch.Tensor`): $\log\pi_\theta$, shape `(B, T)`, with gradient.
+        advantages (`torch.Tensor`): $A$, shape `(B,)` or `(B, T)`.
+        behaviour_logprobs (`torch.Tensor` or `None`): $\log\mu$, shape `(B, T)`.
+        cap (`float`): $C$ (``learner.importance_cap``).
+
+    Returns:
+        `tuple`: the per-token loss `(B, T)`, the mask of tokens whose weight was clipped, and the weights (detached).
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    current = logprobs.detach()
+    raw = torch.ones_like(current) if behaviour_logprobs is None else torch.exp(current - behaviour_logprobs)
+    weights = raw.clamp(max=cap)
+    return -(weights * adv) * logprobs, (raw > cap), weights
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     r"""
     Schulman's k3 estimator of $\mathrm{KL}(\pi_\theta \,\|\, \pi_\text{ref})$ per token (always >= 0).
@@ -472,8 +501,9 @@ class LossConfig:
     epsilon_high: float = 0.28
     importance_cap: float = 2.0
     #: ``"truncate"``: :func:`truncated_importance_weights` at ``importance_cap``; ``"mask"``:
-    #: :func:`masked_importance_weights` keeping ratios in [``importance_mask_low``, ``importance_cap``]
-    importance_correction: Literal["truncate", "mask"] = "truncate"
+    #: :func:`masked_importance_weights` keeping ratios in [``importance_mask_low``, ``importance_cap``];
+    #: ``"cispo"``: :func:`cispo_loss` (no PPO clip; clipped, detached weights against the behaviour policy)
+    importance_correction: Literal["truncate", "mask", "cispo"] = "truncate"
     importance_mask_low: float = 0.5
     beta: float = 0.0
     aggregation: LossAggregation = "token_mean"
@@ -527,13 +557,18 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     ratio = policy_ratio(logprobs, old)
-    per_token, clipped = clipped_surrogate(ratio, advantages, cfg.epsilon_low, cfg.epsilon_high)
-    if cfg.importance_correction == "mask":
-        weights = masked_importance_weights(old, behaviour_logprobs, cfg.importance_mask_low, cfg.importance_cap)
+    weights: torch.Tensor | None
+    if cfg.importance_correction == "cispo":  # the weight is inside the loss, and no PPO clip
+        per_token, clipped, weights = cispo_loss(logprobs, advantages, behaviour_logprobs, cfg.importance_cap)
     else:
-        weights = truncated_importance_weights(old, behaviour_logprobs, cfg.importance_cap)
-    if weights is not None:
-        per_token = per_token * weights
+        per_token, clipped = clipped_surrogate(ratio, advantages, cfg.epsilon_low, cfg.epsilon_high)
+        if cfg.importance_correction == "mask":
+            weights = masked_importance_weights(old, behaviour_logprobs, cfg.importance_mask_low,
+                                                cfg.importance_cap)
+        else:
+            weights = truncated_importance_weights(old, behaviour_logprobs, cfg.importance_cap)
+        if weights is not None:
+            per_token = per_token * weights
     kl = None
     if cfg.beta > 0:
         if ref_logprobs is None:

@@ -24,6 +24,7 @@ log = get_logger(__name__)
 
 def loss_config(cfg: LearnerConfig) -> LossConfig:
     return LossConfig(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, importance_cap=cfg.importance_cap,
+                      importance_correction=cfg.importance_correction, importance_mask_low=cfg.importance_mask_low,
                       beta=cfg.beta, aggregation=cfg.loss_aggregation, loss_constant=float(cfg.loss_constant))
 
 
