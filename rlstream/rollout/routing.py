@@ -63,14 +63,16 @@ def released(pointer: ServingPointer | None, version: int) -> bool:
     return pointer is not None and version in (pointer.version, pointer.canary_version)
 
 
-def promoted_below(pointer: ServingPointer) -> set[int]:
-    """The versions below serving known to have been promoted, which production falls back to while no replica holds
-    the serving version: version 0 (the base weights, where serving starts) and the gate's anchor (the best version
-    promoted; not the version a rollback left). A newer loaded version below serving may have been rejected."""
+def production_fallbacks(pointer: ServingPointer) -> list[int]:
+    """What production falls back to while no replica holds the serving version, in order of preference: the versions
+    below serving known to have been promoted, newest first (the gate's anchor, the best version promoted, unless a
+    rollback left it; version 0, the base weights, where serving starts), then the version a decision is moving the
+    pointer to (``pending_version``: a promotion waiting for the fleet, or a rollback's target). Any other loaded
+    version below serving may have been rejected."""
     anchor = pointer.anchor_version
-    if anchor is not None and anchor < pointer.version and anchor != pointer.floor:
-        return {0, anchor}
-    return {0}
+    below = {0} | ({anchor} if anchor is not None and anchor < pointer.version and anchor != pointer.floor else set())
+    pending = [pointer.pending_version] if pointer.pending_version is not None else []
+    return sorted(below, reverse=True) + [v for v in pending if v not in below]
 
 
 def session_may_stay(pointer: ServingPointer | None, version: int) -> bool:
@@ -242,7 +244,7 @@ class FleetRouter:
     :func:`caller_identity`), else the serving version (:func:`production_version`; no
     serving pointer: :class:`NoServingVersion`, unless ``serve_unpromoted``); only ``serve`` replicas take requests.
     While no replica holds the serving version, production falls back to a promoted one below it
-    (:func:`promoted_below`), else :class:`NoServingVersion`; never to a version that may have been rejected.
+    (:func:`production_fallbacks`), else :class:`NoServingVersion`; never to a version that may have been rejected.
     A session's version is pinned in Redis (:meth:`ServingControl.pin_session`, expiring ``session_ttl_s`` after its
     last call), so every gateway sends a session's calls to the version it started on, while a replica has it loaded
     and it may still serve (:func:`session_may_stay`: a rollback moves its sessions at their next call). Among the replicas that
@@ -338,18 +340,17 @@ class FleetRouter:
             route = self._on(version, replicas, session_id)
             if route is not None:
                 return route
-            # the serving version on no alive replica: the newest loaded below it that was promoted (any, without
-            # a gate)
-            allowed = None if self.serve_unpromoted or pointer is None else promoted_below(pointer)
-            older = sorted({v for r in replicas for v in r.loaded
-                            if v <= version and (allowed is None or v in allowed)}, reverse=True)
-            if older:
-                route = self._on(older[0], replicas, session_id)
-                assert route is not None
-                return route
-            if replicas and allowed is not None:
+            # the serving version on no alive replica: a promoted one (without a gate: the newest loaded below it)
+            loaded = {v for r in replicas for v in r.loaded}
+            fallbacks = (sorted((v for v in loaded if v <= version), reverse=True)
+                         if self.serve_unpromoted or pointer is None else production_fallbacks(pointer))
+            for fallback in fallbacks:
+                route = self._on(fallback, replicas, session_id)
+                if route is not None:
+                    return route
+            if replicas and not self.serve_unpromoted:
                 raise NoServingVersion(f"serving version v{version} of {self.policy!r} is not loaded on any replica "
-                                       "yet (and no promoted version below it is)")
+                                       "yet, nor a version production may fall back to")
         return Route(self.base_model, version if version is not None else self._latest)
 
 

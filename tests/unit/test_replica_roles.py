@@ -185,6 +185,12 @@ def test_production_falls_back_only_to_a_promoted_version() -> None:
     without_base = [ReplicaAck("serve-0", 2, "policy", loaded={2: "p-v2"})]
     with pytest.raises(NoServingVersion, match="v3 of 'policy' is not loaded on any replica yet"):
         asyncio.run(_router(without_base, no_anchor, serve_unpromoted=False).route())
+    # a full-weights replica that loaded the version a promotion waits for (pending) answers with it, labelled so
+    reloading = [ReplicaAck("serve-0", 1, "policy", loaded={1: "policy"})]
+    promoting = ServingPointer(version=0, pending_version=1)
+    assert asyncio.run(_router(reloading, promoting, serve_unpromoted=False).route()).version == 1
+    with pytest.raises(NoServingVersion):  # control: the same replica without a decision moving to it
+        asyncio.run(_router(reloading, ServingPointer(version=0), serve_unpromoted=False).route())
     # control: without the promotion rule (no gate: serve_unpromoted) the newest loaded below serving answers
     assert asyncio.run(_router(acks, pointer, serve_unpromoted=True).route()).version == 2
     assert asyncio.run(_router(without_base, no_anchor, serve_unpromoted=True).route()).version == 2
