@@ -183,8 +183,9 @@ def test_serving_moves_only_when_every_alive_replica_loaded_it(
             assert "replica-b failed to load it" in blocked.reason and "sha256" in blocked.reason
             pointer = await serving.serving(policy)
             assert pointer is not None and pointer.version == 1
-            # control: without the serving pointer, routing follows the newest acknowledged version, version 2
-            assert production_version(None, await serving.replicas(policy)) == 2
+            # control: without the serving pointer and the promotion rule (no gate), routing would follow the newest
+            # acknowledged version, version 2
+            assert production_version(None, await serving.replicas(policy), unpromoted=True) == 2
 
             fired = await read_all(rl_config, created_topics.metrics, MetricEvent, timeout_s=20, quiet_s=2)
             alerts = [e for _, e in fired if e.name == mn.INFERENCE_FLEET_LOAD_FAILED and e.value >= 1]

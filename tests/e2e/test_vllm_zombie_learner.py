@@ -119,7 +119,7 @@ def test_a_learner_paused_mid_announcement_is_fenced_and_never_served(
 
             # the zombie's record is in the log, not committed: read_uncommitted sees it (negative control)
             pending = [v for v, _ in await raw_versions(rl_config, topic, "read_uncommitted")]
-            assert [(v.version, v.fencing_token) for v in pending] == [(1, zombie_token),
+            assert [(v.version, v.fencing_token) for v in pending] == [(0, zombie_token), (1, zombie_token),
                                                                         (PAUSED_VERSION, zombie_token)]
             zombie_bytes = (await raw_versions(rl_config, topic, "read_uncommitted"))[-1][1]
             assert Path(pending[-1].uri, "manifest.json").is_file()  # its weights are written
@@ -151,8 +151,8 @@ def test_a_learner_paused_mid_announcement_is_fenced_and_never_served(
         successor_token = committed[-1][1]
         assert successor_token > zombie_token
         # the successor finished the zombie's interrupted publication (same checkpoint) under its own token
-        assert committed == [(1, zombie_token), (PAUSED_VERSION, successor_token),
-                             (PAUSED_VERSION + 1, successor_token)]
+        assert committed == [(0, zombie_token), (1, zombie_token), (PAUSED_VERSION, successor_token),
+                             (PAUSED_VERSION + 1, successor_token)]  # 0: the base weights, announced once
         uncommitted = [(v.version, v.fencing_token) for v, _ in await raw_versions(rl_config, topic, "read_uncommitted")]
         assert (PAUSED_VERSION, zombie_token) in uncommitted  # still in the log, before the successor's records
         assert uncommitted.index((PAUSED_VERSION, zombie_token)) < uncommitted.index((PAUSED_VERSION, successor_token))
