@@ -10,6 +10,11 @@ the newest version of its policy, loads it, then loads each newer version as it 
   directory holding files the manifest does not list, a file that is not safetensors, JSON or a tokenizer file, a
   hard link and a version over ``inference.max_version_bytes`` are refused: dead-lettered with the reason, counted
   in ``inference/version_refused`` (tag ``reason``), and the worker goes on;
+* a version whose ``uri`` is a URL (a remote weight store: ``s3://``, ``gs://``, ``http(s)://``) must lie under a URL
+  prefix of ``inference.weights_roots``; its manifest's files are downloaded into a bounded cache
+  (``inference.weights_cache_dir``, ``inference.weights_cache_bytes``; rlstream/inference/weights_cache.py), hashed
+  as they are written; a corrupted or truncated download is dead-lettered and tried again
+  ``inference.download_retries`` times. The cached copy then goes through the staging below;
 * the files are then copied into a private staging directory (``inference.staging_dir``), hashed as they are
   copied; a sha256 or size mismatch is refused (never loaded) and reported. vLLM loads the staged copy, so what
   was verified is what is loaded;
@@ -72,6 +77,8 @@ from rlstream.transport.trusted_versions import TrustedVersions, UntrustedVersio
 from rlstream.inference.health import HealthChange, HealthTracker
 from rlstream.inference.manifest import ManifestError, UntrustedVersion, rollback_dir, stage, verify
 from rlstream.inference.retention import RetiredFiles, deletable
+from rlstream.inference.weights_cache import WeightsCache
+from rlstream.transport.weight_store import DownloadMismatch, check_url_under_roots, is_remote
 from rlstream.inference.vllm_backend import BackendError, VllmBackend
 from rlstream.schemas.codec import AvroCodec, codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -196,6 +203,7 @@ class InferenceSyncWorker:
         self.staging_root = Path(self.icfg.staging_dir) if self.icfg.staging_dir else \
             Path(tempfile.mkdtemp(prefix=f"rlstream-staging-{self.icfg.worker_id}-"))
         self._staged: dict[int, Path] = {}  # version -> its staged copy
+        self._weights_cache: WeightsCache | None = None  # versions downloaded by URL
         self._lora_staged: set[int] = set()  # the staged copies that are LoRA versions
         self._retired: dict[int, RetiredFiles] = {}  # unloaded LoRA versions whose files wait (retention.py)
         self.health = HealthTracker(self.icfg.health_failures)
@@ -226,7 +234,7 @@ class InferenceSyncWorker:
     def weights_roots(self) -> list[Path]:
         """Where a version's ``uri`` may lie: ``inference.weights_roots``, the learner's versions directory and
         ``inference.weights_root``."""
-        roots = [Path(r) for r in self.icfg.weights_roots]
+        roots = [Path(r) for r in self.icfg.weights_roots if not is_remote(str(r))]
         roots.append(Path(self.cfg.learner.output_dir) / "versions")
         if self.icfg.weights_root is not None:
             roots.append(Path(self.icfg.weights_root))
@@ -362,8 +370,13 @@ class InferenceSyncWorker:
         """Verify and load one version; True when it is now served. Failures are reported, not raised."""
         started = time.monotonic()
         try:
-            source_dir = verify(version, self.icfg.weights_root, roots=self.weights_roots, hash_files=False,
-                                max_bytes=self.icfg.max_version_bytes)
+            if is_remote(version.uri):
+                source_dir = await self._download(version, record)
+                if source_dir is None:
+                    return False
+            else:
+                source_dir = verify(version, self.icfg.weights_root, roots=self.weights_roots, hash_files=False,
+                                    max_bytes=self.icfg.max_version_bytes)
             weights_dir = await asyncio.to_thread(stage, version, source_dir, self.staging_root,
                                                   adapter_name(version.policy, version.version),
                                                   max_bytes=self.icfg.max_version_bytes)
@@ -398,6 +411,35 @@ class InferenceSyncWorker:
                  name=self.state.name, seconds=round(seconds, 3))
         self._loaded_event.set()
         return True
+
+    @property
+    def weights_cache(self) -> WeightsCache:
+        """The bounded cache of versions downloaded by URL (``inference.weights_cache_dir``), made on first use."""
+        if self._weights_cache is None:
+            root = Path(self.icfg.weights_cache_dir) if self.icfg.weights_cache_dir else \
+                Path(tempfile.mkdtemp(prefix=f"rlstream-weights-{self.icfg.worker_id}-"))
+            self._weights_cache = WeightsCache(root, self.icfg.weights_cache_bytes)
+        return self._weights_cache
+
+    async def _download(self, version: PolicyVersion, record: SourceRecord | None) -> Path | None:
+        """The local copy of a version whose ``uri`` is a URL under ``inference.weights_roots``: from the cache, or
+        downloaded into it with every file checked against the manifest. A failed or mismatching download (a
+        corrupted or truncated file) is reported and dead-lettered, then tried again ``inference.download_retries``
+        times; None once it is given up (reported). Other refusals (outside the roots, file types, size) raise."""
+        check_url_under_roots(version, self.icfg.weights_roots)
+        protected = set(self.wanted) | {self.state.version} | {self._adapter_version(n) for n in self.adapters}
+        attempts = self.icfg.download_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return await asyncio.to_thread(self.weights_cache.fetch, version, protected,
+                                               self.icfg.max_version_bytes, self.icfg.weight_store_options)
+            except DownloadMismatch as exc:
+                log.warning("download refused", version=version.version, uri=version.uri, attempt=attempt,
+                            of=attempts, error=str(exc))
+                await self._report(version, record, exc, refused=True)
+                if attempt < attempts:
+                    await asyncio.sleep(self.icfg.retry_backoff_s * 2 ** (attempt - 1))
+        return None
 
     def _drop_staged(self) -> None:
         """Let go of the staged copies the server no longer uses (the loaded adapters and full weights are kept): a

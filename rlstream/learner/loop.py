@@ -18,14 +18,14 @@ both train through :class:`TrainPublishLoop`, so its safety rules live here once
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from rlstream.learner.batch import Sample
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy
-from rlstream.learner.publish import Announcer, PublicationFenced, announce, write_version
+from rlstream.learner.publish import Announcer, PublicationFenced, announce, store_version, write_version
 from rlstream.learner.step import GRPOTrainerStep, StepStats
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import PolicyVersion, WeightsKind
@@ -70,6 +70,8 @@ class PublicationTarget:
     topics: TopicNames
     versions_root: Path
     lease_ttl_s: float
+    weight_store: str | None = None  # a URL: versions are uploaded there and announced by URL (publish.store_version)
+    weight_store_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 class TrainPublishLoop:
@@ -158,6 +160,8 @@ class TrainPublishLoop:
         state, target = self.state, self.target
         directory, manifest = await asyncio.to_thread(write_version, self.policy, target.versions_root, target.policy,
                                                       state.version)
+        uri = await asyncio.to_thread(store_version, directory, target.weight_store, state.version,
+                                      target.weight_store_options)
         try:
             event = await announce(
                 announcer=self.announcer, codec=self.codec, control=self.control, lease=self.guard.lease,
@@ -166,7 +170,7 @@ class TrainPublishLoop:
                 step=state.step, kind=WeightsKind.lora if self.policy.lora else WeightsKind.full,
                 base_model=self.policy.base_model, offsets=state.publishing_offsets,
                 group_count=state.publishing_groups, metrics=figures, lease_ttl_s=target.lease_ttl_s,
-                before_commit=before_commit)
+                before_commit=before_commit, uri=uri)
         except (PublicationFenced, LeaseLost) as exc:
             self.guard.lost(exc)
             return None

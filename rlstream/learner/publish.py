@@ -12,6 +12,11 @@ Version directory ``<output_dir>/versions/v<NNNNNN>/``: full fine-tuning writes 
 untied embeddings, ``config.json`` (``tie_word_embeddings: false``) and the tokenizer; LoRA writes a PEFT
 adapter folder (``adapter_model.safetensors``, ``adapter_config.json``). ``manifest.json`` lists the sha256 of
 every file; the Redis pointer's ``sha256`` is the sha256 of ``manifest.json`` itself.
+
+Weight store (``learner.weight_store``): a directory (the version directories go there instead of
+``<output_dir>/versions``) or an fsspec URL (``s3://``, ``gs://``): each version is still written and verified under
+``<output_dir>/versions``, then uploaded to ``<weight_store>/v<NNNNNN>/`` (:func:`store_version`) before it is
+announced, and its ``uri`` is that URL (rlstream/transport/weight_store.py).
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from rlstream.learner.checkpoint import MANIFEST, fsync_path, sha256_file, verif
 from rlstream.learner.policy import Policy
 from rlstream.schemas.config import KafkaConfig
 from rlstream.transport.control import ControlPlane, Lease, LeaseLost
+from rlstream.transport.manifest import local_dir
+from rlstream.transport.weight_store import is_remote, join_url, upload_version
 from rlstream.transport.kafka import make_producer
 from rlstream.transport.trusted_versions import announce_record
 from rlstream.transport.log import get_logger
@@ -65,6 +72,26 @@ class Announcer:
 
 def version_dir(root: Path, version: int) -> Path:
     return Path(root) / f"v{version:06d}"
+
+
+def versions_root(output_dir: Path, weight_store: str | None) -> Path:
+    """Where versions are written locally: a weight store that is a directory (or ``file://`` URL), else
+    ``<output_dir>/versions`` (also for a remote store: the local copy is uploaded from there)."""
+    if weight_store and not is_remote(weight_store):
+        return local_dir(weight_store)
+    return Path(output_dir) / "versions"
+
+
+def store_version(directory: Path, weight_store: str | None, version: int,
+                  options: Mapping[str, Any] | None = None) -> str:
+    """The ``uri`` a written version is announced under: its resolved local directory, or, when ``weight_store``
+    is a URL, ``<weight_store>/v<NNNNNN>`` after uploading the directory there (manifest last)."""
+    if not weight_store or not is_remote(weight_store):
+        return str(Path(directory).resolve())
+    url = join_url(weight_store, version_dir(Path(""), version).name)
+    upload_version(Path(directory), url, MANIFEST, dict(options or {}))
+    log.info("version uploaded to the weight store", version=version, uri=url)
+    return url
 
 
 def _save_full(policy: Policy, out: Path) -> None:
@@ -156,7 +183,7 @@ async def announce(
     policy_name: str, run_id: str, directory: Path, manifest: dict[str, Any], version: int, step: int,
     kind: WeightsKind, base_model: str, group_count: int, metrics: dict[str, float], lease_ttl_s: float,
     ranges: dict[int, list[int]] | None = None, offsets: Mapping[int, Iterable[int]] | None = None,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None, uri: str | None = None,
 ) -> PolicyVersion:
     """Announce a written version: verify its sha256 manifest, renew (check) the lease, PolicyVersion on
     ``policy-versions`` (in a transaction of ``announcer``, which must be transactional), then move the Redis pointer by
@@ -165,6 +192,7 @@ async def announce(
 
     Lineage (``trained_on``): ``offsets`` (per partition, the exact offsets of the groups trained) become the
     ranges that hold exactly them; ``ranges`` (``{partition: [first, last]}``) are announced as given.
+    ``uri``: where readers find the files (:func:`store_version`; default: ``directory``).
     ``before_commit`` (fault injection for tests): see :func:`~rlstream.transport.trusted_versions.announce_record`.
     """
     verify_manifest(directory)
@@ -172,7 +200,7 @@ async def announce(
     trained_on = exact_ranges(groups_topic, offsets) if offsets is not None else \
         offset_ranges(groups_topic, ranges or {})
     event = PolicyVersion(
-        policy=policy_name, version=version, base_model=base_model, kind=kind, uri=str(Path(directory).resolve()),
+        policy=policy_name, version=version, base_model=base_model, kind=kind, uri=uri or str(Path(directory).resolve()),
         files=[FileDigest(path=f["path"], sha256=f["sha256"], size=f["size"]) for f in manifest["files"]],
         learner_step=step, group_count=group_count, trained_on=trained_on,
         metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,

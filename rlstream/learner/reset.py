@@ -23,6 +23,7 @@ from rlstream.learner.publish import version_dir
 from rlstream.learner.step import GRPOTrainerStep
 from rlstream.schemas.config import LearnerConfig
 from rlstream.schemas.models import FileDigest, PolicyVersion, WeightsKind
+from rlstream.transport.weight_store import is_remote
 from rlstream.transport.manifest import ManifestError, local_dir, verify
 from rlstream.transport.serving import ServingPointer, files_digest
 
@@ -54,7 +55,9 @@ def verified_serving_weights(pointer: ServingPointer, policy_name: str, versions
     has none); its ``manifest.json`` must name this policy and version; the files are checked by
     :func:`rlstream.transport.manifest.verify` with ``versions_root`` as the only allowed root; a ``sha256`` on
     the pointer must be the digest of those files (:func:`files_digest`, or the single file's sha256)."""
-    directory = local_dir(pointer.uri) if pointer.uri else version_dir(versions_root, pointer.version)
+    # a pointer naming a URL (a remote weight store): the learner's own copy under versions_root
+    directory = local_dir(pointer.uri) if pointer.uri and not is_remote(pointer.uri) else \
+        version_dir(versions_root, pointer.version)
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError) as exc:

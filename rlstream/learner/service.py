@@ -43,7 +43,7 @@ from rlstream.learner.batch import (Sample, behaviour_version, collate, mark_sta
 from rlstream.learner.checkpoint import CheckpointStore, LearnerState
 from rlstream.learner.policy import Policy, load_policy, pick_device, require_model_dir
 from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPublishLoop
-from rlstream.learner.publish import Announcer
+from rlstream.learner.publish import Announcer, versions_root
 from rlstream.learner.reset import fresh_trainer, load_serving_weights, verified_serving_weights, versions_ahead
 from rlstream.learner.reporting import Reporters, check_report_to
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
@@ -108,7 +108,7 @@ class Learner:
         self.codec.ensure_registered([PolicyVersion.avro_name, MetricEvent.avro_name, DeadLetter.avro_name])
         self.output_dir = Path(self.lcfg.output_dir)
         self.store = CheckpointStore(self.output_dir / "checkpoints", keep=self.lcfg.keep_checkpoints)
-        self.versions_root = self.output_dir / "versions"
+        self.versions_root = versions_root(self.output_dir, self.lcfg.weight_store)
         self._buffer: deque[ConsumerRecord] = deque()
         self._stop = asyncio.Event()
         self.lease: Lease | None = None
@@ -213,7 +213,8 @@ class Learner:
             self.loop = TrainPublishLoop(
                 policy=policy, trainer=trainer, state=state, announcer=announcer, control=control, codec=self.codec,
                 target=PublicationTarget(self.cfg.policy, self.cfg.run_id, self.topics, self.versions_root,
-                                         self.lcfg.lease_ttl_s),
+                                         self.lcfg.lease_ttl_s, self.lcfg.weight_store,
+                                         dict(self.lcfg.weight_store_options)),
                 guard=_LearnerLease(self, control), store=self.store, before_step=self._broadcast_step)
             self._known_version = max(state.version, await control.latest_version(self.cfg.policy))
             self._waiting = WaitingForGroups(control, self.cfg.policy)

@@ -341,6 +341,13 @@ class LearnerConfig(Section):
     publish_every: int = Field(1, ge=1, description="learner steps between published weight versions")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     output_dir: Path = Field(Path("runs/learner"), description="checkpoints/ and versions/ (and logs/) live here")
+    weight_store: str | None = Field(None, description="where published versions go: a directory, or an fsspec URL "
+                                     "(s3://bucket/prefix, gs://..., file://...; the s3 extra) to which each version is "
+                                     "uploaded after it is written and verified under <output_dir>/versions; a "
+                                     "version's uri is then its URL. Default: <output_dir>/versions")
+    weight_store_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options of a weight_store "
+                                                 "URL (e.g. {client_kwargs: {endpoint_url: ...}} for an S3-compatible "
+                                                 "store); credentials come from the store's usual environment")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     seed: int = Field(0, description="random seed")
     lease_ttl_s: float = Field(30.0, gt=0, description="the learner lease in Redis (one active learner per "
@@ -435,12 +442,26 @@ class InferenceConfig(Section):
     retry_backoff_s: float = Field(1.0, ge=0, description="first backoff between load retries (doubling)")
     request_timeout_s: float = Field(120.0, gt=0, description="timeout of one request to vLLM's admin endpoints")
     weights_root: Path | None = Field(None, description="resolve relative PolicyVersion uris against this")
-    weights_roots: list[Path] = Field(
+    weights_roots: list[str | Path] = Field(
         default_factory=list,
-        description="directories a PolicyVersion uri may lie under (after resolving symlinks and '..'); besides "
-                    "these, <learner.output_dir>/versions and weights_root are always allowed; any other uri is "
-                    "refused and dead-lettered. A full reload falls back to a version's base_model only when it "
-                    "lies under one of them")
+        description="directories a PolicyVersion uri may lie under (after resolving symlinks and '..'), and URL "
+                    "prefixes a uri that is a URL may lie under (s3://bucket/prefix, https://host/path: same scheme "
+                    "and host, no '..'); besides these, <learner.output_dir>/versions and weights_root are always "
+                    "allowed; any other uri is refused and dead-lettered. A full reload falls back to a version's "
+                    "base_model only when it lies under one of the directories")
+    weights_cache_dir: Path | None = Field(None, description="private directory where versions whose uri is a URL "
+                                           "are downloaded (default: a new temporary directory)")
+    weights_cache_bytes: int = Field(256 * 1024 ** 3, ge=1, description="the download cache holds at most this many "
+                                     "bytes: before a download, the least recently used versions this replica has "
+                                     "not loaded and the serving pointer does not ask for are deleted; a version "
+                                     "that still does not fit is refused")
+    download_retries: int = Field(3, ge=0, description="a download that fails or does not match the manifest (a "
+                                  "corrupted or truncated file) is dead-lettered and tried again this many times, "
+                                  "after retry_backoff_s (doubling)")
+    weight_store_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for reading "
+                                                 "versions by URL (e.g. {client_kwargs: {endpoint_url: ...}} for an "
+                                                 "S3-compatible store, {anon: true}); credentials come from the "
+                                                 "store's usual environment")
     max_version_jump: int = Field(1000, ge=1, description="every reader of policy-versions (streams, sync workers, "
                                   "operator tools) refuses a version more than this above the newest trusted one "
                                   "(the newest it accepted, or the Redis latest pointer); services dead-letter it")
