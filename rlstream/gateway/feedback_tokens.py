@@ -104,6 +104,7 @@ class FeedbackSigner:
             raise FeedbackTokenError("not a feedback token")
         signed, _, mac = token.rpartition(".")
         given = mac.encode("ascii", errors="replace")
+        # every secret is tried (a list, not a short-circuit): the time does not say which one matched
         if not any([hmac.compare_digest(self._mac(signed, keyed).encode(), given) for keyed in self._keyed]):
             raise FeedbackTokenError("feedback token not valid (wrong signature)")
         try:

@@ -181,8 +181,9 @@ class SessionStore:
         return traj, closed
 
     def _eviction_victim(self, newcomer: str) -> str:
-        """The session to close for ``newcomer``: the least recently active of the newcomer's own tenant (another
-        tenant's sessions are never closed by it), the least recently active overall when it has no other."""
+        """The session to close for ``newcomer``: the least recently active of the newcomer's own tenant, so a
+        tenant flooding sessions closes its own; the least recently active overall only when that tenant has no
+        other session open."""
         tenant = self.tenant_of(newcomer)
         for session_id in self.open:
             if session_id != newcomer and self.tenant_of(session_id) == tenant:
