@@ -79,7 +79,10 @@ def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
         from fsspec.core import url_to_fs
     except ImportError as exc:  # pragma: no cover - the [s3] extra brings it
         raise ManifestError("a weights URL needs fsspec (pip install 'rlstream[s3]')") from exc
-    return url_to_fs(url, **(options or {}))
+    try:
+        return url_to_fs(url, **(options or {}))
+    except (ImportError, ValueError, TypeError) as exc:  # no filesystem for the scheme, bad options
+        raise ManifestError(f"no fsspec filesystem for {url!r}: {exc}") from exc
 
 
 def upload_version(local: Path, url: str, manifest_name: str = "manifest.json",
@@ -121,6 +124,8 @@ def download_version(version: PolicyVersion, destination: Path, chunk: int = 1 <
     total = 0
     try:
         fs, root = filesystem(version.uri, options)
+        # one streaming GET per file over HTTP (no range requests, which a static server may not answer)
+        stream = {"block_size": 0} if urlsplit(version.uri).scheme.lower() in READ_ONLY_SCHEMES else {}
         for entry in version.files:
             rel = PurePosixPath(entry.path)
             if rel.is_absolute() or ".." in rel.parts or "\\" in entry.path:
@@ -129,7 +134,7 @@ def download_version(version: PolicyVersion, destination: Path, chunk: int = 1 <
             target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             digest, size = hashlib.sha256(), 0
             try:
-                with fs.open(join_url(root, rel.as_posix()), "rb") as src, open(target, "xb") as dst:
+                with fs.open(join_url(root, rel.as_posix()), "rb", **stream) as src, open(target, "xb") as dst:
                     while block := src.read(chunk):
                         digest.update(block)
                         dst.write(block)

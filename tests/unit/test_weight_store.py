@@ -9,7 +9,7 @@ import fsspec
 import pytest
 
 from rlstream.inference.weights_cache import CacheFull, CachedVersion, WeightsCache, to_evict
-from rlstream.transport.manifest import FileTypeNotAllowed, UriOutsideRoots, digest_files
+from rlstream.transport.manifest import FileTypeNotAllowed, ManifestError, UriOutsideRoots, digest_files
 from rlstream.transport.weight_store import (DownloadMismatch, check_url_under_roots, download_version, is_remote,
                                              upload_version)
 from rlstream.schemas.models import PolicyVersion, WeightsKind
@@ -152,3 +152,10 @@ def test_the_cache_stays_under_its_bound_and_keeps_protected_versions(tmp_path: 
     assert cache.fetch(versions[3], protected=set()).is_dir()
     # a restarted worker finds what is cached
     assert sorted(WeightsCache(tmp_path / "cache", max_bytes=2 * 4200).versions()) == [2, 3]
+
+
+def test_a_scheme_without_a_filesystem_is_refused_not_raised(tmp_path: Path) -> None:
+    source = adapter_dir(tmp_path / "v000001")
+    with pytest.raises(ManifestError, match="no fsspec filesystem"):
+        download_version(record("nosuchscheme://bucket/v1", source), tmp_path / "worker" / "p-v1")
+    assert not list((tmp_path / "worker").iterdir())
