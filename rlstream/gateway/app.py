@@ -87,6 +87,15 @@ class ServiceRoutes:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def ready(self, request: Request) -> Response:
+        """``GET /ready``: 503 while every request slot is taken (a load balancer sends new requests elsewhere);
+        ``/health`` stays 200 (the process is alive)."""
+        stats, config = self.gw.limit_stats, self.gw.config
+        if stats.in_flight >= config.max_concurrent_requests:
+            return JSONResponse({"status": "saturated", "in_flight": stats.in_flight}, status_code=503,
+                                headers={"retry-after": "1"})
+        return JSONResponse({"status": "ready", "in_flight": stats.in_flight})
+
 
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app of ``gateway`` (its lifespan starts and stops the gateway)."""
@@ -110,6 +119,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/logs", shapes.otlp_logs, methods=["POST"]),
         Route("/rlstream/stats", service.stats, methods=["GET"]),
         Route("/health", service.health, methods=["GET"]),
+        Route("/ready", service.ready, methods=["GET"]),
     ]
 
     async def rejected(request: Request, exc: Exception) -> Response:
@@ -126,7 +136,8 @@ def create_app(gateway: Gateway) -> Starlette:
         return Response(exc.body(), status_code=exc.status, media_type="application/json")
 
     return Starlette(routes=routes, lifespan=gateway.lifespan,
-                     middleware=[Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats),
-                                 Middleware(AuthMiddleware, keys=gateway.keys, count=gateway.limit_stats.count)],
+                     # the credential first: the bounds then know a request whose credential may sit in its body
+                     middleware=[Middleware(AuthMiddleware, keys=gateway.keys, count=gateway.limit_stats.count),
+                                 Middleware(RequestLimits, config=gateway.config, stats=gateway.limit_stats)],
                      exception_handlers={RequestRejected: rejected, AuthRefusal: refused, 404: not_served,
                                          405: not_served})

@@ -213,9 +213,15 @@ def _read_keys_file(path: Path) -> list[ApiKeySpec]:
     return KeysFile.model_validate(data).keys
 
 
+class KeysFileExposed(ValueError):
+    """The keys file is readable by its group or by everyone (refused: chmod 600 it)."""
+
+
 class KeyStore:
     """The gateway's keys: the inline ones and those of a keys file (re-read when its mtime or size changes,
-    checked at most every ``reload_check_s``; a file that fails to parse keeps the previous keys and is logged)."""
+    checked at most every ``reload_check_s``). The file fails closed: at start, a missing, unparsable or exposed one
+    (readable by other users: :class:`KeysFileExposed`) raises; later, none of its keys is accepted (logged) while it
+    is missing, unparsable or exposed, until it is fixed."""
 
     def __init__(self, inline_keys: Iterable[str] = (), keys_file: Path | None = None,
                  reload_check_s: float = 1.0) -> None:
@@ -226,13 +232,13 @@ class KeyStore:
                                    models=[ANY_MODEL])
                         for i, k in enumerate(inline_keys)]
         self._by_digest: dict[bytes, Principal] = {}
-        self._file_stamp: tuple[int, int] | None = None
+        self._file_stamp: tuple[int, int, int] | None = None  # mtime, size, mode
         self._checked = 0.0
         self._lock = threading.Lock()
         self._usage: dict[str, _KeyUsage] = {}
         self.reloads = 0
         self.reload_errors = 0
-        self._rebuild(self._load_file() if keys_file is not None else [])
+        self._rebuild(self._load_file() if keys_file is not None else [])  # at start a bad file stops the start
 
     @property
     def enabled(self) -> bool:
@@ -245,11 +251,27 @@ class KeyStore:
     def _load_file(self) -> list[ApiKeySpec]:
         assert self.keys_file is not None
         stat = self.keys_file.stat()
-        specs = _read_keys_file(self.keys_file)
-        self._file_stamp = (stat.st_mtime_ns, stat.st_size)
         if stat.st_mode & 0o077:
-            log.warning("the API keys file is readable by other users; chmod 600 it", path=str(self.keys_file))
+            raise KeysFileExposed(f"the API keys file {self.keys_file} is readable by other users (mode "
+                                  f"{stat.st_mode & 0o777:o}); chmod 600 it")
+        specs = _read_keys_file(self.keys_file)
+        self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_mode)
         return specs
+
+    def _refuse_file(self, exc: Exception) -> None:
+        """Fail closed: none of the keys file's keys is accepted (the inline keys stay)."""
+        self.reload_errors += 1
+        self._rebuild([])
+        # the message of a validation error may quote a key: only its kind and location are logged
+        where = [".".join(str(p) for p in e["loc"]) for e in exc.errors()] if isinstance(exc, ValidationError) else []
+        log.error("API keys file unusable: its keys are refused until it is fixed", path=str(self.keys_file),
+                  error=type(exc).__name__, fields=where,
+                  reason=str(exc) if isinstance(exc, (KeysFileExposed, FileNotFoundError)) else None)
+        try:
+            stat = self.keys_file.stat() if self.keys_file is not None else None
+            self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_mode) if stat is not None else None
+        except OSError:
+            self._file_stamp = None
 
     def _rebuild(self, file_specs: list[ApiKeySpec]) -> None:
         table: dict[bytes, Principal] = {}
@@ -270,20 +292,12 @@ class KeyStore:
             self._checked = now
             try:
                 stat = self.keys_file.stat()
-                if (stat.st_mtime_ns, stat.st_size) == self._file_stamp:
+                if (stat.st_mtime_ns, stat.st_size, stat.st_mode) == self._file_stamp:
                     return False
                 self._rebuild(self._load_file())
             except (OSError, yaml.YAMLError, ValidationError, ValueError) as exc:
-                self.reload_errors += 1
-                # the message of a validation error may quote a key: only its kind and location are logged
-                where = [".".join(str(p) for p in e["loc"]) for e in exc.errors()] if isinstance(
-                    exc, ValidationError) else []
-                log.error("API keys file not reloaded; the previous keys stay in force", path=str(self.keys_file),
-                          error=type(exc).__name__, fields=where)
-                try:
-                    self._file_stamp = (self.keys_file.stat().st_mtime_ns, self.keys_file.stat().st_size)
-                except OSError:
-                    pass
+                if not (isinstance(exc, FileNotFoundError) and self._file_stamp is None):  # once, not per check
+                    self._refuse_file(exc)
                 return False
         self.reloads += 1
         log.info("API keys file reloaded", path=str(self.keys_file), keys=len(self._by_digest))
@@ -386,8 +400,8 @@ def is_feedback_path(path: str) -> bool:
 
 
 def required_scope(path: str) -> str | None:
-    """The scope a path needs (None: open to anyone, the health check)."""
-    if path == "/health":
+    """The scope a path needs (None: open to anyone, the health and readiness checks)."""
+    if path in ("/health", "/ready"):
         return None
     if path.startswith("/s/"):  # /s/{session}/v1/...
         return "inference"

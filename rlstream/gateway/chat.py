@@ -50,6 +50,9 @@ class ChatCompletions:
         body = parse_json(await request.body(), config.max_json_depth)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
+        if len(body["messages"]) > config.max_messages:
+            return openai_error(400, f"a chat completion request has at most {config.max_messages} messages "
+                                "(gateway.max_messages)")
         check_choices(body, config.max_choices)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         gw.keys.charge(caller, requested_choices(body) - 1)  # n choices cost n requests
@@ -165,6 +168,21 @@ class ChatCompletions:
         client_model = body.get("model", model)
         headers = gw.sign(headers, caller, gw.client_session(session_id), first.get("id"))
 
+        def dispatch(chunk: dict[str, Any]) -> None:
+            """Each choice of ``chunk`` to its own accumulator, by index (n choices: n x tokens in all, not n^2)."""
+            choices = chunk.get("choices")
+            if len(accumulators) == 1 or not isinstance(choices, list):
+                accumulators[0].add(chunk)
+                return
+            if accumulators[0].prompt_ids is None and chunk.get("prompt_token_ids") is not None:
+                accumulators[0].add({"prompt_token_ids": chunk["prompt_token_ids"]})
+                for acc in accumulators[1:]:
+                    acc.prompt_ids = accumulators[0].prompt_ids
+            for choice in choices:
+                index = choice.get("index", 0) if isinstance(choice, dict) else None
+                if isinstance(index, int) and 0 <= index < len(accumulators):
+                    accumulators[index].add({"choices": [choice]})
+
         def render(line: str) -> str:
             if not line.startswith("data:"):
                 return line + "\n"
@@ -177,11 +195,10 @@ class ChatCompletions:
                 return line + "\n"
             if not isinstance(chunk, dict):
                 return line + "\n"
-            for acc in accumulators:
-                try:
-                    acc.add(chunk)
-                except (TypeError, ValueError, AttributeError) as exc:  # handed on as it came, not captured
-                    log.warning("malformed upstream stream chunk not captured", error=str(exc))
+            try:
+                dispatch(chunk)
+            except (TypeError, ValueError, AttributeError) as exc:  # handed on as it came, not captured
+                log.warning("malformed upstream stream chunk not captured", error=str(exc))
             out = filter_response(chunk, asked)
             if out.get("model") == model:
                 out["model"] = client_model

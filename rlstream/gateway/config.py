@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rlstream.schemas.config import GatewayConfig, InferenceConfig, RlstreamConfig, StreamsConfig
+from rlstream.schemas.config import GatewayConfig, InferenceConfig, KafkaConfig, RlstreamConfig, StreamsConfig
 from rlstream.schemas.masking import SecretUrl, mask_url
 
 
@@ -30,12 +30,23 @@ class GatewaySettings(GatewayConfig):
     max_choices: int = Field(_default(StreamsConfig, "max_allowed_group_size"), ge=1,
                              description="largest n a chat request may ask for (400)")
     spool_dir: Path | None = Field(None, description="the on-disk spool; None: no spool")
+    max_body_bytes: int = Field(_default(KafkaConfig, "max_message_bytes") // 2, ge=1024,
+                                description="largest request body (413)")
+    max_session_bytes: int = Field(_default(KafkaConfig, "max_message_bytes") // 2, ge=1024,
+                                   description="approximate bytes of one session trajectory (split past it)")
 
     @classmethod
     def resolve(cls, cfg: RlstreamConfig, section: GatewayConfig | None = None) -> "GatewaySettings":
         """``section`` (default ``cfg.gateway``) with its unset keys taken from ``cfg``."""
         gw = section if section is not None else cfg.gateway
-        resolved = {"upstreams", "upstream_api_key", "served_model", "max_choices", "spool_dir"}
+        resolved = {"upstreams", "upstream_api_key", "served_model", "max_choices", "spool_dir", "max_body_bytes",
+                    "max_session_bytes"}
+        record_max = cfg.kafka.max_message_bytes
+        for name in ("max_body_bytes", "max_session_bytes"):
+            value = getattr(gw, name)
+            if value is not None and value >= record_max:  # answered 2xx, then dropped by the producer
+                raise ValueError(f"gateway.{name} ({value}) must stay below kafka.max_message_bytes ({record_max}): "
+                                 "a call Kafka cannot take would be answered and never captured")
         values = {name: getattr(gw, name) for name in GatewayConfig.model_fields if name not in resolved}
         return cls(**values, run_id=cfg.run_id, policy=cfg.policy,
                    upstreams=list(gw.upstreams) or [cfg.inference.url],
@@ -43,6 +54,8 @@ class GatewaySettings(GatewayConfig):
                    upstream_api_key=gw.upstream_api_key if gw.upstream_api_key is not None else cfg.inference.api_key,
                    served_model=gw.served_model or cfg.inference.served_model,
                    max_choices=gw.max_choices or cfg.streams.max_allowed_group_size,
+                   max_body_bytes=gw.max_body_bytes or record_max // 2,
+                   max_session_bytes=gw.max_session_bytes or record_max // 2,
                    spool_dir=(gw.spool_dir or default_spool_dir(gw.port)) if gw.spool else None)
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -15,11 +16,12 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from rlstream.gateway.auth import OPEN, PRINCIPAL_KEY, AccessConfig, Principal, forbidden, task_for, unauthorized
+from rlstream.gateway.auth import (OPEN, PRINCIPAL_KEY, AccessConfig, AuthRefusal, Principal, forbidden, task_for,
+                                   unauthorized)
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback import FeedbackIndex
 from rlstream.gateway.feedback_tokens import FeedbackGrant, FeedbackSigner, FeedbackTokenError, generate_secret
-from rlstream.gateway.limits import LimitStats, malformed_answer
+from rlstream.gateway.limits import LimitStats, RateLimiter, malformed_answer
 from rlstream.gateway.queue import CaptureQueue, Submitter
 from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.gateway.spool import Spool
@@ -40,6 +42,8 @@ log = get_logger(__name__)
 SESSION_HEADER = "x-session-id"
 TASK_HEADER = "x-rlstream-task"
 FEEDBACK_TOKEN_HEADER = "x-rlstream-feedback-token"
+#: set on a request once it was counted against ``token_rpm`` (its token may be verified more than once)
+TOKEN_COUNTED_KEY = "rlstream.token_counted"
 #: ``async () -> (model name to request, policy version)``, e.g. ``VersionRouter.current`` adapted.
 RouteSource = Callable[[], Awaitable[tuple[str, int]]]
 
@@ -111,6 +115,7 @@ class Gateway:
                                      max_open=config.max_open_sessions, max_turns=config.max_session_turns,
                                      max_bytes=config.max_session_bytes, tenant_of=self.tenant_of)
         self.limit_stats = LimitStats()
+        self.token_rate = RateLimiter(config.token_rpm)  # per key that caused the tokens
         self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s)
         self._client = client
         self._own_client = client is None
@@ -397,13 +402,21 @@ class Gateway:
             headers["x-rlstream-session-id"] = session_id
         return headers
 
-    def grant(self, token: str) -> FeedbackGrant:
+    def grant(self, token: str, request: Request | None = None) -> FeedbackGrant:
         """What a feedback token allows; :class:`AuthRefusal` (401) for a token that is forged, expired, or whose
-        key (the one that caused it) is no longer configured."""
+        key (the one that caused it) is no longer configured. With ``request``, the request is counted once against
+        ``token_rpm`` of the key that caused the token (429 beyond)."""
         try:
             grant = self.signer.verify(token)
         except FeedbackTokenError as exc:
             raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
         if grant.key_id and self.keys.enabled and not self.keys.knows(grant.key_id):
             raise unauthorized("feedback token not valid (its API key was revoked)", "feedback_token_revoked")
+        if request is not None and not request.scope.get(TOKEN_COUNTED_KEY):
+            request.scope[TOKEN_COUNTED_KEY] = True
+            wait = self.token_rate.take(grant.key_id)
+            if wait is not None:
+                raise AuthRefusal(429, f"rate limit of {self.config.token_rpm} feedback requests per minute with "
+                                  f"this key's feedback tokens reached; retry in {math.ceil(wait)} s",
+                                  "rate_limit_error", "token_rate_limit_exceeded")
         return grant

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlstream.gateway.tenants import PerTenantLru
+from rlstream.schemas.rewards import feedback_id_problem
 
 #: context key of ``Feedback.model_validate(..., context=...)``: the (low, high) range rewards must lie in
 RANGE_CONTEXT = "reward_range"
@@ -50,6 +51,14 @@ class Feedback(BaseModel):
     @classmethod
     def _reward_in_range(cls, value: float, info: ValidationInfo) -> float:
         return _in_range(value, info, "reward")
+
+    @field_validator("feedback_id")
+    @classmethod
+    def _usable_feedback_id(cls, value: str | None) -> str | None:
+        problem = feedback_id_problem(value) if value is not None else None
+        if problem is not None:  # the stream app's rule: refused here instead of dead-lettered there
+            raise ValueError(problem)
+        return value
 
     @field_validator("components")
     @classmethod

@@ -41,7 +41,7 @@ class FeedbackEndpoint:
         caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
         granted: str | None = None  # the trajectory a token names
         if token:
-            grant = gw.grant(token)
+            grant = gw.grant(token, request)
             tenant = grant.tenant
             if grant.kind == "trajectory":
                 granted = grant.target_id

@@ -170,7 +170,7 @@ class FeedbackShapes:
         feedback token, else the key); :class:`AuthRefusal` (401) without a valid one."""
         token = request.headers.get(FEEDBACK_TOKEN_HEADER) or request.scope.get(BEARER_TOKEN_KEY)
         if token:
-            return self.gateway.grant(token).tenant
+            return self.gateway.grant(token, request).tenant
         caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
         if caller is None:
             raise unauthorized("feedback needs the response's feedback token (x-rlstream-feedback-token) or an API "
@@ -272,6 +272,10 @@ class FeedbackShapes:
             records = evaluation_records(body)
         except FeedbackShapeError as exc:
             return _error(400, f"invalid OTLP logs: {exc}")
+        cap = self.gateway.config.max_rewards_per_request
+        if len(records) > cap:
+            return _error(413, f"{len(records)} evaluation records in one request (at most {cap}, "
+                          "gateway.max_rewards_per_request)", "request_too_large")
         rejected: list[str] = []
         for record in records:
             problem = self._otlp_record(request, record)

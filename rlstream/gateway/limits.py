@@ -5,8 +5,12 @@
   characters, requests at once (``max_concurrent_requests``: 503 with ``Retry-After``), the body: a declared
   ``Content-Length`` over ``max_body_bytes`` is answered 413 before anything is read, a body that grows past it while
   read is cut off with 413, a body not received whole within ``body_read_timeout_s`` with 408 (a client trickling a
-  half-sent request holds a connection that long, no longer). Either body error closes the connection.
-* :func:`parse_json`: a body's JSON with NaN / Infinity refused and its nesting at most ``max_json_depth``.
+  half-sent request holds a connection that long, no longer). Either body error closes the connection. It runs
+  after the authentication middleware: a request whose credential may sit in its body (a feedback path without a key
+  in its headers) has the small ``token_body_max_bytes`` cap and a pool of its own (``token_concurrent_requests``),
+  so unauthenticated requests never take the slots of authenticated ones.
+* :func:`parse_json`: a body's JSON with NaN / Infinity and lone surrogates refused and its nesting at most
+  ``max_json_depth``, checked by a scan of the bytes before the parse.
 * :class:`GuardedHttpToolsProtocol`: uvicorn's httptools protocol with a deadline for the request line and headers
   (``header_read_timeout_s``) and a cap on their size; h11 has its own (``h11_max_incomplete_event_size``).
 """
@@ -20,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, MutableMapping
 
+from rlstream.gateway.auth import PRINCIPAL_KEY
 from rlstream.gateway.config import GatewaySettings
 from rlstream.transport.log import get_logger
 
@@ -36,8 +41,8 @@ ID_CHARS = re.compile(r"[A-Za-z0-9._:@+=~-]+")
 SESSION_PATH = re.compile(r"^/s/([^/]*)/")
 SESSION_HEADER = b"x-session-id"
 TASK_HEADER = b"x-rlstream-task"
-#: Not counted against ``max_concurrent_requests`` (liveness probes must answer under load).
-UNCOUNTED_PATHS = frozenset({"/health"})
+#: Not counted against ``max_concurrent_requests`` (liveness and readiness probes must answer under load).
+UNCOUNTED_PATHS = frozenset({"/health", "/ready"})
 
 
 class RequestRejected(Exception):
@@ -70,9 +75,30 @@ class LimitStats:
 
     rejected: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
+    #: requests in flight whose credential may sit in the body (their own pool)
+    token_in_flight: int = 0
 
     def count(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class RateLimiter:
+    """Requests per minute for each of a bounded set of names (a token bucket each, full at the start)."""
+
+    def __init__(self, rpm: int) -> None:
+        self.rpm = rpm
+        self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, when refilled)
+
+    def take(self, name: str, now: float | None = None) -> float | None:
+        """Count one request of ``name``: None when allowed, else the seconds until one is."""
+        now = time.monotonic() if now is None else now
+        tokens, refilled = self._buckets.get(name, (float(self.rpm), now))
+        tokens = min(float(self.rpm), tokens + (now - refilled) * self.rpm / 60.0)
+        if tokens < 1.0:
+            self._buckets[name] = (tokens, now)
+            return (1.0 - tokens) * 60.0 / self.rpm
+        self._buckets[name] = (tokens - 1.0, now)
+        return None
 
 
 class RequestLimits:
@@ -85,19 +111,25 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # the auth middleware ran first: None marks a request whose credential may sit in its body
+        unproven = PRINCIPAL_KEY in scope and scope[PRINCIPAL_KEY] is None
+        cap = self.config.token_body_max_bytes if unproven else self.config.max_body_bytes
         try:
-            declared = self._check_head(scope)
+            declared = self._check_head(scope, cap)
         except RequestRejected as exc:
             await self._reject(exc, send)
             return
         counted = scope.get("path") not in UNCOUNTED_PATHS
-        if counted and self.stats.in_flight >= self.config.max_concurrent_requests:
+        pool, size = ("token_in_flight", self.config.token_concurrent_requests) if unproven else (
+            "in_flight", self.config.max_concurrent_requests)
+        if counted and getattr(self.stats, pool) >= size:
             await self._reject(RequestRejected(503, "too many requests at once; retry shortly", "server_overloaded",
-                                               reason="overloaded"), send, retry_after=True)
+                                               reason="overloaded_token" if unproven else "overloaded"),
+                               send, retry_after=True)
             return
         if counted:
-            self.stats.in_flight += 1
-        guard = _BodyGuard(receive, self.config, declared)
+            setattr(self.stats, pool, getattr(self.stats, pool) + 1)
+        guard = _BodyGuard(receive, self.config, declared, cap)
         started = False
 
         async def tracked_send(message: Message) -> None:
@@ -114,9 +146,9 @@ class RequestLimits:
             await self._reject(exc, send)
         finally:
             if counted:
-                self.stats.in_flight -= 1
+                setattr(self.stats, pool, getattr(self.stats, pool) - 1)
 
-    def _check_head(self, scope: Scope) -> int | None:
+    def _check_head(self, scope: Scope, cap: int) -> int | None:
         """Header-level bounds; the declared Content-Length (None when absent)."""
         config = self.config
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
@@ -140,9 +172,8 @@ class RequestLimits:
         match = SESSION_PATH.match(scope.get("path") or "")
         if match is not None:
             check_id(match.group(1), "session id", config.max_id_chars)
-        if declared is not None and declared > config.max_body_bytes:
-            raise RequestRejected(413, f"request body larger than {config.max_body_bytes} bytes",
-                                  reason="body_too_large", close=True)
+        if declared is not None and declared > cap:
+            raise RequestRejected(413, f"request body larger than {cap} bytes", reason="body_too_large", close=True)
         return declared
 
     async def _reject(self, exc: RequestRejected, send: Send, retry_after: bool = False) -> None:
@@ -160,8 +191,8 @@ class RequestLimits:
 class _BodyGuard:
     """``receive`` with the body's size and read deadline enforced."""
 
-    def __init__(self, receive: Receive, config: GatewaySettings, declared: int | None) -> None:
-        self._receive, self.config, self.declared = receive, config, declared
+    def __init__(self, receive: Receive, config: GatewaySettings, declared: int | None, cap: int) -> None:
+        self._receive, self.config, self.declared, self.cap = receive, config, declared, cap
         self.deadline = time.monotonic() + config.body_read_timeout_s
         self.read = 0
         self.done = declared == 0
@@ -177,9 +208,9 @@ class _BodyGuard:
                                   "timeout", reason="body_timeout", close=True) from None
         if message["type"] == "http.request":
             self.read += len(message.get("body", b""))
-            if self.read > self.config.max_body_bytes:
-                raise RequestRejected(413, f"request body larger than {self.config.max_body_bytes} bytes",
-                                      reason="body_too_large", close=True)
+            if self.read > self.cap:
+                raise RequestRejected(413, f"request body larger than {self.cap} bytes", reason="body_too_large",
+                                      close=True)
             if not message.get("more_body", False):
                 self.done = True
         return message
@@ -200,33 +231,51 @@ def _finite_float(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
-def json_depth(value: Any) -> int:
-    """How deeply arrays and objects nest in ``value`` (a scalar: 0)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
-        elif isinstance(item, list):
-            deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
-    return deepest
+#: brackets kept (either kind as ``[`` / ``]``: a mismatch is the parser's to refuse), everything else deleted
+_AS_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+#: a UTF-16 surrogate escape; valid JSON text, yet a lone one is not Unicode (cannot be encoded, sent or stored)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def nests_deeper(raw: bytes, limit: int) -> bool:
+    """True when arrays and objects nest more than ``limit`` deep in the JSON text ``raw``, from its bytes, without
+    parsing it (C-speed byte operations only): the strings are cut out, then innermost pairs of brackets are
+    removed ``limit`` times; brackets left over nest deeper."""
+    if b'"' in raw:  # backslashes only occur in strings: escaped ones, then escaped quotes, go before the split
+        raw = b"".join(raw.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[0::2])
+    brackets = raw.translate(_AS_SQUARE, _NOT_BRACKET)
+    if b"[" * (limit + 1) in brackets:  # a run of openings: too deep at once (and no slow passes over it)
+        return True
+    for _ in range(limit):
+        inner = brackets.replace(b"[]", b"")
+        if len(inner) == len(brackets):  # unbalanced: not valid JSON, which the parser answers
+            return False
+        brackets = inner
+        if not brackets:
+            return False
+    return bool(brackets)
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:
-    """``raw`` as JSON; :class:`RequestRejected` (400) when it is not valid JSON, holds NaN or Infinity (also as a
-    number too large for a float, such as 1e400), or nests deeper than ``max_depth``."""
+    """``raw`` as JSON; :class:`RequestRejected` (400) when it nests deeper than ``max_depth`` (checked on the bytes
+    before the parse), is not valid JSON or UTF-8, holds NaN or Infinity (also as a number too large for a float,
+    such as 1e400), or a lone surrogate (``"\\ud800"``)."""
+    # fewer brackets than the limit cannot nest deeper (a C-speed count spares most bodies the scan)
+    if raw.count(b"[") + raw.count(b"{") > max_depth and nests_deeper(raw, max_depth):
+        raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json")
     try:
         value = _DECODER.decode(raw.decode("utf-8"))
     except RecursionError:
         raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RequestRejected(400, f"request body is not valid JSON: {exc}", reason="bad_json") from None
-    # fewer brackets than the limit cannot nest deeper (a C-speed count spares most bodies the walk)
-    if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(value) > max_depth:
-        raise RequestRejected(400, f"request body nests deeper than {max_depth} levels", reason="bad_json")
+    if _SURROGATE_ESCAPE.search(raw) is not None:  # rare: only then is the value re-encoded to find a lone one
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestRejected(400, "request body has a lone surrogate (\\ud800-\\udfff) in a string: not "
+                                  "valid Unicode", reason="bad_json") from None
     return value
 
 

@@ -322,6 +322,9 @@ class Responses:
         body = parse_json(await request.body(), config.max_json_depth)
         if not isinstance(body, dict):
             return openai_error(400, "a Responses request is a JSON object")
+        if isinstance(body.get("input"), list) and len(body["input"]) > config.max_messages:
+            return openai_error(400, f"a Responses request has at most {config.max_messages} input items "
+                                "(gateway.max_messages)")
         try:
             messages = request_messages(body)
         except ValueError as exc:

@@ -11,7 +11,7 @@ from typing import Callable
 from pydantic import SecretStr, ValidationError
 
 from rlstream.gateway.app import Gateway
-from rlstream.gateway.auth import AccessConfig, KeyStore, exposure_problem, inline_keys_from_env
+from rlstream.gateway.auth import AccessConfig, KeyStore, KeysFileExposed, exposure_problem, inline_keys_from_env
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.server import run, serve_forever
 from rlstream.rollout.publisher import TrajectoryPublisher
@@ -58,7 +58,7 @@ def field_errors(exc: Exception) -> str:
     """A key or keys-file problem without the key: fields and problems only."""
     if isinstance(exc, ValidationError):  # its message may quote a key
         return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-    return type(exc).__name__ if not isinstance(exc, OSError) else str(exc)
+    return str(exc) if isinstance(exc, (OSError, KeysFileExposed)) else type(exc).__name__
 
 
 @dataclass
@@ -91,7 +91,10 @@ def prepare_gateway(cfg: RlstreamConfig, options: GatewayOptions | None = None) 
     problem = exposure_problem(section.host, keys.enabled, options.insecure_no_auth)
     if problem is not None:
         raise GatewayStartError(problem)
-    gw = GatewaySettings.resolve(cfg, section)
+    try:
+        gw = GatewaySettings.resolve(cfg, section)
+    except ValueError as exc:  # a bound Kafka cannot honour
+        raise GatewayStartError(f"gateway settings not usable: {exc}") from None
     upstreams = [str(url) for url in section.upstreams] or [gw.upstream_url]
     return PreparedGateway(gw, upstreams, access, keys)
 

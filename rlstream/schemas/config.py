@@ -652,7 +652,10 @@ class GatewayConfig(Section):
     metrics_host: str | None = Field(None, description="address the gateway's Prometheus endpoint binds; None: "
                                      "the gateway's own host")
     # -- bounds on what a client can make the gateway hold or do (each answered with a 4xx; docs/gateway-bounds.md)
-    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body; a larger one is answered 413")
+    max_body_bytes: int | None = Field(None, ge=1024, description="largest request body; a larger one is answered "
+                                       "413 before it is read. None: half of kafka.max_message_bytes; a value at or "
+                                       "above kafka.max_message_bytes is refused at start (a call Kafka cannot take "
+                                       "would be answered 2xx and never captured)")
     max_header_bytes: int = Field(64 << 10, ge=1024, description="request line plus headers; more is answered 400 "
                                   "and the connection closed")
     max_id_chars: int = Field(256, ge=1, description="longest session id (path /s/{id}/ or X-Session-Id) and task "
@@ -662,7 +665,8 @@ class GatewayConfig(Section):
     max_choices: int | None = Field(None, ge=1, description="largest n a chat request may ask for (400); None: "
                                     "streams.max_allowed_group_size, the largest group streams accepts")
     max_concurrent_requests: int = Field(1024, ge=1, description="requests served at once; more are answered 503 "
-                                         "with Retry-After (/health is not counted)")
+                                         "with Retry-After (/health and /ready are not counted; /ready answers 503 while all are taken, "
+                                         "for a load balancer to fail over)")
     body_read_timeout_s: float = Field(30.0, gt=0, description="a request body not received whole within this "
                                        "long is answered 408 and its connection closed")
     header_read_timeout_s: float = Field(10.0, gt=0, description="a request whose line and headers are not "
@@ -673,8 +677,22 @@ class GatewayConfig(Section):
                                    "published (counted)")
     max_session_turns: int = Field(256, ge=1, description="calls in one session trajectory; a longer session is "
                                    "split (the full trajectory published, the next call starts a new one; counted)")
-    max_session_bytes: int = Field(8 << 20, ge=1024, description="approximate bytes (messages and token ids of all "
-                                   "its calls) of one session trajectory; past it the session is split (counted)")
+    max_session_bytes: int | None = Field(None, ge=1024, description="approximate bytes (messages and token ids "
+                                          "of all its calls) of one session trajectory; past it the session is split "
+                                          "(counted). None: half of kafka.max_message_bytes; a value at or above "
+                                          "kafka.max_message_bytes is refused at start")
+    max_messages: int = Field(4096, ge=1, description="messages in one chat request (Responses: input items); more "
+                              "are answered 400")
+    token_body_max_bytes: int = Field(64 << 10, ge=1024, description="largest body of a feedback request without a "
+                                      "key in its headers (its feedback token may sit in the body): a larger one is "
+                                      "answered 413 before it is read")
+    token_concurrent_requests: int = Field(64, ge=1, description="feedback requests without a key in their headers "
+                                           "served at once, a pool of their own (never the slots of "
+                                           "max_concurrent_requests); more are answered 503 with Retry-After")
+    token_rpm: int = Field(600, ge=1, description="feedback requests per minute with feedback tokens, counted per "
+                           "API key that caused the tokens (all of one key's tokens share them; 429 beyond)")
+    max_rewards_per_request: int = Field(100, ge=1, description="evaluation records in one OTLP /v1/logs request; "
+                                         "more are answered 413")
 
 
 class RlstreamConfig(BaseSettings):

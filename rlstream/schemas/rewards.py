@@ -77,8 +77,16 @@ def validate_reward(event: RewardEvent, reward_range: RewardRange = DEFAULT_REWA
     for name in ("trajectory_id", "group_id", "example_id"):
         if not getattr(event, name).strip():
             return Invalid(MISSING_ID, f"{name} is empty")
-    if event.feedback_id is not None and not (0 < len(event.feedback_id) <= MAX_FEEDBACK_ID_CHARS
-                                              and event.feedback_id.strip()):
-        return Invalid(BAD_FEEDBACK_ID, f"feedback_id {event.feedback_id[:80]!r} ({len(event.feedback_id)} "
-                                        f"characters) must be 1 to {MAX_FEEDBACK_ID_CHARS} characters, not blank")
+    if event.feedback_id is not None:
+        problem = feedback_id_problem(event.feedback_id)
+        if problem is not None:
+            return Invalid(BAD_FEEDBACK_ID, problem)
     return check_rewards(event.reward, event.components, reward_range)
+
+
+def feedback_id_problem(feedback_id: str) -> str | None:
+    """Why ``feedback_id`` is not usable (the gateway answers it 422, streams dead-letter it), or None."""
+    if 0 < len(feedback_id) <= MAX_FEEDBACK_ID_CHARS and feedback_id.strip():
+        return None
+    return (f"feedback_id {feedback_id[:80]!r} ({len(feedback_id)} characters) must be 1 to "
+            f"{MAX_FEEDBACK_ID_CHARS} characters, not blank")

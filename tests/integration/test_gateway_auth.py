@@ -253,10 +253,12 @@ async def test_keys_file_reloads_without_a_restart_and_limits_answer_429(
     keys_file.write_text(json.dumps({"keys": [*KEYS_FILE["keys"], {"key": new_key, "tenant": "newco"}]}))
     gateway.keys._checked = 0.0  # the mtime check runs at most once a second
     assert (await c.get("/v1/models", headers=bearer(new_key))).status_code == 200
-    keys_file.write_text("keys: [ {key: ")  # a broken edit keeps the keys in force
+    keys_file.write_text("keys: [ {key: ")  # a broken edit fails closed: none of the file's keys is accepted
     gateway.keys._checked = 0.0
-    assert (await c.get("/v1/models", headers=bearer(new_key))).status_code == 200
+    assert refused(await c.get("/v1/models", headers=bearer(new_key)), 401)
     assert gateway.keys.reload_errors == 1
+    keys_file.write_text(json.dumps(KEYS_FILE))  # fixed: its keys are back
+    gateway.keys._checked = 0.0
     limited = bearer(LIMITED_KEY)
     assert [(await c.get("/v1/models", headers=limited)).status_code for _ in range(3)] == [200, 200, 429]
     assert refused(await c.get("/v1/models", headers=limited), 429)["code"] == "rate_limit_exceeded"
@@ -315,6 +317,7 @@ def test_gateway_serve_refuses_a_routable_address_without_keys(tmp_path: Path) -
     assert refused_run.exit_code == 2 and "--insecure-no-auth" in refused_run.output, refused_run.output
     bad_keys = tmp_path / "keys.yaml"
     bad_keys.write_text(json.dumps({"keys": [{"key": "short-secret", "tenant": "acme"}]}))
+    bad_keys.chmod(0o600)
     bad = CliRunner().invoke(app, ["gateway", "serve", "--api-keys-file", str(bad_keys)], env=env)
     assert bad.exit_code == 2 and "keys.0.key" in bad.output and "short-secret" not in bad.output, bad.output
 

@@ -135,6 +135,7 @@ async def test_naming_an_unpromoted_version_needs_the_evaluate_scope(rl_config: 
     keys.write_text(json.dumps({"keys": [
         {"key": user_key, "tenant": "t", "scopes": ["inference"], "tasks": ["*"]},
         {"key": evaluator_key, "tenant": "t", "scopes": ["inference", "evaluate"], "tasks": ["*"]}]}))
+    keys.chmod(0o600)
     control = ControlPlane(str(rl_config.redis.url))
     serving_control = ServingControl(control)
     try:

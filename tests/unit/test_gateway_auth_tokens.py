@@ -51,6 +51,7 @@ def test_a_token_of_another_secret_or_with_an_edited_payload_is_refused() -> Non
 def test_keys_file_as_a_bare_list_and_per_key_concurrency(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     path.write_text(json.dumps([{"key": "a" * 20, "tenant": "acme", "max_concurrent": 1, "tasks": ["t1", "t2"]}]))
+    path.chmod(0o600)
     store = KeyStore(keys_file=path)
     principal = store.authenticate("a" * 20)
     assert isinstance(principal, Principal) and principal.tenant == "acme" and store.authenticate("b" * 20) is None

@@ -50,6 +50,7 @@ async def test_feedback_by_chat_completion_id_reaches_its_trajectory_of_its_tena
         tmp_path: Path, stream: bool) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps([{"key": ACME_KEY, "tenant": "acme"}, {"key": GLOBEX_KEY, "tenant": "globex"}]))
+    keys.chmod(0o600)
     publisher = FakePublisher()
     gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="m", served_model="m"), publisher,
                       client=httpx.AsyncClient(transport=numbered_upstream()), access=AccessConfig(api_keys_file=keys))

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.config import GatewaySettings
-from rlstream.gateway.limits import json_depth, parse_json, RequestRejected
+from rlstream.gateway.limits import nests_deeper, parse_json, RequestRejected
 from rlstream.gateway.spool import Spool, SpoolRecord
 from rlstream.schemas.models import TrajectoryEvent
 from tests.unit.test_gateway_sessions import USER, FakePublisher, fake_upstream
@@ -107,7 +107,10 @@ async def test_json_depth_and_non_finite_numbers_are_400(body: bytes) -> None:
 
 
 def test_json_depth_counts_nesting() -> None:
-    assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [{"b": []}]}) == 4
+    assert not nests_deeper(b"1", 0) and not nests_deeper(b"[]", 1) and nests_deeper(b"[]", 0)
+    nested = b'{"a": [{"b": []}]}'
+    assert not nests_deeper(nested, 4) and nests_deeper(nested, 3)
+    assert not nests_deeper(b'["[[[", "\\\\", "\\"[[{", []]', 2)  # brackets in strings (escapes too) do not nest
     assert parse_json(b'{"a": [1, 2.5e3]}', 2) == {"a": [1, 2500.0]}
     with pytest.raises(RequestRejected):
         parse_json(b"[[[1]]]", 2)
