@@ -167,7 +167,7 @@ class TrainPublishLoop:
                 announcer=self.announcer, codec=self.codec, control=self.control, lease=self.guard.lease,
                 topic=target.topics.policy_versions, groups_topic=target.topics.groups, policy_name=target.policy,
                 run_id=target.run_id, directory=directory, manifest=manifest, version=state.version,
-                step=state.step, kind=WeightsKind.lora if self.policy.lora else WeightsKind.full,
+                step=state.step, kind=WeightsKind(manifest["kind"]),
                 base_model=self.policy.base_model, offsets=state.publishing_offsets,
                 group_count=state.publishing_groups, metrics=figures, lease_ttl_s=target.lease_ttl_s,
                 before_commit=before_commit, uri=uri)

@@ -43,6 +43,7 @@ class Policy:
     lora: bool
     base_model: str
     reference: Any = None  # frozen copy (full fine-tuning with beta > 0)
+    publish_merged: bool = False  # LoRA: versions are published as full weights (the adapter merged in)
 
     @property
     def pad_id(self) -> int:
@@ -132,7 +133,7 @@ def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, wit
              trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
              gradient_checkpointing=cfg.gradient_checkpointing)
     return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, lora=cfg.lora.enabled,
-                  base_model=path, reference=reference)
+                  base_model=path, reference=reference, publish_merged=cfg.lora.enabled and cfg.lora.publish_merged)
 
 
 def nonfinite_parameters(model: Any) -> list[str]:

@@ -10,7 +10,8 @@ pointer is not moved.
 
 Version directory ``<output_dir>/versions/v<NNNNNN>/``: full fine-tuning writes ``model.safetensors`` with
 untied embeddings, ``config.json`` (``tie_word_embeddings: false``) and the tokenizer; LoRA writes a PEFT
-adapter folder (``adapter_model.safetensors``, ``adapter_config.json``). ``manifest.json`` lists the sha256 of
+adapter folder (``adapter_model.safetensors``, ``adapter_config.json``), or, with ``learner.lora.publish_merged``,
+the full-weights files of the adapter merged into a copy of the base (kind ``full``). ``manifest.json`` lists the sha256 of
 every file; the Redis pointer's ``sha256`` is the sha256 of ``manifest.json`` itself.
 
 Weight store (``learner.weight_store``): a directory (the version directories go there instead of
@@ -94,8 +95,21 @@ def store_version(directory: Path, weight_store: str | None, version: int,
     return url
 
 
-def _save_full(policy: Policy, out: Path) -> None:
-    model = policy.model
+def published_kind(policy: Policy) -> WeightsKind:
+    """What a version of ``policy`` is published as: its adapter (LoRA), or full weights (full fine-tuning, or
+    LoRA with ``learner.lora.publish_merged``)."""
+    return WeightsKind.lora if policy.lora and not policy.publish_merged else WeightsKind.full
+
+
+def merged_copy(policy: Policy) -> Any:
+    """A copy of the LoRA model with the adapter merged into the base weights (``merge_and_unload``); the model
+    being trained keeps its adapter."""
+    with torch.no_grad():
+        return copy.deepcopy(policy.model).merge_and_unload()
+
+
+def _save_full(policy: Policy, out: Path, model: Any = None) -> None:
+    model = policy.model if model is None else model
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
     out_emb = model.get_output_embeddings()
     if out_emb is not None:  # untie: vLLM keeps stale weights for tied embeddings on reload
@@ -135,13 +149,16 @@ def write_version(policy: Policy, root: Path, policy_name: str, version: int) ->
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if policy.lora:
+    kind = published_kind(policy)
+    if kind == WeightsKind.lora:
         policy.model.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card: versions hold weights, JSON, tokenizer only
+    elif policy.lora:
+        _save_full(policy, tmp, merged_copy(policy))
     else:
         _save_full(policy, tmp)
     manifest = write_manifest(tmp, {"policy": policy_name, "version": version,
-                                    "kind": "lora" if policy.lora else "full", "base_model": policy.base_model})
+                                    "kind": kind.value, "base_model": policy.base_model})
     if final.exists():  # an unannounced leftover of a crashed publication of this same version
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -264,6 +264,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       description="module names the adapter wraps")
+    publish_merged: bool = Field(False, description="publish each version as full weights (the adapter merged "
+                                 "into a copy of the base, kind full) for fleets that do not serve adapters; false "
+                                 "= publish the adapter")
 
 
 class LearnerConfig(Section):
