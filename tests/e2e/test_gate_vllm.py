@@ -8,9 +8,10 @@ rate (a warmup of 10000 steps), then version 2 from five more steps at the full 
 reward scores an answer 0 when it contains a marker word, the training groups score the answer that repeats that word
 1 and every other answer 0. The gate promotes version 1 (A loads it on the promotion's request) and
 rejects version 2, which A never loads: A's heartbeat is sampled throughout and every production request sent
-through the gateway meanwhile is answered by version 0 or 1. Negative control: a serve replica following the newest
-announced version (the behaviour without an evaluation server) loads the rejected version 2 while the gateway still
-labels its answers with the serving version 1.
+through the gateway meanwhile is answered by version 0 or 1 (503 before the gate served version 0). Negative control:
+a serve replica following the newest announced version (the behaviour without an evaluation server) loads the
+rejected version 2 (the gateway then refuses production, 503, rather than label its answers with the serving
+version 1).
 """
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ def test_rejected_full_weight_candidate_never_serves(
         serve_loaded: list[set[int]] = []  # serve-a's acknowledgements, sampled throughout
         serve_held: list[int] = []  # the full version serve-a's worker holds, sampled throughout
         eval_loaded: set[int] = set()
-        answered: list[tuple[int, int, int]] = []  # (labelled version, held before, held after) per request
+        # (labelled version, None: 503; held before, held after) per request
+        answered: list[tuple[int | None, int, int]] = []
 
         async def watch() -> None:
             while not stops["watch"].is_set():
@@ -194,9 +196,13 @@ def test_rejected_full_weight_candidate_never_serves(
                 response = await http.post(f"{url}/v1/chat/completions", json={
                     "model": policy, "messages": [{"role": "user", "content": "Say b."}], "max_tokens": 2,
                     "temperature": 0})
-                assert response.status_code == 200, response.text
-                answered.append((int(response.headers["x-rlstream-policy-version"]), before,
-                                 serve_worker.state.version))
+                if response.status_code == 503:  # before the gate served version 0 nothing serves
+                    assert "no_serving_version" in response.text, response.text
+                    answered.append((None, before, serve_worker.state.version))
+                else:
+                    assert response.status_code == 200, response.text
+                    answered.append((int(response.headers["x-rlstream-policy-version"]), before,
+                                     serve_worker.state.version))
                 await asyncio.sleep(0.3)
 
         gate = PromotionGate(cfg, control, evaluation, codec=AvroCodec())
@@ -251,14 +257,18 @@ def test_rejected_full_weight_candidate_never_serves(
             assert serve_loaded and all(2 not in loaded for loaded in serve_loaded), serve_loaded
             assert 2 not in serve_held and serve_worker.state.version == 1
             assert {1} <= {v for loaded in serve_loaded for v in loaded}
-            assert answered and all(label in (0, 1) and 2 not in (before, after)
+            assert answered and all(label in (None, 0, 1) and 2 not in (before, after)
                                     for label, before, after in answered), answered
+            labels = [label for label, _, _ in answered]
+            served_from = next((i for i, label in enumerate(labels) if label is not None), len(labels))
+            assert None not in labels[served_from:], labels  # 503 only until version 0 served
             assert any(label == 1 for label, _, _ in answered)  # production reached the promoted version
             pointer = await serving.serving(policy)
             assert pointer is not None and pointer.version == 1
             decisions = await read_all(cfg, created_topics.promotions, PromotionDecision, timeout_s=20, quiet_s=1)
             recorded = [(d.version, d.decision) for _, d in decisions]  # type: ignore[attr-defined]
-            assert recorded == [(1, DecisionKind.promote), (2, DecisionKind.reject)]
+            # version 0 (the base weights the learner announced first) serves without evaluation
+            assert recorded == [(0, DecisionKind.promote), (1, DecisionKind.promote), (2, DecisionKind.reject)]
             rejected = [d for _, d in decisions if d.decision == DecisionKind.reject][0]  # type: ignore[attr-defined]
             assert rejected.reason.startswith("rejected: ") and rejected.serving_before == 1
             assert rejected.candidate_metrics and rejected.serving_metrics
@@ -267,7 +277,8 @@ def test_rejected_full_weight_candidate_never_serves(
             # negative control: a serve replica following the newest announced version loads the rejected one
             stops["serve"].set()
             await asyncio.wait_for(tasks.pop("serve"), 60)
-            newest = InferenceSyncWorker(replica_config(cfg, server_a, "serve-a"), backends[0], control)
+            newest = InferenceSyncWorker(replica_config(cfg, server_a, "serve-a", full_weights_follow="newest"),
+                                         backends[0], control)
             stops["serve"] = asyncio.Event()
             tasks["serve"] = asyncio.create_task(newest.run(stops["serve"]))
 
@@ -281,9 +292,10 @@ def test_rejected_full_weight_candidate_never_serves(
             async with gateway_serving(gateway()) as url, httpx.AsyncClient(timeout=180) as http:
                 response = await http.post(f"{url}/v1/chat/completions", json={
                     "model": policy, "messages": [{"role": "user", "content": "Say b."}], "max_tokens": 2})
-                assert response.status_code == 200, response.text
-                # labelled with the serving version, answered by the weights of the rejected candidate
-                assert int(response.headers["x-rlstream-policy-version"]) == 1 and newest.state.version == 2
+                # the only serve replica holds the rejected candidate's weights: production is refused rather than
+                # answered by them under the serving version's label
+                assert response.status_code == 503, response.text
+                assert "serving version v1" in response.text and newest.state.version == 2
         finally:
             for stop in stops.values():
                 stop.set()
