@@ -71,6 +71,9 @@ def up(
     tool_call_parser: str = typer.Option("auto", help="vLLM's tool-call parser (--enable-auto-tool-choice "
                                          "--tool-call-parser): 'auto' picks the model family's, 'none' starts vLLM "
                                          "without automatic tool choice"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="write the resolved config of every process into the run "
+                                 "directory (config/NAME.yaml, secrets masked), check the tool-call parser against "
+                                 "the model's tokenizer, print the process plan and exit without starting anything"),
 ) -> None:
     """Start broker, Redis, streams, learner, vLLM + sync worker and a rollout runner; train until stopped.
 
@@ -89,7 +92,7 @@ def up(
                      heldout_examples=heldout, live=not no_live, model=model, traffic=traffic.value,
                      task=task.value,
                      feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate,
-                     tool_call_parser=tool_call_parser)
+                     tool_call_parser=tool_call_parser, dry_run=dry_run)
     try:
         run_up(opts)
     except (InfraError, ConfigError, ModelAssetMissing) as exc:

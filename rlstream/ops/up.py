@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rlstream.ops.evaluation import VersionScore, evaluate_versions
 from rlstream.ops.infra import LocalStack
@@ -30,8 +32,8 @@ from rlstream.ops.live import LiveFigures, Watcher, render
 from rlstream.ops.ports import LOOPBACK, free_port
 from rlstream.ops.summary import summarize
 from rlstream.ops.supervisor import Supervisor, rlstream_command
-from rlstream.ops.up_config import (TOY_DEFAULTS, UpOptions, compose_config, task_inputs, task_users_args,
-                                    task_vllm_args)
+from rlstream.ops.up_config import (TOY_DEFAULTS, StackAddresses, UpOptions, compose_config, process_config,
+                                    task_inputs, task_users_args, task_vllm_args)
 from rlstream.ops.version_plot import write_plot
 from rlstream.gateway.auth import API_KEYS_ENV
 from rlstream.rollout.users import USERS_API_KEY_ENV
@@ -179,15 +181,146 @@ def canary_overrides(traffic: str) -> list[str]:
     return [] if traffic == "production" else ["-o", "gate.canary_share", "0"]
 
 
+@dataclass(frozen=True)
+class PlannedProcess:
+    """One process ``rlstream up`` starts: its name, command line and resolved config file."""
+
+    name: str
+    argv: tuple[str, ...]
+    config_file: Path
+
+
+def _flag_pairs(flags: Sequence[str]) -> list[tuple[str, str]]:
+    """``["-o", KEY, VALUE, ...]`` -> ``[(KEY, VALUE), ...]``."""
+    return [(flags[i + 1], flags[i + 2]) for i in range(0, len(flags), 3)]
+
+
+@dataclass(frozen=True)
+class ServiceEndpoints:
+    """The addresses the run's services are given: vLLM servers' URLs, and the gateway's port (production)."""
+
+    vllm_url: str
+    eval_vllm_url: str | None
+    gateway_port: int | None
+
+
+def plan_services(opts: UpOptions, cfg: RlstreamConfig, run_dir: Path, heldout: list[dict[str, Any]],
+                  at: ServiceEndpoints) -> list[PlannedProcess]:
+    """The rlstream services of the run, each with its own resolved config file under ``run_dir/config`` (the run's
+    config plus what this process differs in); every process is started with ``-c`` its file and no overrides."""
+    config_dir = run_dir / "config"
+
+    def planned(name: str, overrides: Sequence[tuple[str, str]], *args: str) -> PlannedProcess:
+        path = process_config(cfg, name, overrides, config_dir)
+        return PlannedProcess(name, tuple(rlstream_command(*args, "-c", str(path))), path)
+
+    serves = serving_overrides(gated=opts.gate and bool(heldout))
+    plan = [planned("streams", [], "streams", "worker"), planned("learner", [], "learner", "run"),
+            planned("inference-sync", _flag_pairs(serves.sync), "inference", "sync", "--backend", "vllm", "--url",
+                    at.vllm_url)]
+    if at.eval_vllm_url is not None:
+        plan.append(planned("inference-sync-eval", [("inference.role", "evaluate")], "inference", "sync",
+                            "--backend", "vllm", "--url", at.eval_vllm_url, "--worker-id",
+                            f"{cfg.inference.worker_id}-eval"))
+    if opts.gate and heldout:  # the gate evaluates every candidate on the held-out prompts before it serves
+        heldout_file = run_dir / "heldout.jsonl"
+        heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))
+        gate = [] if cfg.gate.dataset else [("gate.dataset", str(heldout_file))]
+        gate += _flag_pairs(canary_overrides(opts.traffic))
+        gate += [("gate.samples", str(opts.gate_samples)), ("gate.examples", str(len(heldout)))]
+        plan.append(planned("gate", gate, "gate"))
+    if opts.traffic == "production":
+        assert at.gateway_port is not None
+        gateway = [*_flag_pairs(serves.gateway), ("gateway.served_model", cfg.rollout.model),
+                   ("gateway.session_idle_s", "30")]
+        plan.append(planned("gateway", gateway, "gateway", "serve", "--upstream", at.vllm_url, "--port",
+                            str(at.gateway_port), "--spool-dir", str(run_dir / "spool")))
+        low, high = opts.feedback_delay_s
+        plan.append(planned("users", [], "rollout", "users", "--gateway", f"http://127.0.0.1:{at.gateway_port}",
+                            "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s", str(high),
+                            *task_users_args(opts)))
+    else:
+        plan.append(planned("rollout", [], "rollout", "run"))
+    return plan
+
+
+def plan_vllm(name: str, model_dir: Path, served: str, port: int, extra_args: list[str], tool_call_parser: str,
+              config_dir: Path) -> PlannedProcess:
+    """A vLLM server of the run: its main options (``start_vllm_server`` adds the engine's fixed ones) written to
+    ``config_dir/NAME.yaml``."""
+    import yaml
+
+    from rlstream.ops.vllm import resolve_tool_call_parser, tool_call_args
+
+    parser = resolve_tool_call_parser(model_dir, tool_call_parser, extra_args)
+    config_dir.mkdir(parents=True, exist_ok=True)
+    path = config_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"model": str(model_dir), "served_model_name": served, "port": port,
+                                    "tool_call_parser": parser, "extra_args": list(extra_args)}, sort_keys=False))
+    argv = ("vllm", "serve", str(model_dir), "--served-model-name", served, "--port", str(port),
+            *tool_call_args(model_dir, tool_call_parser, extra_args), *extra_args)
+    return PlannedProcess(name, argv, path)
+
+
+def print_plan(plan: Sequence[PlannedProcess]) -> None:
+    """The process plan: one block per process (name, config file, command line)."""
+    for process in plan:
+        print(f"{process.name}\n  config:  {process.config_file}\n  command: {shlex.join(process.argv)}", flush=True)
+
+
+def _vllm_key(user_cfg: RlstreamConfig | None) -> str:
+    """vLLM's key (its --api-key): the inference settings' own, else a fresh one; masked wherever it shows."""
+    wanted = (user_cfg or RlstreamConfig()).inference.api_key
+    key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
+    remember_secret(key)
+    return key
+
+
+def dry_run_up(opts: UpOptions) -> list[PlannedProcess]:
+    """Resolve and write the config of every process ``rlstream up`` would start (``RUN_DIR/config/NAME.yaml``,
+    without secrets), check the tool-call parser against the model's tokenizer, print the plan and return it;
+    starts no broker, Redis, vLLM or service."""
+    user_cfg = load_config(opts.config, opts.overrides) if opts.config else None
+    run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}-dry-run"
+    run_dir = (opts.runs_dir / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir, dataset, heldout = task_inputs(opts, run_dir, user_cfg)
+    served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
+    # the addresses up would use: the environment's, else those of the broker and Redis it would start
+    stack = StackAddresses(os.environ.get("RLSTREAM_KAFKA_BOOTSTRAP") or f"{LOOPBACK}:{free_port()}",
+                           os.environ.get("RLSTREAM_REDIS_URL") or f"redis://{LOOPBACK}:{free_port()}/0")
+    vllm_port = free_port()
+    cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
+                                      f"http://{LOOPBACK}:{vllm_port}", dataset, vllm_api_key=_vllm_key(user_cfg))
+    evaluation_server = opts.gate and bool(heldout) and not cfg.learner.lora.enabled
+    extra = task_vllm_args(opts, run_dir)
+    ports = {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})}
+    plan = [plan_vllm(name, model_dir, served, port, extra, opts.tool_call_parser, run_dir / "config")
+            for name, port in ports.items()]
+    eval_url = f"http://{LOOPBACK}:{ports['vllm-eval']}" if "vllm-eval" in ports else None
+    gateway_port = free_port() if opts.traffic == "production" else None
+    plan += plan_services(opts, cfg, run_dir, heldout, ServiceEndpoints(f"http://{LOOPBACK}:{vllm_port}", eval_url,
+                                                                        gateway_port))
+    print(f"dry run {run_id}: run config {config_path}; nothing started", flush=True)
+    print_plan(plan)
+    return plan
+
+
 def run_up(opts: UpOptions) -> dict[str, Any]:
     """Run the whole system until ``duration_s``, ``until_version`` (scored) or Ctrl-C, whichever comes first;
     returns the summary written to disk."""
-    from rlstream.ops.vllm import ensure_vllm_venv
+    from rlstream.ops.vllm import ensure_vllm_venv, resolve_tool_call_parser
 
+    if opts.dry_run:
+        dry_run_up(opts)
+        return {}
     user_cfg = load_config(opts.config, opts.overrides) if opts.config else None  # fail before starting anything
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (opts.runs_dir / run_id).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    model_dir, dataset, heldout = task_inputs(opts, run_dir, user_cfg)
+    vllm_args = task_vllm_args(opts, run_dir)
+    resolve_tool_call_parser(model_dir, opts.tool_call_parser, vllm_args)  # refuse before anything starts
     # SIGTERM/SIGHUP stop the run as Ctrl-C does; every child dies with this process even when it is SIGKILLed
     signals = terminate_as_interrupt()
     signals.install()
@@ -198,16 +331,12 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
     cfg: RlstreamConfig | None = None
     config_path = run_dir / "config.yaml"
     try:
-        model_dir, dataset, heldout = task_inputs(opts, run_dir, user_cfg)
         print(f"run {run_id}: data in {run_dir}", flush=True)
         print("preparing vLLM (its own virtualenv; the first run installs it, ~3-5 min)…", flush=True)
         ensure_vllm_venv(None, log_file=run_dir / "logs" / "vllm-install.log")
         served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
-        # vLLM wants a key (its --api-key): the inference settings' own, else a fresh one; every service gets it
-        # through the environment (secret_env), never in a file or on a command line
-        wanted = (user_cfg or RlstreamConfig()).inference.api_key
-        vllm_key = wanted.get_secret_value() if wanted is not None else f"vllm-{secrets.token_urlsafe(32)}"
-        remember_secret(vllm_key)
+        # every service gets vLLM's key through the environment (secret_env), never in a file or on a command line
+        vllm_key = _vllm_key(user_cfg)
         vllm_port = free_port()
         cfg, config_path = compose_config(opts, run_id, run_dir, stack, None if user_cfg else model_dir,
                                           f"http://{LOOPBACK}:{vllm_port}", dataset, vllm_api_key=vllm_key)
@@ -218,7 +347,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         if evaluation_server:
             print("starting the evaluation vLLM server too (full-weight candidates are evaluated there)…", flush=True)
         vllm_supervisors = _start_vllm_servers(
-            sup, model_dir, served, run_dir, vllm_key, task_vllm_args(opts, run_dir),
+            sup, model_dir, served, run_dir, vllm_key, vllm_args,
             {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})},
             tool_call_parser=opts.tool_call_parser)
         _watch_vllm_servers(sup, vllm_supervisors, figures)
@@ -234,44 +363,22 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
 
             figures.constant_answer = best_constant_answer(heldout, load_callable(cfg.rollout.reward_function))
         asyncio.run(create_topics(cfg.kafka, cfg.topics))
-        c = ["-c", str(config_path)]
-        sup.spawn("streams", rlstream_command("streams", "worker", *c))
-        sup.spawn("learner", rlstream_command("learner", "run", *c))
-        serves = serving_overrides(gated=opts.gate and bool(heldout))
-        sup.spawn("inference-sync", rlstream_command("inference", "sync", "--backend", "vllm", "--url", vllm.url, *c,
-                                                     *serves.sync))
-        if eval_vllm is not None:
-            sup.spawn("inference-sync-eval", rlstream_command(
-                "inference", "sync", "--backend", "vllm", "--url", eval_vllm.url, "--worker-id",
-                f"{cfg.inference.worker_id}-eval", *c, "-o", "inference.role", "evaluate"))
-        if opts.gate and heldout:  # the gate evaluates every candidate on the held-out prompts before it serves
-            heldout_file = run_dir / "heldout.jsonl"
-            heldout_file.write_text("".join(json.dumps(e) + "\n" for e in heldout))
-            gate_dataset = [] if cfg.gate.dataset else ["-o", "gate.dataset", str(heldout_file)]
-            sup.spawn("gate", rlstream_command("gate", *c, *gate_dataset, *canary_overrides(opts.traffic),
-                                               "-o", "gate.samples", str(opts.gate_samples),
-                                               "-o", "gate.examples", str(len(heldout))))
+        gateway_port = free_port() if opts.traffic == "production" else None
+        plan = plan_services(opts, cfg, run_dir, heldout, ServiceEndpoints(
+            vllm.url, eval_vllm.url if eval_vllm is not None else None, gateway_port))
+        if opts.gate and heldout:
             figures.promotion.gate = True
         elif opts.gate:
             log.warning("no held-out examples (set finetuning.validation_dataset or gate.dataset): the promotion "
                         "gate is off and every loaded version serves")
-        if opts.traffic == "production":
-            gateway_port = free_port()
+        if gateway_port is not None:
             api_key = f"rls-{secrets.token_urlsafe(32)}"  # the gateway's client key, through the environment only
             remember_secret(api_key)
             sup.env.update({API_KEYS_ENV: api_key, USERS_API_KEY_ENV: api_key})
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
-            sup.spawn("gateway", rlstream_command("gateway", "serve", *c, *serves.gateway, "--upstream", vllm.url,
-                                                  "--port", str(gateway_port), "-o", "gateway.served_model",
-                                                  cfg.rollout.model, "-o", "gateway.session_idle_s", "30",
-                                                  "--spool-dir", str(run_dir / "spool")))
-            low, high = opts.feedback_delay_s
-            sup.spawn("users", rlstream_command("rollout", "users", *c, "--gateway", f"http://127.0.0.1:{gateway_port}",
-                                                "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s",
-                                                str(high), *task_users_args(opts)))
-        else:
-            sup.spawn("rollout", rlstream_command("rollout", "run", *c))
+        for process in plan:
+            sup.spawn(process.name, list(process.argv))
         try:
             asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
         except KeyboardInterrupt:

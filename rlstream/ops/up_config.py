@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
 from rlstream.ops.infra import LocalStack
 from rlstream.schemas.config import (ConfigError, RlstreamConfig, format_validation_error, overrides_to_dict,
                                      read_yaml)
-from rlstream.schemas.masking import public_config_text
+from rlstream.schemas.masking import REVEAL, public_config_text
 
 #: The toy run: a tiny Qwen2 (random init plus a generic copy skill) learns to answer with the letter the prompt
 #: names, under a reward no constant answer can earn (about 1/8); lr 1e-2 wrecks the pre-trained copy skill.
@@ -63,6 +63,15 @@ class UpOptions:
     # full-weights server's version (the prompts and seeds are the same for every version)
     gate_samples: int = 2
     tool_call_parser: str = "auto"  # vLLM's tool-call parser (rlstream.ops.vllm.tool_call_args): auto | none | NAME
+    dry_run: bool = False  # write every process's config and print the plan; start nothing
+
+
+@dataclass(frozen=True)
+class StackAddresses:
+    """Where the run's broker and Redis are (a started :class:`LocalStack`, or the addresses a dry run plans)."""
+
+    bootstrap: str
+    redis_url: str
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +82,8 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStack, model_dir: Path | None,
+def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStack | StackAddresses,
+                   model_dir: Path | None,
                    vllm_url: str, dataset: Path | None,
                    vllm_api_key: str | None = None) -> tuple[RlstreamConfig, Path]:
     """The effective config of the run (toy defaults < user file < environment < overrides), written to
@@ -113,6 +123,20 @@ def compose_config(opts: UpOptions, run_id: str, run_dir: Path, stack: LocalStac
     path = run_dir / "config.yaml"
     path.write_text(public_config_text(cfg))
     return cfg, path
+
+
+def process_config(cfg: RlstreamConfig, name: str, overrides: Sequence[tuple[str, str]], config_dir: Path) -> Path:
+    """Write the resolved config of one process of the run (the run's config with this process's overrides) to
+    ``config_dir/NAME.yaml`` without its secrets (the process gets them through the environment); returns the path."""
+    merged = deep_merge(cfg.model_dump(mode="json", context=REVEAL), overrides_to_dict(list(overrides)))
+    try:
+        resolved = RlstreamConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, None, {})) from None
+    config_dir.mkdir(parents=True, exist_ok=True)
+    path = config_dir / f"{name}.yaml"
+    path.write_text(public_config_text(resolved))
+    return path
 
 
 def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tuple[Path, Path | None, list[dict[str, Any]]]:

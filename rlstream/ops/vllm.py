@@ -29,6 +29,7 @@ from rlstream.ops.children import spawn
 from rlstream.ops.infra import InfraError
 from rlstream.ops.ports import LOOPBACK, free_port
 from rlstream.ops.processes import pid_alive, reap, stop_pid
+from rlstream.schemas.config import ConfigError
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -197,9 +198,50 @@ def chat_template_text(model_dir: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+#: the tokens a vLLM tool-call parser looks up in the tokenizer when vLLM starts: without them vLLM refuses to start
+PARSER_REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
+    "llama3_json": ("<|python_tag|>",), "llama4_json": ("<|python_tag|>",),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+    "jamba": ("<tool_calls>", "</tool_calls>"), "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>"),
+}
+
+
+class ToolParserMismatch(ConfigError):
+    """The tool-call parser needs tokens the model's tokenizer does not have (vLLM would refuse to start)."""
+
+
+def tokenizer_tokens(model_dir: Path) -> set[str] | None:
+    """Every token of the tokenizer in ``model_dir`` (tokenizer.json's vocabulary and added tokens, else the
+    transformers tokenizer's vocabulary), read locally: nothing is downloaded. None when there is none to read."""
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        if path.is_file():
+            data = json.loads(path.read_text())
+            vocab = (data.get("model") or {}).get("vocab") or {}
+            tokens = set(vocab) if isinstance(vocab, dict) else {str(entry[0]) for entry in vocab}  # Unigram: list
+            return tokens | {str(t.get("content")) for t in data.get("added_tokens") or []}
+        from transformers import AutoTokenizer
+
+        return set(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).get_vocab())
+    except Exception as exc:  # noqa: BLE001 - any unreadable tokenizer: vLLM's own start will say more
+        log.warning("tokenizer not readable; the tool-call parser is not checked", model=str(model_dir),
+                    error=str(exc))
+        return None
+
+
+def missing_parser_tokens(parser: str, model_dir: Path) -> tuple[str, ...]:
+    """The tokens ``parser`` needs that the tokenizer in ``model_dir`` lacks (none for a parser that needs none, or
+    where the tokenizer cannot be read)."""
+    needed = PARSER_REQUIRED_TOKENS.get(parser, ())
+    tokens = tokenizer_tokens(model_dir) if needed else None
+    return () if tokens is None else tuple(t for t in needed if t not in tokens)
+
+
 def tool_call_parser_for(model_dir: Path) -> str:
-    """The tool-call parser of the model in ``model_dir``: its family's (config.json ``model_type``), or
-    :data:`PLAIN_TEMPLATE_PARSER` where the chat template writes tool calls without JSON."""
+    """The tool-call parser of the model in ``model_dir``: its family's (config.json ``model_type``) when the
+    tokenizer has the tokens that parser needs, else :data:`PLAIN_TEMPLATE_PARSER` (also where the chat template
+    writes tool calls without JSON)."""
     template = chat_template_text(model_dir)
     if template is not None and "tool_call" in template and "tojson" not in template:
         return PLAIN_TEMPLATE_PARSER
@@ -212,6 +254,39 @@ def tool_call_parser_for(model_dir: Path) -> str:
         log.warning("no tool-call parser known for this model family; using the default", model_type=model_type,
                     parser=DEFAULT_TOOL_CALL_PARSER)
         return DEFAULT_TOOL_CALL_PARSER
+    if missing_parser_tokens(parser, model_dir):
+        # e.g. SmolLM2 is of the llama family without Llama 3's <|python_tag|>
+        log.info("the family's tool-call parser needs tokens this tokenizer lacks; using the plain one",
+                 model_type=model_type, family_parser=parser, parser=PLAIN_TEMPLATE_PARSER)
+        return PLAIN_TEMPLATE_PARSER
+    return parser
+
+
+def _parser_in(extra_args: list[str]) -> str | None:
+    """The ``--tool-call-parser`` value given in ``extra_args``, if any."""
+    for i, arg in enumerate(extra_args):
+        if arg.startswith("--tool-call-parser="):
+            return arg.split("=", 1)[1]
+        if arg == "--tool-call-parser" and i + 1 < len(extra_args):
+            return extra_args[i + 1]
+    return None
+
+
+def resolve_tool_call_parser(model_dir: Path, tool_call_parser: str | None, extra_args: list[str]) -> str | None:
+    """The tool-call parser vLLM will start with (None: no automatic tool choice), checked against the model's
+    tokenizer before anything starts; raises :class:`ToolParserMismatch` naming the parser and the option."""
+    given = _parser_in(extra_args)
+    if given is None and (tool_call_parser is None or tool_call_parser == NO_PARSER):
+        return None
+    parser = given or (tool_call_parser_for(model_dir) if tool_call_parser == AUTO_PARSER else tool_call_parser)
+    assert parser is not None
+    missing = missing_parser_tokens(parser, model_dir)
+    if missing:
+        raise ToolParserMismatch(
+            f"vLLM's tool-call parser {parser!r} needs {', '.join(missing)} in the tokenizer, and the tokenizer of "
+            f"{model_dir} has no such token (vLLM would refuse to start): choose another parser with "
+            f"--tool-call-parser (e.g. --tool-call-parser {PLAIN_TEMPLATE_PARSER}, or auto), or --tool-call-parser "
+            f"{NO_PARSER} to start vLLM without automatic tool choice")
     return parser
 
 
@@ -219,12 +294,13 @@ def tool_call_args(model_dir: Path, tool_call_parser: str | None, extra_args: li
     """vLLM's automatic tool choice options (``--enable-auto-tool-choice --tool-call-parser P``), so that a request
     with ``tools`` and ``tool_choice: auto`` gets its tool calls back as tool calls. ``tool_call_parser``: a vLLM
     parser name, ``auto`` (by model family, :func:`tool_call_parser_for`) or ``none``/None (no automatic tool
-    choice). Options already in ``extra_args`` win."""
-    if tool_call_parser is None or tool_call_parser == NO_PARSER:
+    choice). Options already in ``extra_args`` win; the parser is checked against the tokenizer
+    (:func:`resolve_tool_call_parser`)."""
+    parser = resolve_tool_call_parser(model_dir, tool_call_parser, extra_args)
+    if parser is None:
         return []
     args = [] if "--enable-auto-tool-choice" in extra_args else ["--enable-auto-tool-choice"]
-    if not any(a == "--tool-call-parser" or a.startswith("--tool-call-parser=") for a in extra_args):
-        parser = tool_call_parser_for(model_dir) if tool_call_parser == AUTO_PARSER else tool_call_parser
+    if _parser_in(extra_args) is None:
         args += ["--tool-call-parser", parser]
     return args
 
@@ -486,4 +562,5 @@ if __name__ == "__main__":
 
 __all__ = ["EngineRestart", "VllmError", "VllmServer", "VllmSupervisor",
            "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
-           "vllm_venv_ready", "server_env", "tool_call_args", "tool_call_parser_for"]
+           "vllm_venv_ready", "server_env", "tool_call_args", "tool_call_parser_for",
+           "resolve_tool_call_parser", "ToolParserMismatch"]
