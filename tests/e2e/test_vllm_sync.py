@@ -157,3 +157,59 @@ async def _first_dead_letter(cfg: RlstreamConfig, topics: TopicNames) -> DeadLet
     finally:
         await consumer.stop()
     raise AssertionError("no dead letter for the refused version")
+
+
+def test_a_lora_policy_published_merged_is_loaded_as_full_weights_and_answers(
+    vllm: VllmServer, rl_config: RlstreamConfig, created_topics: TopicNames, tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from rlstream.learner.policy import load_policy
+    from rlstream.learner.publish import write_version
+    from rlstream.learner.step import GRPOTrainerStep
+    from rlstream.schemas.config import LearnerConfig, LoraConfig
+    from rlstream.schemas.models import FileDigest
+    from tests.support.learner_helpers import random_samples
+
+    base_dir = tiny_model_dir(tmp_path_factory)
+    cfg = rl_config.model_copy(deep=True)
+    cfg.inference.url = vllm.url
+    cfg.inference.worker_id = "w-merged"
+    cfg.inference.weights_roots = [str(tmp_path)]
+    cfg.inference.served_model = SERVED_MODEL
+    cfg.inference.full_weights_follow = "newest"
+    learner = LearnerConfig(model=str(base_dir), device="cpu", learning_rate=2e-2, micro_batch_size=4,
+                            lora=LoraConfig(enabled=True, publish_merged=True))
+    policy = load_policy(learner)
+    GRPOTrainerStep(policy, learner).step(random_samples(seed=3))
+    merged_dir, manifest = write_version(policy, tmp_path / "versions", cfg.policy, 1)
+    assert manifest["kind"] == "full" and not (merged_dir / "adapter_config.json").exists()
+    record = PolicyVersion(policy=cfg.policy, version=1, base_model=str(base_dir), kind=WeightsKind.full,
+                           uri=str(merged_dir), learner_step=1,
+                           files=[FileDigest(path=f["path"], sha256=f["sha256"], size=f["size"])
+                                  for f in manifest["files"]])
+
+    async def scenario() -> None:
+        control = ControlPlane(cfg.redis.url)
+        lease = await control.acquire_lease(cfg.policy, "e2e-learner", ttl_s=600)
+        assert lease is not None
+        backend = VllmBackend(cfg.inference.url)
+        stop = asyncio.Event()
+        task = asyncio.create_task(InferenceSyncWorker(cfg, backend, control).run(stop))
+        try:
+            await announce_versions(cfg, [record], lease=lease)
+            info = await wait_until(lambda: loaded(control, cfg.policy, "w-merged", 1), 120, "version 1 in redis")
+            assert info["name"] == SERVED_MODEL and not info.get("last_error")
+            turn = await served_turn(vllm, SERVED_MODEL)
+            assert turn.completion_token_ids
+            merged = load_reference(merged_dir)
+            assert_matches(turn, merged)
+            base_ref = reference_logprobs(load_reference(base_dir), turn.prompt_token_ids, turn.completion_token_ids)
+            assert max_abs_diff(turn.completion_logprobs, base_ref) > 1e-3  # the merged adapter is what answers
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            await backend.load_full(base_dir)  # the shared server's original weights for the other tests
+            await backend.close()
+            await control.close()
+
+    asyncio.run(scenario())
