@@ -25,17 +25,18 @@ from rlstream.schemas.topics import TopicNames
 from tests.support.learner_helpers import produce_groups, random_group, random_samples, read_topic, tiny_model
 
 
-def _configure(cfg: RlstreamConfig, model: Path, lora: bool, steps: int) -> RlstreamConfig:
+def _configure(cfg: RlstreamConfig, model: Path, lora: bool, steps: int, merged: bool = False) -> RlstreamConfig:
     return cfg.model_copy(update={"learner": cfg.learner.model_copy(update={
-        "model": str(model), "lora": cfg.learner.lora.model_copy(update={"enabled": lora}),
+        "model": str(model), "lora": cfg.learner.lora.model_copy(update={"enabled": lora, "publish_merged": merged}),
         "learning_rate": 5e-3, "groups_per_step": 2, "publish_every": 1, "checkpoint_every": 5,
         "total_steps": steps, "device": "cpu", "lease_ttl_s": 3.0})})
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("lora,merged", [(True, False), (False, False), (True, True)], ids=["lora", "full", "merged"])
 def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConfig, created_topics: TopicNames,
-                                                         tmp_path: Path, lora: bool) -> None:
-    cfg = _configure(rl_config, tiny_model(tmp_path), lora, steps=2)
+                                                         tmp_path: Path, lora: bool, merged: bool) -> None:
+    """``merged``: a LoRA learner publishing full weights (``learner.lora.publish_merged``)."""
+    cfg = _configure(rl_config, tiny_model(tmp_path), lora, steps=2, merged=merged)
     asyncio.run(produce_groups(cfg, [random_group(cfg.policy, cfg.run_id, i) for i in range(4)]))
     learner = Learner(cfg, holder="first")
     state = asyncio.run(learner.run())
@@ -44,7 +45,7 @@ def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConf
     assert [v.version for v in versions] == [0, 1, 2]  # version 0: the base weights, announced first
     assert (versions[0].learner_step, versions[0].group_count, versions[0].trained_on) == (0, 0, [])
     latest = versions[-1]
-    assert latest.kind == (WeightsKind.lora if lora else WeightsKind.full)
+    assert latest.kind == (WeightsKind.lora if lora and not merged else WeightsKind.full)
     directory = Path(latest.uri)
     assert directory == version_dir(Path(cfg.learner.output_dir) / "versions", 2).resolve()
 
@@ -62,10 +63,10 @@ def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConf
     ptr = asyncio.run(pointer())
     assert int(ptr["version"]) == 2 and ptr["sha256"] == manifest_digest(directory) and ptr["uri"] == latest.uri
     names = {f["path"] for f in manifest["files"]}
-    if lora:
+    if lora and not merged:
         assert {"adapter_model.safetensors", "adapter_config.json"} <= names
     else:
-        assert "model.safetensors" in names
+        assert "model.safetensors" in names and not any(n.startswith("adapter_") for n in names)
         assert json.loads((directory / "config.json").read_text())["tie_word_embeddings"] is False
         with safe_open(str(directory / "model.safetensors"), "pt") as f:
             assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
@@ -79,7 +80,10 @@ def test_published_version_reloads_to_identical_logprobs(rl_config: RlstreamConf
         base = completion_logprobs(load_published(version_dir(directory.parent, 1)).eval(), batch)
         untrained = completion_logprobs(load_published(version_dir(directory.parent, 0)).eval(), batch)
         pretrained = completion_logprobs(AutoModelForCausalLM.from_pretrained(cfg.learner.model).eval(), batch)
-    assert torch.equal(ours * batch.completion_mask, reloaded * batch.completion_mask)
+    if merged:  # the adapter's low-rank product folded into the weights: equal up to float rounding
+        assert torch.allclose(ours * batch.completion_mask, reloaded * batch.completion_mask, atol=1e-4)
+    else:
+        assert torch.equal(ours * batch.completion_mask, reloaded * batch.completion_mask)
     assert not torch.allclose(base, reloaded)  # version 2 differs from version 1: training moved the weights
     assert torch.allclose(untrained, pretrained, atol=1e-5)  # version 0 answers as the base model does
 
