@@ -217,7 +217,8 @@ async def announce(
     trained_on = exact_ranges(groups_topic, offsets) if offsets is not None else \
         offset_ranges(groups_topic, ranges or {})
     event = PolicyVersion(
-        policy=policy_name, version=version, base_model=base_model, kind=kind, uri=uri or str(Path(directory).resolve()),
+        policy=policy_name, version=version, base_model=base_model, kind=kind,
+        uri=uri or str(Path(directory).resolve()),
         files=[FileDigest(path=f["path"], sha256=f["sha256"], size=f["size"]) for f in manifest["files"]],
         learner_step=step, group_count=group_count, trained_on=trained_on,
         metrics={k: float(v) for k, v in metrics.items()}, run_id=run_id, fencing_token=lease.token,
