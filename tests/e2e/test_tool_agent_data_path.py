@@ -65,7 +65,9 @@ def test_a_forced_lookup_call_is_captured_rewarded_trained_and_loaded(
     cfg.inference.served_model = SERVED_MODEL
     asyncio.run(prepare_topics(cfg))
     names = TopicNames.from_config(cfg.topics)
-    worker = Worker(cfg, "w1", tmp_path, **{"streams.min_reward_diff": 0.0, "streams.session_idle_s": 120}).start()
+    # every single after the first trains (learner.baseline_min_count 1): the first starts its task's baseline
+    worker = Worker(cfg, "w1", tmp_path, **{"streams.min_reward_diff": 0.0, "streams.session_idle_s": 120,
+                                            "learner.baseline_min_count": 1}).start()
     try:
         examples = tool_dataset(len(CHOICES), seed=3)
         episodes = asyncio.run(_sessions(cfg, names, vllm, examples))
@@ -160,7 +162,8 @@ async def _train_and_load(cfg: RlstreamConfig, names: TopicNames) -> tuple[Polic
     try:
         state = await Learner(cfg, holder="tool-agent-learner").run()
         assert state.step == 1 and state.groups_trained == len(CHOICES) - 1
-        (version,) = await read_topic(cfg, names.policy_versions, PolicyVersion, expect=1)
+        base, version = await read_topic(cfg, names.policy_versions, PolicyVersion, expect=2)
+        assert base.version == 0  # the base weights, announced before the first step
 
         async def loaded() -> bool:
             info = (await control.workers(cfg.policy)).get(cfg.inference.worker_id)
