@@ -238,23 +238,36 @@ _NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+#: a run of openings or of closings
+_RUN = re.compile(rb"\[+|\]+")
+#: passes that remove innermost pairs before the runs are counted (each lowers the depth by one and removes the
+#: short runs, so that few runs are left to count)
+_PAIR_PASSES = 6
+
+
 def nests_deeper(raw: bytes, limit: int) -> bool:
     """True when arrays and objects nest more than ``limit`` deep in the JSON text ``raw``, from its bytes, without
-    parsing it (C-speed byte operations only): the strings are cut out, then innermost pairs of brackets are
-    removed ``limit`` times; brackets left over nest deeper."""
+    parsing it (byte operations at C speed, then a count of the runs of brackets that are left): strings are cut
+    out, innermost pairs of brackets removed a few times (each time the depth drops by one), then the runs of
+    openings and closings left are summed. Unbalanced brackets are not valid JSON: the parser answers them."""
     if b'"' in raw:  # backslashes only occur in strings: escaped ones, then escaped quotes, go before the split
         raw = b"".join(raw.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[0::2])
     brackets = raw.translate(_AS_SQUARE, _NOT_BRACKET)
-    if b"[" * (limit + 1) in brackets:  # a run of openings: too deep at once (and no slow passes over it)
+    if b"[" * (limit + 1) in brackets:  # a run of openings: too deep at once
         return True
-    for _ in range(limit):
+    for _ in range(min(limit, _PAIR_PASSES)):
         inner = brackets.replace(b"[]", b"")
-        if len(inner) == len(brackets):  # unbalanced: not valid JSON, which the parser answers
+        if len(inner) == len(brackets) or not inner:  # unbalanced, or nothing nests deeper
             return False
-        brackets = inner
-        if not brackets:
+        brackets, limit = inner, limit - 1
+    depth = 0
+    for run in _RUN.findall(brackets):
+        depth += len(run) if run[0] == 0x5B else -len(run)  # 0x5B: "["
+        if depth > limit:
+            return True
+        if depth < 0:
             return False
-    return bool(brackets)
+    return False
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:
