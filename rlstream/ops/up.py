@@ -378,6 +378,9 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
         for process in plan:
+            if process.name == "users" and figures.promotion.gate:
+                # production is answered only by a promoted version: the users start once version 0 serves
+                _wait_for_serving(cfg, sup)
             sup.spawn(process.name, list(process.argv))
         try:
             asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
@@ -404,6 +407,32 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         print(f"summary: {run_dir / 'summary.json'}")
         signals.restore()
     return summary
+
+
+def _wait_for_serving(cfg: RlstreamConfig, sup: Supervisor, timeout_s: float = 600.0) -> None:
+    """Wait until a serving pointer exists (the gate promotes version 0 once the learner announced it), so the
+    simulated users' first request is answered; a service that died meanwhile, or the timeout, ends the wait (the
+    users then start anyway, and their 503s show in the summary)."""
+    from rlstream.transport.serving import ServingControl
+
+    async def wait() -> bool:
+        control = ControlPlane(cfg.redis.url, cfg.redis.retry_max_s)
+        try:
+            serving = ServingControl(control)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if await serving.serving(cfg.policy) is not None:
+                    return True
+                if sup.dead():
+                    return False
+                await asyncio.sleep(0.5)
+            return False
+        finally:
+            await control.close()
+
+    print("waiting for the gate to serve version 0 (the base weights) before production traffic starts…", flush=True)
+    if not asyncio.run(wait()):
+        log.warning("no serving version yet: production traffic starts anyway", timeout_s=timeout_s)
 
 
 def _topic_end_offsets(cfg: RlstreamConfig) -> dict[str, int]:
