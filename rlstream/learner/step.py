@@ -258,26 +258,38 @@ class GRPOTrainerStep:
                             total_sequences=float(len(samples)), total_trajectories=float(trajs.count),
                             trajectories=trajs, samples=list(samples))
 
+    def entropy_stride(self, mask: torch.Tensor) -> int | None:
+        """Every how many completion positions the entropy is measured so that about ``learner.entropy_positions``
+        of a micro-batch's positions are (None: entropy off)."""
+        wanted = self.cfg.entropy_positions
+        if wanted <= 0:
+            return None
+        return max(1, math.ceil(mask.numel() / wanted))
+
     def accumulate(self, samples: Sequence[Sample] | PreparedStep) -> dict[str, float]:
         """Forward and backward of every micro-batch (gradients accumulate); returns loss figures.
 
         The first pass over a :class:`PreparedStep` records each micro-batch's logprobs as the batch-start
         policy's (``old_logprobs``; computed once, before any optimizer step of the batch), and the reference
         logprobs when ``beta > 0``; later passes reuse them, so the ratio measures how far the policy moved. The
-        first pass also measures the batch-start policy's mean entropy over completion tokens (``entropy``).
+        first pass also measures the batch-start policy's mean entropy over completion tokens (``entropy``), on a
+        strided sample of about ``learner.entropy_positions`` positions per micro-batch.
         """
         prepared = samples if isinstance(samples, PreparedStep) else self.prepare(samples)
         policy, chunk = self.policy, self.cfg.logprob_chunk_size
-        loss_sum, kl_sum, clip_sum, n_tok, entropy_sum = 0.0, 0.0, 0.0, 0.0, 0.0
+        loss_sum, kl_sum, clip_sum, n_tok, entropy_sum, entropy_tok = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         first_pass = any(mb.old_logprobs is None for mb in prepared.micro_batches)
         is_vals: list[torch.Tensor] = []
         for mb in prepared.micro_batches:
             batch = mb.batch
             mask = batch.completion_mask
+            stride = self.entropy_stride(mask) if mb.old_logprobs is None else None
             logprobs, entropy = completion_logprobs_and_entropy(policy.model, batch, chunk_size=chunk,
-                                                                entropy=mb.old_logprobs is None)
-            if entropy is not None:
-                entropy_sum += float((entropy * mask).sum())
+                                                                entropy_stride=stride)
+            if entropy is not None and stride is not None:
+                sampled = mask[:, ::stride]
+                entropy_sum += float((entropy * sampled).sum())
+                entropy_tok += float(sampled.sum())
             if mb.old_logprobs is None:
                 mb.old_logprobs = logprobs.detach()
                 if batch.behaviour_logprobs is not None:
@@ -286,7 +298,7 @@ class GRPOTrainerStep:
                 if self.loss_cfg.beta > 0:
                     with torch.no_grad(), policy.reference_mode() as ref_model:
                         mb.ref_logprobs = completion_logprobs_and_entropy(ref_model, batch, chunk_size=chunk,
-                                                                          entropy=False)[0]
+                                                                          entropy_stride=None)[0]
             parts = grpo_loss(logprobs, batch.advantages, mask, self.loss_cfg, old_logprobs=mb.old_logprobs,
                               behaviour_logprobs=mb.behaviour, ref_logprobs=mb.ref_logprobs,
                               total_tokens=prepared.total_tokens, total_sequences=prepared.total_sequences,
@@ -306,12 +318,12 @@ class GRPOTrainerStep:
         is_max = float(is_all.max()) if is_count else -math.inf
         if self.parallel is not None:  # the whole step's gradient and figures, on every rank
             self.parallel.sum_gradients(self.policy.trainable_parameters())
-            loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum = self.parallel.sum(
-                [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum])
+            loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum, entropy_tok = self.parallel.sum(
+                [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum, entropy_tok])
             is_min, is_max = self.parallel.extreme(is_min, "min"), self.parallel.extreme(is_max, "max")
         if not is_count:
             is_sum, is_count, is_min, is_max = 1.0, 1.0, 1.0, 1.0
-        figures = {"entropy": entropy_sum / max(n_tok, 1.0)} if first_pass else {}
+        figures = {"entropy": entropy_sum / max(entropy_tok, 1.0)} if first_pass else {}
         return {**figures, "loss": loss_sum, "kl": kl_sum / max(n_tok, 1.0), "clip_fraction": clip_sum / max(n_tok, 1.0),
                 "is_ratio_mean": is_sum / is_count, "is_ratio_min": is_min, "is_ratio_max": is_max, "tokens": n_tok}
 

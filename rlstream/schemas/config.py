@@ -315,6 +315,9 @@ class LearnerConfig(Section):
     baseline_min_count: int = Field(2, ge=0, description="a single response (group_size 1) is trained against its "
                                     "keyed baseline once at least this many earlier rewards are behind it; before "
                                     "that its advantage is 0")
+    entropy_positions: int = Field(512, ge=0, description="learner/entropy is the batch-start policy's mean "
+                                   "entropy over about this many completion positions of each micro-batch (every "
+                                   "k-th position; a full-vocabulary pass per position is costly); 0 = not measured")
     single_advantage_cap: float = Field(2.4749, gt=0, description="largest |advantage| of a single response "
                                         "scored against its keyed baseline (scaled modes): (G - 1) / sqrt(G), the "
                                         "most a member of a group of G = 8 can get, so one production response "

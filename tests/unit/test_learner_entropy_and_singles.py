@@ -133,3 +133,15 @@ def test_rows_without_logprobs_are_counted_and_beyond_the_lag_not_trained(model_
         s.trainable = False
     untrained = GRPOTrainerStep(load_policy(cfg), cfg).step(all_marked)
     assert not untrained.trained and untrained.rows_without_logprobs_dropped == 8
+
+
+def test_entropy_is_measured_on_a_strided_sample_of_positions(model_dir: Path) -> None:
+    def entropy(positions: int) -> float:
+        torch.manual_seed(0)
+        cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), device="cpu", micro_batch_size=16,
+                            entropy_positions=positions)
+        return GRPOTrainerStep(load_policy(cfg), cfg).step(random_samples(groups=2, per_group=4, seed=2)).entropy
+
+    every, sampled, off = entropy(10_000), entropy(8), entropy(0)
+    assert every > 0 and off == 0.0
+    assert sampled > 0 and sampled != every and abs(sampled - every) < 0.5 * every  # an estimate of the same mean
