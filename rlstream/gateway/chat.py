@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
-from rlstream.gateway.limits import check_choices, parse_json
+from rlstream.gateway.limits import check_choices, check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
@@ -54,6 +54,7 @@ class ChatCompletions:
             return openai_error(400, f"a chat completion request has at most {config.max_messages} messages "
                                 "(gateway.max_messages)")
         check_choices(body, config.max_choices)
+        check_temperature(body, config.temperature_range)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         gw.keys.charge(caller, requested_choices(body) - 1)  # n choices cost n requests
         if not captured:

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, MutableMapping
 
 from rlstream.gateway.auth import PRINCIPAL_KEY
 from rlstream.gateway.config import GatewaySettings
+from rlstream.schemas.sampling import TemperatureRange, temperature_problem
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -300,6 +301,20 @@ def check_choices(body: dict[str, Any], max_choices: int) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or not 1 <= n <= max_choices:
         raise RequestRejected(400, f"n must be a whole number from 1 to {max_choices} (the largest group the "
                               "trainer accepts)", reason="bad_n")
+
+
+def check_temperature(body: dict[str, Any], allowed: tuple[float, float]) -> None:
+    """Raise :class:`RequestRejected` (400) for a ``temperature`` the learner may not train on: not a number,
+    negative, or sampled outside ``allowed`` (``streams.temperature_range``; below vLLM's greedy threshold a call is
+    greedy and fine). The stream app applies the same rule (:mod:`rlstream.schemas.sampling`)."""
+    t = body.get("temperature")
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise RequestRejected(400, "temperature must be a number", reason="bad_temperature")
+    problem = temperature_problem(float(t), TemperatureRange(*allowed))
+    if problem:
+        raise RequestRejected(400, problem, reason="bad_temperature")
 
 
 # -- the connection: a deadline and a size cap for the request line and headers --------------------------------

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
-from rlstream.gateway.limits import parse_json
+from rlstream.gateway.limits import check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
 from rlstream.transport.log import get_logger
 
@@ -325,6 +325,7 @@ class Responses:
         if isinstance(body.get("input"), list) and len(body["input"]) > config.max_messages:
             return openai_error(400, f"a Responses request has at most {config.max_messages} input items "
                                 "(gateway.max_messages)")
+        check_temperature(body, config.temperature_range)
         try:
             messages = request_messages(body)
         except ValueError as exc:

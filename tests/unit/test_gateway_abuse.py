@@ -298,3 +298,20 @@ async def test_otlp_rewards_per_request_are_capped(tmp_path: Path) -> None:
         assert (await c.post("/v1/logs", json=otlp(3, response_id), headers=AUTH)).status_code == 200  # control
     finally:
         await close(gateway, c)
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e6, -1.0, "hot"])
+async def test_a_temperature_the_learner_may_not_train_on_is_400(tmp_path: Path, temperature: object) -> None:
+    gateway, c, publisher = await keyed(tmp_path)
+    try:
+        for path, body in (("/v1/chat/completions", {"model": "m", "messages": [USER]}),
+                           ("/v1/responses", {"model": "m", "input": [USER]})):
+            r = await c.post(path, json={**body, "temperature": temperature}, headers=AUTH)
+            assert r.status_code == 400 and "temperature" in r.text, (path, r.text)
+        assert not publisher.sent
+        # controls: in streams.temperature_range, greedy (below vLLM's 1e-5, 0 included) and absent are answered
+        for ok in (0.7, 0.0, 1e-38, None):
+            body = {"model": "m", "messages": [USER], **({} if ok is None else {"temperature": ok})}
+            assert (await c.post("/v1/chat/completions", json=body, headers=AUTH)).status_code == 200, ok
+    finally:
+        await close(gateway, c)
