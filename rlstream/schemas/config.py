@@ -373,10 +373,11 @@ class LearnerConfig(Section):
         "the serving version's published weights (sha256-verified), resets its optimizer and trains on from "
         "there; 0 = never")
     max_lag_without_logprobs: int | None = Field(
-        1, ge=0, description="a turn without behaviour logprobs (rebuilt from messages, grammar-constrained, captured "
-        "without logprobs) can only train with importance weight 1: it trains when produced at most this many "
-        "versions before the learner's, else it counts in its group's statistics but is not trained (counted: "
-        "learner/rows_without_logprobs_dropped); None = no bound")
+        None, ge=0, description="a turn without behaviour logprobs (rebuilt from messages, grammar-constrained, "
+        "captured without logprobs) can only train with importance weight 1: with a bound, it trains when produced at "
+        "most this many versions before the learner's, else it counts in its group's statistics but is not trained "
+        "(counted: learner/rows_without_logprobs_dropped); None = no bound (every such row is still counted: "
+        "learner/rows_without_logprobs)")
 
 
 class RolloutConfig(Section):
