@@ -7,7 +7,6 @@ every version."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
@@ -22,7 +21,7 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl
-from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
+from tests.support.learner_helpers import read_whole_topic
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()
@@ -92,14 +91,6 @@ async def setup_fleet(cfg: RlstreamConfig, control: ControlPlane) -> ServingCont
     return serving
 
 
-async def read_topic(cfg: RlstreamConfig, topic: str, model: Any) -> list[Any]:
-    reader = await open_reader(cfg.kafka)
-    try:
-        return [item.event async for item in TopicReader(reader, CODEC, model).stream(read_to_end(reader, topic))]
-    finally:
-        await reader.stop()
-
-
 def test_each_decision_measures_serving_and_the_anchor_again_and_the_anchor_stops_a_chain(
         rl_config: RlstreamConfig, created_topics: TopicNames, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = gate_config(rl_config)
@@ -144,7 +135,7 @@ def test_each_decision_measures_serving_and_the_anchor_again_and_the_anchor_stop
     assert metrics["test.anchor.reward.n"] == EXAMPLES * 2 and metrics["test.anchor.reward.passed"] == 0.0
     assert metrics["anchor_version"] == 1 and metrics["plan.examples"] == EXAMPLES and metrics["plan.samples"] == 2
     assert pointer_anchor == 1 and restarted_anchor == 1
-    recorded = asyncio.run(read_topic(cfg, created_topics.promotions, PromotionDecision))
+    recorded = asyncio.run(read_whole_topic(cfg, created_topics.promotions, PromotionDecision))
     gate_records = [d for d in recorded if d.decided_by == "gate"]
     assert [d.version for d in gate_records] == [2, 3, 4]
     assert all("test.serving.reward.lower_bound" in d.candidate_metrics for d in gate_records)
@@ -175,7 +166,7 @@ def test_an_evaluation_that_fails_decides_nothing(rl_config: RlstreamConfig, cre
     assert after_failure == []  # no promotion, no rejection
     assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote)], [d.reason for d in decided]
     assert scripted.calls == [2, 2, 1]
-    metrics = asyncio.run(read_topic(cfg, created_topics.metrics, MetricEvent))
+    metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
     failures = [m for m in metrics if m.name == mn.GATE_EVALUATION_FAILURES]
     assert [(m.step, m.tags.get("role")) for m in failures] == [(2, "candidate")]
     # control: the failed evaluation scored as a result (every answer 0) would have rejected version 2

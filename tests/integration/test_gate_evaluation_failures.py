@@ -18,8 +18,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl
-from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
 from tests.support.scripted_upstream import Reply, completion, scripted_upstream
+from tests.support.learner_helpers import read_whole_topic
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()
@@ -28,14 +28,6 @@ EXAMPLES = 4
 
 def reward(example: dict[str, Any], text: str) -> float:
     return 1.0 if "yes" in text else 0.0
-
-
-async def metrics_of(cfg: RlstreamConfig, topic: str) -> list[MetricEvent]:
-    reader = await open_reader(cfg.kafka)
-    try:
-        return [item.event async for item in TopicReader(reader, CODEC, MetricEvent).stream(read_to_end(reader, topic))]
-    finally:
-        await reader.stop()
 
 
 def test_a_failing_replica_decides_nothing_and_counts_its_failed_requests_then_a_healthy_one_decides(
@@ -78,7 +70,7 @@ def test_a_failing_replica_decides_nothing_and_counts_its_failed_requests_then_a
     after_failure, decided, failed_requests = asyncio.run(scenario())
     assert after_failure == []  # the failed evaluation decided nothing
     assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote)], [d.reason for d in decided]
-    metrics = asyncio.run(metrics_of(cfg, created_topics.metrics))
+    metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
     requests = [m for m in metrics if m.name == mn.GATE_EVALUATION_REQUEST_FAILURES]
     assert requests and {(m.step, m.tags.get("role"), m.tags.get("reason")) for m in requests} == {
         (2, "candidate", "status_500")}
