@@ -395,13 +395,15 @@ class GRPOTrainerStep:
                                   self.cfg.single_advantage_cap)
         without_logprobs = sum(1 for s in samples if s.behaviour_logprobs is None)
         rows = [s for s in samples if s.trainable]
-        if not rows:
-            return self._untrained(samples, trajs, started, without_logprobs)
-        prepared = self.prepare(rows)
         applied: list[dict[str, float]] = []
-        last: dict[str, float] = {}
+        # the figures of a step none of whose rows may be trained (nothing changes)
+        last: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "is_ratio_mean": 1.0,
+                                  "is_ratio_min": 1.0, "is_ratio_max": 1.0, "grad_norm": 0.0, "tokens": 0.0,
+                                  "learning_rate": float(self.scheduler.get_last_lr()[0])}
         skipped, dropped = 0, 0
-        for iteration in range(self.cfg.num_iterations):
+        prepared = self.prepare(rows) if rows else None
+        for iteration in range(self.cfg.num_iterations if prepared is not None else 0):
+            assert prepared is not None
             last, ok = self.optimizer_step(prepared, iteration)
             if not ok and iteration == 0 and not dropped and len(rows) > 1:
                 bad = self.nonfinite_rows(rows)
@@ -434,17 +436,3 @@ class GRPOTrainerStep:
             trajectories=trajs.count if trajs is not None else 0, optimizer_steps=len(applied),
             nonfinite_skipped=skipped, seconds=time.perf_counter() - started, rows_dropped_nonfinite=dropped,
             rows_without_logprobs=without_logprobs, rows_without_logprobs_dropped=len(samples) - len(rows))
-
-    def _untrained(self, samples: Sequence[Sample], trajs: Trajectories | None, started: float,
-                   without_logprobs: int) -> StepStats:
-        """The figures of a step none of whose rows may be trained (nothing changes)."""
-        rewards = trajs.rewards if trajs is not None else torch.zeros(1, dtype=torch.float64)
-        adv = trajectory_advantages(samples, trajs) if trajs is not None else torch.zeros(1)
-        return StepStats(
-            loss=0.0, kl=0.0, clip_fraction=0.0, is_ratio_mean=1.0, is_ratio_min=1.0, is_ratio_max=1.0,
-            reward_mean=float(rewards.mean()), reward_std=_std(rewards), advantage_mean=float(adv.mean()),
-            advantage_std=_std(adv), entropy=0.0, grad_norm=0.0,
-            learning_rate=float(self.scheduler.get_last_lr()[0]), tokens=0, sequences=0,
-            trajectories=trajs.count if trajs is not None else 0, optimizer_steps=0, nonfinite_skipped=0,
-            seconds=time.perf_counter() - started, rows_without_logprobs=without_logprobs,
-            rows_without_logprobs_dropped=len(samples))
