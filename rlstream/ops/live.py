@@ -22,6 +22,10 @@ HELDOUT_COMPONENT_ROWS: tuple[tuple[str, str, str], ...] = (
     ("answer_words", "answer length (words)", ".1f"))
 
 
+#: decisions that move the serving pointer to their version
+PROMOTING_DECISIONS = ("promote", "finish_canary", "force_promote")
+
+
 @dataclass
 class PromotionFigures:
     """The promotion gate's decisions (``promotions``), the serving pointer and the feedback-to-serving figures."""
@@ -36,6 +40,11 @@ class PromotionFigures:
     feedback_to_serving_p50_s: float | None = None
     feedback_to_serving_p90_s: float | None = None
     feedback_waiting: int | None = None  # trained trajectories whose version does not serve yet
+    served_calls: dict[int, int] = field(default_factory=dict)  # version -> production calls it answered (``calls``)
+
+    def versions(self, *kinds: str) -> list[int]:
+        """The versions that got a decision of one of ``kinds``, in order, each once."""
+        return sorted({version for kind, version in self.marks if kind in kinds})
 
     def summary(self) -> dict[str, Any]:
         """The ``promotion`` section of summary.json."""
@@ -47,7 +56,13 @@ class PromotionFigures:
                                   if self.last else None),
                 "feedback_to_serving_s": {"p50": self.feedback_to_serving_p50_s,
                                           "p90": self.feedback_to_serving_p90_s},
-                "trained_not_serving": self.feedback_waiting}
+                "trained_not_serving": self.feedback_waiting,
+                "promoted_versions": (promoted := self.versions(*PROMOTING_DECISIONS)),
+                "canary_versions": (canaried := self.versions("canary")),
+                "served_versions": {str(v): n for v, n in sorted(self.served_calls.items())},
+                # versions that answered production calls without having passed the gate (must stay empty)
+                "served_unvetted": [v for v in sorted(self.served_calls) if v != 0 and v not in promoted
+                                    and v not in canaried] if self.gate else []}
 
 
 @dataclass
@@ -119,6 +134,8 @@ def render(figures: LiveFigures, run_id: str, duration_s: float | None) -> Any:
         last = f"{p.last[0]} v{p.last[1]}: {p.last[2]}" if p.last else "-"
         table.add_row("last gate decision", last)
         table.add_row("gate decisions", ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items())) or "-")
+        table.add_row("production calls per version", "  ".join(
+            f"v{v}: {n}" for v, n in sorted(p.served_calls.items())) or "-")
         p50, p90 = p.feedback_to_serving_p50_s, p.feedback_to_serving_p90_s
         table.add_row("feedback to serving", "-" if p50 is None else
                       f"p50 {p50:.1f}s" + (f", p90 {p90:.1f}s" if p90 is not None else "")
@@ -162,20 +179,21 @@ class Watcher:
         from rlstream.transport.kafka import make_consumer
         from rlstream.transport.topic_reader import SourceRecord, TopicReader, fetch_batch
         from rlstream.schemas.codec import codec_for
-        from rlstream.schemas.models import DeadLetter, MetricEvent, PromotionDecision, TrajectoryGroup
+        from rlstream.schemas.models import CallEvent, DeadLetter, MetricEvent, PromotionDecision, TrajectoryGroup
 
         def undecodable(source: SourceRecord, reason: BaseException | str) -> None:
             log.warning("undecodable record in live view", topic=source.topic, error=str(reason))
 
         names = TopicNames.from_config(self.cfg.topics)
         codec = codec_for(self.cfg, max_bytes=self.cfg.kafka.max_message_bytes * 4)
-        consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, names.promotions,
+        consumer = make_consumer(self.cfg.kafka, names.groups, names.metrics, names.dlq, names.promotions, names.calls,
                                  group_id=None, isolation_level="read_committed")
         # one consumer, one typed reader per topic; the live view only looks, so nothing is dead-lettered
         groups = TopicReader(consumer, codec, TrajectoryGroup, on_reject=undecodable)
         metrics = TopicReader(consumer, codec, MetricEvent, on_reject=undecodable)
         letters = TopicReader(consumer, codec, DeadLetter, on_reject=undecodable)
         decisions = TopicReader(consumer, codec, PromotionDecision, on_reject=undecodable)
+        calls = TopicReader(consumer, codec, CallEvent, on_reject=undecodable)
         await consumer.start()
         try:
             while not stop.is_set():
@@ -189,6 +207,9 @@ class Watcher:
                     elif record.topic == names.promotions:
                         if decision := await decisions.decode(record):
                             self._on_decision(decision.event)
+                    elif record.topic == names.calls:
+                        if call := await calls.decode(record):
+                            self._on_call(call.event)
                     elif await letters.decode(record):
                         self.figures.dlq_count += 1
         finally:
@@ -206,6 +227,14 @@ class Watcher:
             self.figures.group_reward_by_version.setdefault(group.max_policy_version, []).append(
                 sum(rewards) / len(rewards))
         self.figures.newest_group_version = max(self.figures.newest_group_version or 0, group.max_policy_version)
+
+    def _on_call(self, event: Any) -> None:
+        from rlstream.schemas.models import CallKind
+
+        if event.policy != self.cfg.policy or event.kind != CallKind.call:
+            return
+        served = self.figures.promotion.served_calls
+        served[event.policy_version] = served.get(event.policy_version, 0) + 1
 
     def _on_decision(self, event: Any) -> None:
         if event.policy != self.cfg.policy:

@@ -164,3 +164,46 @@ def test_the_up_summary_reads_the_control_plane_again_at_the_end(rl_config) -> N
         return seen
 
     assert asyncio.run(scenario()) == [{"worker-0": "0"}, {"worker-0": "2"}]
+
+
+def test_the_up_summary_lists_the_versions_that_answered_production_calls_beside_the_promoted_ones(
+        rl_config, created_topics) -> None:
+    # the summary's promotion section: served_versions from the calls topic, promoted and canary versions from the
+    # gate's decisions, and served_unvetted naming any version that answered production without passing the gate
+    from rlstream.ops.live import LiveFigures, Watcher
+    from rlstream.schemas.models import CallEvent, DecisionKind, Message, PromotionDecision
+
+    names = created_topics
+    answered = [0, 0, 2, 2, 2, 4, 5]  # 4 is a canary; 5 never passed the gate
+    calls = [CallEvent(session_id=f"s{i}", policy=rl_config.policy, policy_version=v,
+                       response_message=Message(role="assistant", content="b")) for i, v in enumerate(answered)]
+    calls.append(CallEvent(session_id="s-end", kind="end", policy=rl_config.policy, policy_version=9))
+    calls.append(CallEvent(session_id="s-other", policy="another-policy", policy_version=7))
+    decisions = [PromotionDecision(policy=rl_config.policy, version=v, decision=d) for v, d in (
+        (0, DecisionKind.promote), (2, DecisionKind.promote), (3, DecisionKind.reject), (4, DecisionKind.canary))]
+
+    async def scenario() -> dict:
+        await publish(rl_config, names.calls, calls, lambda c: c.session_id)
+        await publish(rl_config, names.promotions, decisions, lambda d: d.policy)
+        plane = ControlPlane(rl_config.redis.url)
+        figures = LiveFigures()
+        figures.promotion.gate = True
+        watcher = Watcher(rl_config, plane, figures)
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.follow_topics(stop))
+        try:
+            for _ in range(100):
+                if sum(figures.promotion.served_calls.values()) >= len(answered) and len(figures.promotion.marks) == 4:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            stop.set()
+            await task
+            await plane.close()
+        return figures.promotion.summary()
+
+    summary = asyncio.run(scenario())
+    assert summary["served_versions"] == {"0": 2, "2": 3, "4": 1, "5": 1}
+    assert summary["promoted_versions"] == [0, 2]
+    assert summary["canary_versions"] == [4]
+    assert summary["served_unvetted"] == [5]
