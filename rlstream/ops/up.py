@@ -381,7 +381,7 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             if process.name == "users" and figures.promotion.gate:
                 # production is answered only by a promoted version: the users start once version 0 serves
                 _wait_for_serving(cfg, sup)
-            sup.spawn(process.name, list(process.argv))
+            sup.spawn(process.name, list(process.argv), env=child_env(process.name))
         try:
             asyncio.run(_supervise(cfg, opts, sup, vllm.url, heldout, figures))
         except KeyboardInterrupt:
@@ -407,6 +407,21 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
         print(f"summary: {run_dir / 'summary.json'}")
         signals.restore()
     return summary
+
+
+#: cores at or below which the learner runs one OpenMP thread: vLLM and the other services share the cores, and
+#: OpenMP threads that wait for a busy core at every barrier made a learner step 2x slower
+#: (bench/results/2026-11-25-tool-agent.md)
+LEARNER_SINGLE_THREAD_CORES = 4
+
+
+def child_env(name: str) -> dict[str, str]:
+    """Environment added to the ``name`` service of ``rlstream up``: on a small machine the learner gets
+    ``OMP_NUM_THREADS=1`` unless the caller set it."""
+    if name == "learner" and "OMP_NUM_THREADS" not in os.environ \
+            and (os.cpu_count() or 1) <= LEARNER_SINGLE_THREAD_CORES:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
 
 
 def _wait_for_serving(cfg: RlstreamConfig, sup: Supervisor, timeout_s: float = 600.0) -> None:
