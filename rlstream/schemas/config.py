@@ -13,7 +13,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (BaseSettings, EnvSettingsSource, InitSettingsSource, PydanticBaseSettingsSource,
                                SettingsConfigDict)
 
@@ -47,6 +47,34 @@ class CurriculumConfig(Section):
     sort_ascending: bool = Field(False, description="rank the easiest groups first instead of the hardest")
     random_subsample: float | None = Field(None, gt=0.0, le=1.0, description="keep this random share of the "
                                            "accepted groups; None = all of them")
+
+
+class RewardRulesConfig(Section):
+    """Which reward a trajectory trains with when feedback arrives as named scores (a RewardEvent's components: the
+    Langfuse score name, the LangSmith key, the gen_ai.evaluation.name, /v1/feedback's components)."""
+
+    scores: dict[str, float] = Field(default_factory=dict, description="score name -> weight: the reward is the "
+                                     "weighted mean of the named scores a trajectory received (one name: that score "
+                                     "alone); every score, named or not, stays in reward_components. A RewardEvent "
+                                     "without components is one score named 'feedback'. Empty: the first reward to "
+                                     "reach a trajectory is its reward and later ones are duplicates")
+    score_window_s: float = Field(60.0, ge=0, description="after a trajectory's first score, how long its other "
+                                  "named scores may take to arrive; when every named score is in, or at the end "
+                                  "of the window with those present, the reward is combined")
+    correction_window_s: float = Field(0.0, ge=0, description="a production single (group_size 1) waits this long "
+                                       "after its capture before it leaves, and a correction (a repeated feedback "
+                                       "id) within it replaces the score; after it the gateway answers a correction "
+                                       "409. 0: a single leaves at its reward and every correction of one is 409")
+    correction_grace_s: float = Field(5.0, ge=0, description="added to correction_window_s in the stream app: the "
+                                      "transit time of a correction the gateway accepted at the window's end")
+
+    @field_validator("scores")
+    @classmethod
+    def _positive_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, weight in value.items():
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError(f"the weight of score {name!r} must be a finite number > 0")
+        return value
 
 
 class RewardFunctionConfig(Section):
@@ -182,6 +210,8 @@ class StreamsConfig(Section):
                                    "production traffic) waits for its reward (feedback may come hours later); "
                                    "the trajectories topic's retention must outlast it (waiting records are read "
                                    "back from it)")
+    reward: RewardRulesConfig = Field(default_factory=RewardRulesConfig, description="how named scores make a "
+                                      "trajectory's reward, and the correction window of production singles")
     reward_range: tuple[float, float] = Field((-10.0, 10.0), description="[low, high] a reward and each of its "
                                               "components must lie in (finite numbers, low <= high); the gateway "
                                               "answers feedback outside it with 422, the stream dead-letters rewards "

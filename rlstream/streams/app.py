@@ -39,6 +39,7 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import BaselineRules
 from rlstream.streams.deadlines import DueIndex
+from rlstream.streams.reward_rules import RewardRules
 from rlstream.streams.assembly import (AssemblyRules, Finished, GroupAssembler, OpenGroup, Outcome, Reject,
                                        SourceRef, group_state_from_json)
 from rlstream.streams.filters import apply_filters
@@ -230,6 +231,7 @@ class StreamsApp:
                                    min_group_size=self.cfg.streams.min_group_size,
                                    closed_retention_s=self.cfg.streams.closed_retention_s,
                                    single_timeout_s=self.cfg.streams.reward_window_s,
+                                   reward=RewardRules.from_config(self.cfg.streams.reward),
                                    baseline=BaselineRules(self.cfg.streams.baseline_method,
                                                           self.cfg.streams.baseline_window,
                                                           self.cfg.streams.baseline_ema_alpha, self.reward_range))

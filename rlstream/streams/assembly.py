@@ -45,6 +45,8 @@ from rlstream.streams import validation as v
 from rlstream.streams.baseline import (BaselineRules, BaselineState, baseline_key, is_baseline, mean_and_std, score,
                                        table_key, task_of)
 from rlstream.streams.deadlines import DueIndex
+from rlstream.streams.reward_rules import (RewardRules, Scores, ScoreTaken, all_named_in, combined, components,
+                                          event_scores, feedback_ids, take_scores)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class MemberState:
     generation_index: int = 0
     feedback_id: str | None = None  # of the RewardEvent that gave its reward (a correction must repeat it)
     feedback_components: list[str] = field(default_factory=list)  # component names that feedback set
+    scores: Scores = field(default_factory=dict)  # named scores so far (streams.reward.scores set)
+    scored_at: float | None = None  # when its first score arrived (the score window counts from here)
+    captured_at: float = 0.0  # the trajectory's created_at (the correction window of a single counts from here)
 
     @property
     def rewarded(self) -> bool:
@@ -116,6 +121,10 @@ class MemberState:
                 "v": self.policy_version, "gi": self.generation_index, "k": self.key}
         if self.feedback_id is not None:
             data["fid"], data["fc"] = self.feedback_id, list(self.feedback_components)
+        if self.scores:
+            data["sc"], data["s0"] = {k: list(v) for k, v in self.scores.items()}, self.scored_at
+        if self.captured_at:
+            data["ca"] = self.captured_at
         return data
 
     @classmethod
@@ -126,7 +135,9 @@ class MemberState:
                    reward_source=SourceRef.from_list(rsrc) if rsrc is not None else None,
                    policy_version=int(data.get("v") or 0), key=data.get("k"),
                    generation_index=int(data.get("gi") or 0), feedback_id=data.get("fid"),
-                   feedback_components=list(data.get("fc") or []))
+                   feedback_components=list(data.get("fc") or []),
+                   scores={k: list(v) for k, v in (data.get("sc") or {}).items()},
+                   scored_at=_optional_float(data.get("s0")), captured_at=float(data.get("ca") or 0.0))
 
 
 @dataclass
@@ -137,17 +148,23 @@ class PendingReward:
     reward_components: dict[str, float]
     source: SourceRef
     feedback_id: str | None = None
+    scores: Scores = field(default_factory=dict)  # its named scores (streams.reward.scores set)
+    scored_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = {"rw": self.reward, "comp": dict(self.reward_components), "src": self.source.as_list()}
         if self.feedback_id is not None:
             data["fid"] = self.feedback_id
+        if self.scores:
+            data["sc"], data["s0"] = {k: list(v) for k, v in self.scores.items()}, self.scored_at
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PendingReward":
         return cls(reward=float(data["rw"]), reward_components=dict(data.get("comp") or {}),
-                   source=SourceRef.from_list(data["src"]), feedback_id=data.get("fid"))
+                   source=SourceRef.from_list(data["src"]), feedback_id=data.get("fid"),
+                   scores={k: list(v) for k, v in (data.get("sc") or {}).items()},
+                   scored_at=_optional_float(data.get("s0")))
 
 
 @dataclass
@@ -165,6 +182,7 @@ class OpenGroup:
     last_record_ts: float = 0.0  # latest record timestamp of a member or a joined reward
     members: dict[str, MemberState] = field(default_factory=dict)  # trajectory_id -> member, in arrival order
     pending_rewards: dict[str, PendingReward] = field(default_factory=dict)  # trajectory_id -> early reward
+    due_at: float | None = None  # before its timeout: when a score window ends or a held single may leave
 
     def rewarded_ids(self) -> list[str]:
         return [tid for tid, m in self.members.items() if m.rewarded]
@@ -173,7 +191,8 @@ class OpenGroup:
         return {"g": self.group_id, "e": self.example_id, "r": self.run_id, "pol": self.policy, "n": self.group_size,
                 "tk": self.task, "p": self.partition, "t0": self.opened_at, "t1": self.last_record_ts,
                 "m": {tid: m.to_json() for tid, m in self.members.items()},
-                "pr": {tid: p.to_json() for tid, p in self.pending_rewards.items()}}
+                "pr": {tid: p.to_json() for tid, p in self.pending_rewards.items()},
+                **({"dl": self.due_at} if self.due_at is not None else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "OpenGroup":
@@ -183,7 +202,8 @@ class OpenGroup:
                    task=data.get("tk", ""),
                    last_record_ts=float(data.get("t1", 0.0)),
                    members={tid: MemberState.from_json(m) for tid, m in data.get("m", {}).items()},
-                   pending_rewards={tid: PendingReward.from_json(p) for tid, p in data.get("pr", {}).items()})
+                   pending_rewards={tid: PendingReward.from_json(p) for tid, p in data.get("pr", {}).items()},
+                   due_at=_optional_float(data.get("dl")))
 
 
 @dataclass
@@ -195,18 +215,27 @@ class ClosedGroup:
     closed_at: float
     member_ids: list[str]  # sorted trajectory ids it held
     feedback_ids: dict[str, str] = field(default_factory=dict)  # trajectory id -> feedback id of its reward
+    score_feedback_ids: dict[str, list[str]] = field(default_factory=dict)  # trajectory id -> ids of its scores
+
+    def corrects(self, trajectory_id: str, feedback_id: str | None) -> bool:
+        """True when ``feedback_id`` set (part of) the reward ``trajectory_id`` left with."""
+        return feedback_id is not None and (self.feedback_ids.get(trajectory_id) == feedback_id
+                                            or feedback_id in self.score_feedback_ids.get(trajectory_id, ()))
 
     def to_json(self) -> dict[str, Any]:
         data = {"g": self.group_id, "p": self.partition, "closed": True, "closed_at": self.closed_at,
                 "ids": list(self.member_ids)}
         if self.feedback_ids:
             data["fids"] = dict(self.feedback_ids)
+        if self.score_feedback_ids:
+            data["fidx"] = dict(self.score_feedback_ids)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClosedGroup":
         return cls(group_id=data["g"], partition=int(data["p"]), closed_at=float(data["closed_at"]),
-                   member_ids=list(data.get("ids", [])), feedback_ids=dict(data.get("fids") or {}))
+                   member_ids=list(data.get("ids", [])), feedback_ids=dict(data.get("fids") or {}),
+                   score_feedback_ids={k: list(v) for k, v in (data.get("fidx") or {}).items()})
 
 
 GroupState = OpenGroup | ClosedGroup
@@ -306,6 +335,7 @@ class AssemblyRules:
     closed_retention_s: float = 3600.0
     single_timeout_s: float = 86_400.0  # a single response (group_size 1) waits this long for its reward
     baseline: BaselineRules = BaselineRules()
+    reward: RewardRules = RewardRules()  # streams.reward: named scores and the correction window of singles
 
 
 def group_stats(rewards: list[float]) -> tuple[float, float, float, float]:
@@ -353,13 +383,16 @@ class GroupAssembler:
         member = MemberState(source=src, reward=event.reward, reward_components=dict(event.reward_components),
                              reward_source=None, policy_version=event.policy_version,
                              key=key.decode("utf-8", "replace") if key is not None else None,
-                             generation_index=event.generation_index)
+                             generation_index=event.generation_index, captured_at=event.created_at.timestamp())
         pending = state.pending_rewards.pop(event.trajectory_id, None)
         if pending is not None:
-            if member.reward is None:
-                member.take_feedback(pending.reward, pending.reward_components, pending.source, pending.feedback_id)
-            else:
+            if member.reward is not None:
                 out.counts["duplicate_reward"] += 1
+            elif pending.scores:  # named scores: they wait for the rest of their window in the member
+                member.scores, member.scored_at, member.reward_source = pending.scores, pending.scored_at, \
+                    pending.source
+            else:
+                member.take_feedback(pending.reward, pending.reward_components, pending.source, pending.feedback_id)
         state.members[event.trajectory_id] = member
         state.last_record_ts = max(state.last_record_ts, record_ts)
         self.payloads[src] = raw
@@ -373,7 +406,7 @@ class GroupAssembler:
         state = self._open_state(event, src, now)
         fid = event.feedback_id
         if isinstance(state, ClosedGroup):
-            if fid is not None and state.feedback_ids.get(event.trajectory_id) == fid:
+            if state.corrects(event.trajectory_id, fid):
                 out.rejects.append(Reject(v.CORRECTION_AFTER_EMIT, (
                     f"correction {fid!r} of the reward of {event.trajectory_id} (now {event.reward:g}) came after "
                     f"group {event.group_id} was emitted or expired; it is recorded here and never trained"),
@@ -388,6 +421,8 @@ class GroupAssembler:
             out.rejects.append(Reject(v.REWARD_GROUP_MISMATCH, f"reward names example {event.example_id!r} but group "
                                       f"{event.group_id} belongs to {state.example_id!r}", src, key, raw))
             return out
+        if self.rules.reward.combines:
+            return self._on_score(state, event, src, record_ts, now, out)
         member = state.members.get(event.trajectory_id)
         if member is None:
             held = state.pending_rewards.get(event.trajectory_id)
@@ -414,6 +449,66 @@ class GroupAssembler:
         out.extend(self._maybe_complete(state, now))
         return out
 
+    def _on_score(self, state: OpenGroup, event: RewardEvent, src: SourceRef, record_ts: float, now: float,
+                  out: Outcome) -> Outcome:
+        """A RewardEvent under a named-score rule (``streams.reward.scores``): its scores join the trajectory's,
+        and the reward is the combination once every named score is in or the score window has ended."""
+        given, fid = event_scores(event), event.feedback_id
+        member = state.members.get(event.trajectory_id)
+        if member is None:  # before its trajectory: the scores wait with the group
+            held = state.pending_rewards.get(event.trajectory_id)
+            if held is None:
+                held = state.pending_rewards[event.trajectory_id] = PendingReward(
+                    reward=event.reward, reward_components={}, source=src, feedback_id=fid, scored_at=now)
+            taken = take_scores(held.scores, given, fid)
+            out.counts[{ScoreTaken.NEW: "rewards_held", ScoreTaken.CORRECTED: "rewards_corrected",
+                        ScoreTaken.DUPLICATE: "duplicate_reward"}[taken]] += 1
+            if taken is not ScoreTaken.DUPLICATE:
+                self._store(state)
+            return out
+        if member.rewarded and not member.scores:  # its own (inline) reward: first reward wins
+            out.counts["duplicate_reward"] += 1
+            return out
+        was_rewarded = member.rewarded
+        taken = take_scores(member.scores, given, fid)
+        if taken is ScoreTaken.DUPLICATE:
+            out.counts["duplicate_reward"] += 1
+            return out
+        member.scored_at = member.scored_at if member.scored_at is not None else now
+        member.reward_source = src
+        state.last_record_ts = max(state.last_record_ts, record_ts)
+        if was_rewarded:  # settled already, its group still here: the combination follows the new score
+            member.reward = combined(self.rules.reward, member.scores)
+            member.reward_components = components(member.scores)
+        out.counts["rewards_corrected" if taken is ScoreTaken.CORRECTED else "rewards_joined"] += 1
+        out.extend(self._maybe_complete(state, now))
+        return out
+
+    def _settle(self, state: OpenGroup, now: float, force: bool = False) -> None:
+        """Give each scored member its combined reward once every named score is in or its window has ended
+        (``force``: whatever is in, at the group's timeout)."""
+        rules = self.rules.reward
+        for member in state.members.values():
+            if member.rewarded or not member.scores:
+                continue
+            ends = (member.scored_at or now) + rules.score_window_s
+            if force or now >= ends or all_named_in(rules, member.scores):
+                member.reward = combined(rules, member.scores)  # None while no named score is in
+                member.reward_components = components(member.scores)
+
+    def _next_due(self, state: OpenGroup, now: float) -> float | None:
+        """When the earliest score window still running ends, or None."""
+        ends = [end for m in state.members.values() if not m.rewarded and m.scores
+                if (end := (m.scored_at or 0.0) + self.rules.reward.score_window_s) > now]
+        return min(ends) if ends else None
+
+    def _held_until(self, state: OpenGroup) -> float:
+        """When a rewarded single may leave: its capture time plus the correction window (0: at once)."""
+        hold = self.rules.reward.hold_s()
+        if state.group_size != 1 or hold <= 0:
+            return 0.0
+        return max((m.captured_at for m in state.members.values()), default=0.0) + hold
+
     def on_tick(self, partition: int, now: float) -> Outcome:
         """Time out, expire and forget groups of ``partition`` whose time has come."""
         return self.time_out(self.due(partition, now), now)
@@ -439,7 +534,9 @@ class GroupAssembler:
         """When a stored group state's time comes: a closed group is forgotten, an open one timed out."""
         if data.get("closed"):
             return float(data["closed_at"]) + self.rules.closed_retention_s
-        return float(data["t0"]) + self._timeout_for(data.get("n"))
+        timeout = float(data["t0"]) + self._timeout_for(data.get("n"))
+        due_at = data.get("dl")
+        return min(timeout, float(due_at)) if due_at is not None else timeout
 
     def _deadlines(self, partition: int) -> list[tuple[float, str]]:
         """(deadline, group_id) of every stored group of ``partition`` (to build its index)."""
@@ -453,6 +550,8 @@ class GroupAssembler:
             if open_state is None:
                 del self.groups[group_id]
                 out.counts["closed_forgotten"] += 1
+            elif now < open_state.opened_at + self._timeout_of(open_state):  # a score window or a hold ended
+                out.extend(self._maybe_complete(open_state, now))
             else:
                 out.extend(self._time_out(open_state, now))
                 self._note(self.groups.get(group_id), group_id)  # (closed by now; noted again whatever happened)
@@ -500,15 +599,22 @@ class GroupAssembler:
             out.rejects.append(Reject("group_closed", late_message, src, key, raw))
 
     def _maybe_complete(self, state: OpenGroup, now: float) -> Outcome:
+        self._settle(state, now)
         rewarded = state.rewarded_ids()
+        state.due_at = self._next_due(state, now)
         if state.group_size is not None and len(rewarded) >= state.group_size:
-            out = self._finish(state, rewarded, GroupCompletion.full, now)
-            out.counts["groups_completed"] += 1
-            return out
+            held_until = self._held_until(state)
+            if now < held_until:  # a single waits out its correction window
+                state.due_at = held_until
+            else:
+                out = self._finish(state, rewarded, GroupCompletion.full, now)
+                out.counts["groups_completed"] += 1
+                return out
         self._store(state)
         return Outcome()
 
     def _time_out(self, state: OpenGroup, now: float) -> Outcome:
+        self._settle(state, now, force=True)
         rewarded = state.rewarded_ids()
         if rewarded and len(rewarded) >= self.rules.min_group_size:
             out = self._finish(state, rewarded, GroupCompletion.timeout, now)
@@ -588,4 +694,6 @@ class GroupAssembler:
         self._store(ClosedGroup(group_id=state.group_id, partition=state.partition, closed_at=now,
                                 member_ids=sorted(state.members),
                                 feedback_ids={tid: m.feedback_id for tid, m in state.members.items()
-                                              if m.feedback_id is not None}))
+                                              if m.feedback_id is not None},
+                                score_feedback_ids={tid: feedback_ids(m.scores) for tid, m in state.members.items()
+                                                    if feedback_ids(m.scores)}))
