@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what rlstream needs on a fresh Debian machine: redis-server and promtool (apt: the alert rules and
-# the Prometheus config are checked by the tests) and the project's virtualenv (.venv) with the CPU torch pin. Safe to run again: it only does
+# Installs what rlstream needs on a fresh Debian machine: redis-server, promtool (apt: the alert rules and
+# the Prometheus config are checked by the tests) and chromium (the console's browser test) and the project's virtualenv (.venv) with the CPU torch pin. Safe to run again: it only does
 # what is missing or out of date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ VENV=${VENV:-.venv}
 apt_packages=()
 command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)  # promtool; the daemon is not started
+command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)  # the console's browser test (Playwright drives it)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   echo "bootstrap: installing ${apt_packages[*]} (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

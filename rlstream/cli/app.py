@@ -35,6 +35,7 @@ from rlstream.cli.up import register as register_up; register_up(app)  # noqa: E
 from rlstream.cli.finetune import register as register_finetune; register_finetune(app)  # noqa: E402,E702
 from rlstream.cli.gateway import gateway_app; app.add_typer(gateway_app, name="gateway")  # noqa: E402,E702
 from rlstream.cli.models import models_app; app.add_typer(models_app, name="models")  # noqa: E402,E702
+from rlstream.cli.console import register as register_console; register_console(app)  # noqa: E402,E702
 
 DEFAULT_STATE = Path(os.environ.get("RLSTREAM_HOME", "runs")) / "infra"
 

@@ -281,7 +281,8 @@ OPERATOR_ERRORS = {
     "rlstream.transport.topic_reader": ("TopicMissingError",),
     "rlstream.ops.plot": ("NoMetricsError",),
 }
-USAGE_ERRORS = {"rlstream.ops.replay": ("ReplayError",), "rlstream.rollout.loading": ("UserCodeError", "DatasetError")}
+USAGE_ERRORS = {"rlstream.ops.replay": ("ReplayError",), "rlstream.rollout.loading": ("UserCodeError", "DatasetError"),
+                "rlstream.ops.console.app": ("ConsoleStartError",)}
 KAFKA_ERRORS = {"aiokafka.errors": ("KafkaError",)}
 KAFKA_UNREACHABLE = {"aiokafka.errors": ("KafkaConnectionError", "KafkaTimeoutError", "NodeNotReadyError",
                                          "RequestTimedOutError")}

@@ -377,6 +377,10 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             sup.env.update({API_KEYS_ENV: api_key, USERS_API_KEY_ENV: api_key})
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
+        console_port = free_port()  # the read-only web page of the run (docs/console.md)
+        sup.spawn("console", rlstream_command("console", "-c", str(config_path), "--port", str(console_port)),
+                  env={API_KEYS_ENV: ""})  # loopback: open to this machine, not behind the gateway's client key
+        print(f"console http://127.0.0.1:{console_port}/ (read-only web page of the run)", flush=True)
         for process in plan:
             if process.name == "users" and figures.promotion.gate:
                 # production is answered only by a promoted version: the users start once version 0 serves

@@ -1,0 +1,194 @@
+"""``rlstream console`` in a real browser: Debian's chromium, driven by Playwright, opens the console of a stack whose
+topics hold real trajectories, groups, gate decisions, feedback and dead letters (written by the project's own
+publishers and decision writers on the session's broker and Redis), and checks what a person sees. The screenshot is
+kept under the test's tmp dir (and copied to ``$RLSTREAM_ARTIFACTS_DIR`` when set; docs/console.png is one)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from rlstream.gate.evaluation import figures_of
+from rlstream.gate.rules import DecisionRule, SampleResult, judge
+from rlstream.gateway.auth import KeyStore
+from rlstream.ops.console.app import build_app, console_url
+from rlstream.ops.ports import LOOPBACK, free_port
+from rlstream.rollout.publisher import TrajectoryPublisher
+from rlstream.schemas.codec import codec_for
+from rlstream.schemas.config import RlstreamConfig
+from rlstream.schemas.models import (DecisionKind, GroupCompletion, Message, PolicyVersion, PromotionDecision,
+                                     RewardEvent, ToolCall, TrajectoryEvent, TrajectoryGroup, TrajectorySource, Turn)
+from rlstream.schemas.topics import TopicNames
+from rlstream.transport import metric_names as mn
+from rlstream.transport.deadletter import DeadLetterSink
+from rlstream.transport.kafka import make_producer
+from rlstream.transport.metrics import MetricsPublisher
+from rlstream.transport.serving import publish_decision
+from rlstream.transport.topic_reader import SourceRecord
+from tests.support.version_helpers import announce_versions
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = Path("/usr/bin/chromium")
+HELDOUT_EXAMPLE = "heldout-weather-1"
+
+
+def tool_trajectory(cfg: RlstreamConfig, version: int, index: int, reward: float, city: str,
+                    source: TrajectorySource = TrajectorySource.rollout,
+                    example_id: str = HELDOUT_EXAMPLE) -> TrajectoryEvent:
+    """An agent run with one tool call, its result and the final answer; one turn with token logprobs."""
+    call = ToolCall(id=f"call-{version}-{index}", name="get_weather", arguments=f'{{"city": "{city}"}}')
+    return TrajectoryEvent(
+        run_id=cfg.run_id, example_id=example_id, group_id=f"g-{version}-{example_id}", group_size=2,
+        generation_index=index, policy=cfg.policy, policy_version=version, source=source,
+        messages=[Message(role="user", content=f"What is the weather in {city}?"),
+                  Message(role="assistant", content=None, tool_calls=[call]),
+                  Message(role="tool", content=f"{city}: 18°C, light rain", tool_call_id=call.id),
+                  Message(role="assistant", content=f"It is 18°C with light rain in {city} (v{version}).")],
+        turns=[Turn(message_index=1, completion_token_ids=[101, 202, 303, 404],
+                    completion_logprobs=[-0.01, -2.3, -0.2, -4.0])],
+        reward=reward, reward_components={"success": reward, "tool_call_parsed": 1.0})
+
+
+def evaluation(version: int, rewards: list[float]) -> list[SampleResult]:
+    return [SampleResult(key=f"e{i}#0", reward=r, parses=True, refusal=False, length=12, tool_calls=1,
+                         tool_calls_parsed=1, success=r) for i, r in enumerate(rewards)]
+
+
+async def seed_stack(cfg: RlstreamConfig) -> None:
+    """Versions 1-3 announced by a fenced learner; trajectories (held-out and training), a group, the gate's
+    decisions (v1, v2 promoted, v3 rejected by the paired test), feedback and a dead letter."""
+    names = TopicNames.from_config(cfg.topics)
+    await announce_versions(cfg, [PolicyVersion(policy=cfg.policy, version=v, base_model="tiny", uri=f"file:///w/v{v}",
+                                                learner_step=10 * v, group_count=4 * v, run_id=cfg.run_id)
+                                  for v in (1, 2, 3)])
+    codec = codec_for(cfg)
+    async with TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards, codec=codec) as publisher:
+        for version in (0, 1, 2, 3):
+            await publisher.publish_trajectory(tool_trajectory(cfg, version, 0, 0.25 * version, "Paris",
+                                                               TrajectorySource.validation))
+        for i in range(3):
+            await publisher.publish_reward(RewardEvent(trajectory_id=f"t{i}", group_id="g", example_id="e",
+                                                       run_id=cfg.run_id, reward=1.0, feedback_id=f"f{i % 2}"))
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        group_members = [tool_trajectory(cfg, 2, i, r, "Oslo", example_id="train-7") for i, r in enumerate((1.0, 0.0))]
+        group = TrajectoryGroup(group_id="g-2-train-7", run_id=cfg.run_id, example_id="train-7", policy=cfg.policy,
+                                min_policy_version=2, max_policy_version=2, expected_size=2,
+                                trajectories=group_members, reward_mean=0.5, reward_std=0.5, reward_min=0.0,
+                                reward_max=1.0, completion=GroupCompletion.full)
+        await producer.send_and_wait(names.groups, codec.encode(group), key=group.example_id.encode())
+
+        rule = DecisionRule()
+        base = figures_of(0, evaluation(0, [0.2, 0.3, 0.2, 0.3]))
+        v1 = figures_of(1, evaluation(1, [0.5, 0.6, 0.5, 0.6]))
+        v2 = figures_of(2, evaluation(2, [0.7, 0.8, 0.7, 0.8]))
+        v3 = figures_of(3, evaluation(3, [0.0, 0.1, 0.0, 0.1]))
+        decisions = []
+        for candidate, serving in ((v1, base), (v2, v1), (v3, v2)):
+            verdict = judge(candidate, serving, rule)
+            kind = DecisionKind.promote if verdict.promote else DecisionKind.reject
+            decisions.append(PromotionDecision(
+                policy=cfg.policy, version=candidate.version, decision=kind,
+                reason=f"{'promoted' if verdict.promote else 'rejected'}: {verdict.reason}",
+                serving_before=serving.version, candidate_metrics={**candidate.metrics(), **verdict.evidence()},
+                serving_metrics=serving.metrics(), decided_by="gate"))
+        assert [d.decision for d in decisions] == [DecisionKind.promote, DecisionKind.promote, DecisionKind.reject]
+        for decision in decisions:
+            await publish_decision(producer, codec, names.promotions, decision)
+
+        metrics = MetricsPublisher(producer, codec, names.metrics, source="up", run_id=cfg.run_id)
+        await metrics.emit(mn.GATE_FEEDBACK_TO_SERVING_P50_S, 42.0)
+        sink = DeadLetterSink(producer, codec, names.dlq, service="streams")
+        await sink.send(SourceRecord(names.trajectories, 0, 7, b"k", b"\x00bad"),
+                        "first message must be user or system, got assistant")
+    finally:
+        await producer.stop()
+
+
+@pytest.fixture
+def console(rl_config: RlstreamConfig, created_topics: TopicNames) -> Iterator[str]:
+    """The console of the seeded stack, served by uvicorn on a free loopback port."""
+    import uvicorn
+
+    asyncio.run(seed_stack(rl_config))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(rl_config, KeyStore()), host=LOOPBACK, port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = console_url(LOOPBACK, port)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the feed has read the seeded topics
+        try:
+            state = httpx.get(url + "api/state", timeout=2).json()
+            if len(state["versions"]) == 4 and state["dlq"]["total"] == 1 and len(state["decisions"]) == 3:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    else:
+        raise AssertionError("the console did not read the seeded topics in 60 s")
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def test_console_shows_versions_trajectories_and_decisions(console: str, tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    assert CHROMIUM.exists(), "Debian's chromium is installed by scripts/bootstrap.sh"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(console)
+            page.wait_for_selector("body[data-loaded=true]", timeout=30_000)
+            # a version row per promoted version, and the rejected candidate with the gate's reason and figures
+            for version in (1, 2):
+                expect(page.locator(f'#versions tr[data-version="{version}"]')).to_have_attribute(
+                    "data-status", "promoted")
+            rejected = page.locator('#versions tr[data-version="3"]')
+            expect(rejected).to_have_attribute("data-status", "rejected")
+            reason = rejected.locator(".stage-rejected .reason")
+            expect(reason).to_contain_text("rejected:")
+            expect(reason).to_contain_text("serving v2")
+            expect(rejected.locator(".stage-evaluated .reason")).to_contain_text("held-out reward 0.050")
+            expect(page.locator('#versions tr[data-version="1"] .stage-candidate')).to_contain_text("step 10")
+            # a trajectory's tool call and its result, reward, advantage and shaded tokens
+            page.select_option("#sample-version", "2")
+            sample = page.locator("#samples .trajectory").filter(has_text="Oslo").first
+            expect(sample.locator(".tool-call")).to_have_text('get_weather({"city": "Oslo"})')
+            expect(sample).to_contain_text("Oslo: 18°C, light rain")
+            expect(sample.locator(".head")).to_contain_text("advantage")
+            expect(sample.locator(".tok")).to_have_count(4)
+            # the same held-out prompt answered by two versions, side by side
+            page.select_option("#compare-example", HELDOUT_EXAMPLE)
+            page.select_option("#compare-a", "1")
+            page.select_option("#compare-b", "3")
+            expect(page.locator("#compare > div").nth(0)).to_contain_text("(v1)")
+            expect(page.locator("#compare > div").nth(1)).to_contain_text("(v3)")
+            # feedback and dead letters with the reason
+            expect(page.locator("#feedback")).to_contain_text("3 rewards")
+            expect(page.locator("#feedback")).to_contain_text("1 corrections")
+            expect(page.locator("#dlq-reasons")).to_contain_text("first message must be user or system")
+            expect(page.locator("#chart canvas")).to_have_count(1)
+            shot = tmp_path / "console.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("RLSTREAM_ARTIFACTS_DIR"):
+        out = Path(os.environ["RLSTREAM_ARTIFACTS_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / "console.png")
