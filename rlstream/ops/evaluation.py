@@ -33,13 +33,23 @@ class VersionScore:
     components: dict[str, float] = field(default_factory=dict)  # the reward function's components, averaged
 
 
+#: the held-out figure of the answer's length in words (an answer that grows or collapses shows here)
+ANSWER_WORDS = "answer_words"
+
+
+def answer_text(output: Any) -> str:
+    """The final answer of a workflow's output: its ``final_answer`` (an agent episode), else the output itself."""
+    return str(getattr(output, "final_answer", output) or "")
+
+
 async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workflow: Workflow, reward_fn: Any,
                            samples: int, sampling: SamplingSettings,
                            api_key: str | None = None,
                            components: dict[str, float] | None = None) -> tuple[float, int]:
     """Mean reward of ``samples`` runs of ``workflow`` per held-out example, sampled with ``sampling``
     (whose ``model`` names the version served by vLLM). ``components``, when given, receives the mean of each of the
-    reward function's components (e.g. the tool task's success and tool-call parse rate).
+    reward function's components (e.g. the tool task's success and tool-call parse rate) and of the answer's length
+    in words (``answer_words``).
 
     The workflow gets a plain (not recorded) OpenAI client, so evaluation traffic never reaches training.
     """
@@ -52,7 +62,8 @@ async def evaluate_heldout(base_url: str, examples: list[dict[str, Any]], workfl
     try:
         async def one(example: dict[str, Any]) -> tuple[float, dict[str, float]]:
             output = await workflow(example, client, sampling)
-            return score(reward_fn(example, output))
+            reward, parts = score(reward_fn(example, output))
+            return reward, {**parts, ANSWER_WORDS: float(len(answer_text(output).split()))}
 
         scored = await asyncio.gather(*(one(e) for e in examples for _ in range(samples)))
     finally:

@@ -238,16 +238,17 @@ def unparsed_call(episode: ToolEpisode) -> bool:
 
 def tool_reward(example: dict[str, Any], output: Any) -> dict[str, float]:
     """The reward function (``rollout.reward_function``): the verifier's reward as ``reward``, and as components the
-    task success, whether the tool call parsed, the answer length in words (what the held-out view averages), and
-    the tool calls made and whether one did not parse (what the stream app counts: ``TOOL_CALLS_COMPONENT``,
-    ``TOOL_CALL_UNPARSED_COMPONENT`` of :mod:`rlstream.streams.telemetry`).
+    task success, whether the tool call parsed, and the tool calls made and whether one did not parse (what the
+    stream app counts: ``TOOL_CALLS_COMPONENT``, ``TOOL_CALL_UNPARSED_COMPONENT`` of
+    :mod:`rlstream.streams.telemetry`). Every component is a score within the task's reward range, so users may send
+    them all as feedback components (the gateway refuses a component outside that range); the answer's length is a
+    figure of the held-out evaluation (:func:`rlstream.ops.evaluation.evaluate_heldout`), not a score.
 
     ``output``: a :class:`ToolEpisode`, or a plain answer text (no tool called)."""
     episode = output if isinstance(output, ToolEpisode) else ToolEpisode(final_answer=str(output or ""))
     verdict = verify(example, episode)
     return {"reward": verdict.reward, "success": float(verdict.success), "tool_call_parsed": float(verdict.parsed),
-            "answer_words": float(verdict.answer_words), TOOL_CALLS_COMPONENT: float(len(episode.calls)),
-            TOOL_CALL_UNPARSED_COMPONENT: float(unparsed_call(episode))}
+            TOOL_CALLS_COMPONENT: float(len(episode.calls)), TOOL_CALL_UNPARSED_COMPONENT: float(unparsed_call(episode))}
 
 
 # --- the agent ------------------------------------------------------------------------------------------------

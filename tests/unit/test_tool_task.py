@@ -24,7 +24,7 @@ def test_the_right_tool_call_and_the_tools_value_in_the_answer_earn_everything()
     assert (verdict.parsed, verdict.right_call, verdict.right_answer) == (True, True, True)
     assert verdict.reward == pytest.approx(1.0) and verdict.success and verdict.answer_words == 4
     assert tool_reward(EXAMPLE, episode) == {"reward": pytest.approx(1.0), "success": 1.0, "tool_call_parsed": 1.0,
-                                             "answer_words": 4.0, "tool_calls": 1.0, "tool_call_unparsed": 0.0}
+                                             "tool_calls": 1.0, "tool_call_unparsed": 0.0}
 
 
 def test_names_are_matched_without_case_or_outer_spaces() -> None:
@@ -157,3 +157,36 @@ def test_every_name_of_the_table_fits_the_arguments_schema_a_forced_call_is_writ
     names = {name for pair in fact_table() for name in pair}
     assert names and all(pattern.fullmatch(name) for name in names)
     assert not pattern.fullmatch("Velmora, the city") and not pattern.fullmatch("x" * 13)
+
+
+def test_a_long_answers_scores_are_feedback_the_gateway_accepts() -> None:
+    # simulated users send the reward function's components as feedback components, which the gateway refuses
+    # outside the task's reward range; the answer's length in words is no score (control: sent as one, refused)
+    from pydantic import ValidationError
+
+    from rlstream.gateway.feedback import RANGE_CONTEXT, Feedback
+    from rlstream.schemas.config import StreamsConfig
+
+    long_answer = ToolEpisode(calls=[call()], tool_results=[VALUE], final_answer=" ".join(["word"] * 40) + f" {VALUE}")
+    scores = tool_reward(EXAMPLE, long_answer)
+    context = {RANGE_CONTEXT: tuple(StreamsConfig().reward_range)}
+    body = {"reward": scores["reward"], "components": {k: v for k, v in scores.items() if k != "reward"}}
+    assert Feedback.model_validate(body, context=context).components == body["components"]
+    with pytest.raises(ValidationError, match="outside the task's reward range"):
+        Feedback.model_validate({**body, "components": {**body["components"], "answer_words": 41.0}}, context=context)
+
+
+def test_the_heldout_evaluation_reports_the_answer_length_of_an_episode() -> None:
+    import asyncio
+
+    from rlstream.ops.evaluation import ANSWER_WORDS, evaluate_heldout
+    from rlstream.rollout.sampling import SamplingSettings
+
+    async def workflow(example, client, sampling) -> ToolEpisode:
+        return ToolEpisode(calls=[call()], tool_results=[VALUE], final_answer=f"It is {VALUE} today")
+
+    figures: dict[str, float] = {}
+    asyncio.run(evaluate_heldout("http://127.0.0.1:9/v1", [EXAMPLE], workflow, tool_reward, 2,
+                                 SamplingSettings("policy", 1.0, 8), components=figures))
+    assert figures[ANSWER_WORDS] == 3 + len(VALUE.split())
+    assert figures["success"] == 1.0
