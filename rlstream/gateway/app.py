@@ -109,6 +109,7 @@ def create_app(gateway: Gateway) -> Starlette:
                    Route(prefix + "/v1/models", service.models, methods=["GET"])]
     routes += [
         Route("/v1/sessions", service.new_session, methods=["POST"]),
+        Route("/v1/conversations", responses.stored.create_conversation, methods=["POST"]),
         Route("/v1/sessions/{session_id}/end", service.end_session, methods=["POST"]),
         Route("/v1/feedback", feedback.serve, methods=["POST"]),
         Route("/api/public/scores", shapes.langfuse_score, methods=["POST"]),

@@ -34,6 +34,9 @@ class GatewaySettings(GatewayConfig):
                                 description="largest request body (413)")
     max_session_bytes: int = Field(_default(KafkaConfig, "max_message_bytes") // 2, ge=1024,
                                    description="approximate bytes of one session trajectory (split past it)")
+    reward_window_s: float = Field(_default(StreamsConfig, "reward_window_s"), gt=0,
+                                   description="how long the ids feedback names and stored Responses are kept "
+                                   "(streams.reward_window_s)")
     temperature_range: tuple[float, float] = Field(_default(StreamsConfig, "temperature_range"),
                                                    description="a sampled temperature outside it is answered 400 "
                                                    "(streams.temperature_range)")
@@ -59,7 +62,7 @@ class GatewaySettings(GatewayConfig):
                    max_choices=gw.max_choices or cfg.streams.max_allowed_group_size,
                    max_body_bytes=gw.max_body_bytes or record_max // 2,
                    max_session_bytes=gw.max_session_bytes or record_max // 2,
-                   temperature_range=cfg.streams.temperature_range,
+                   temperature_range=cfg.streams.temperature_range, reward_window_s=cfg.streams.reward_window_s,
                    spool_dir=(gw.spool_dir or default_spool_dir(gw.port)) if gw.spool else None)
 
     @property

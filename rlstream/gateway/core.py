@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import math
 import time
@@ -24,6 +25,7 @@ from rlstream.gateway.feedback_tokens import FeedbackGrant, FeedbackSigner, Feed
 from rlstream.gateway.limits import LimitStats, RateLimiter, malformed_answer
 from rlstream.gateway.queue import CaptureQueue, Submitter
 from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
+from rlstream.gateway.shared_ids import TRACEPARENT_HEADER, Background, TenantMap, dumps_known, trace_ids
 from rlstream.gateway.spool import Spool
 from rlstream.gateway.upstreams import UpstreamAllowlist
 from rlstream.rollout.capture import to_message
@@ -33,6 +35,7 @@ from rlstream.schemas.masking import mask_text
 from rlstream.schemas.models import CallEvent
 from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.transport import metric_names as mn
+from rlstream.transport.control import ControlPlane
 from rlstream.transport.log import get_logger
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.serving import parse_model_name
@@ -46,6 +49,8 @@ FEEDBACK_TOKEN_HEADER = "x-rlstream-feedback-token"
 TOKEN_COUNTED_KEY = "rlstream.token_counted"
 #: ``async () -> (model name to request, policy version)``, e.g. ``VersionRouter.current`` adapted.
 RouteSource = Callable[[], Awaitable[tuple[str, int]]]
+#: the W3C trace and span ids of the inference call being served (set at admission, read when its ids are signed)
+CALL_TRACE: contextvars.ContextVar[list[str]] = contextvars.ContextVar("rlstream_call_trace", default=[])
 
 
 def openai_error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
@@ -90,11 +95,15 @@ class Gateway:
 
     With ``fleet`` (it takes precedence over ``route``), the policy's model names address versions (``policy`` the
     serving one, ``policy@N`` version N) and each request and session is pinned to one version, sent to a replica
-    that acknowledged loading it (docs/promotion.md)."""
+    that acknowledged loading it (docs/promotion.md).
+
+    With ``control`` (Redis), the ids feedback may name and the stored Responses are shared with every gateway on
+    the same Redis (:mod:`rlstream.gateway.shared_ids`); without it they stay in this process."""
 
     def __init__(self, config: GatewaySettings, publisher: Submitter, route: RouteSource | None = None,
                  client: httpx.AsyncClient | None = None, metrics: MetricsPublisher | None = None,
-                 access: AccessConfig | None = None, fleet: FleetRouter | StaticFleet | None = None) -> None:
+                 access: AccessConfig | None = None, fleet: FleetRouter | StaticFleet | None = None,
+                 control: ControlPlane | None = None) -> None:
         self.config = config
         self.fleet = fleet
         self.access = access if access is not None else AccessConfig()
@@ -108,6 +117,13 @@ class Gateway:
         if isinstance(fleet, FleetRouter):
             fleet.admit = self.upstreams.allows
         self.feedback_index = FeedbackIndex(config.remembered_trajectories)
+        #: ids -> trajectory, per tenant, for every gateway (only with Redis: else ``feedback_index`` alone)
+        self.shared_ids = TenantMap("ids", config.policy, config.reward_window_s, config.remembered_trajectories,
+                                    control)
+        #: stored Responses (previous_response_id) and conversations: their items, per tenant
+        self.stored = TenantMap("responses", config.policy, config.reward_window_s, config.max_stored_responses,
+                                control)
+        self.background = Background()
         self.publisher = publisher
         self.route = route
         self.metrics = metrics
@@ -147,6 +163,7 @@ class Gateway:
                 await self._sweeper
         for traj in self.sessions.close_all():
             self.publish(traj)
+        await self.background.drain(self.config.drain_timeout_s)
         await self.capture.drain(self.config.drain_timeout_s)
         if self._own_client and self._client is not None:
             await self._client.aclose()
@@ -218,6 +235,7 @@ class Gateway:
         task = task_for(caller, request.headers.get(TASK_HEADER) or None)
         session_id = request_session(request)
         scoped = self.scoped(caller.tenant, session_id) if session_id else None
+        CALL_TRACE.set(trace_ids(request.headers.get(TRACEPARENT_HEADER)))
         return caller, task, scoped, caller.open_access or self.is_policy_model(model)
 
     # -- routing --
@@ -375,29 +393,41 @@ class Gateway:
     # -- signing --
     def sign(self, headers: dict[str, str], caller: Principal, session_id: str | None,
              response_id: Any = None) -> dict[str, str]:
-        """Add the feedback token(s) of the captured trajectories named in ``headers``, record their owner (and
-        the response id of the body), and show the session id as the client sent it."""
+        """Add the feedback token(s) of the captured trajectories named in ``headers``, record their owner and the
+        ids that name them (the response id of the body, the call's W3C trace and span ids: shared with every
+        gateway when it has Redis), and show the session id as the client sent it."""
         ids = headers.get("x-rlstream-trajectory-ids")
         trajectory_ids = ids.split(",") if ids else [headers["x-rlstream-trajectory-id"]]
         tokens = []
         may_reward = "feedback" in caller.scopes  # a token is a grant to reward: only for who may give feedback
+        # n > 1: the response id names the whole group (not indexed)
+        aliases = [str(a) for a in (response_id, *CALL_TRACE.get()) if a] if not ids else []
+        shared: dict[str, str] = {}
         for trajectory_id in trajectory_ids:
             for forgotten in self.feedback_index.own(caller.tenant, trajectory_id):  # the tenant's own oldest
                 self.sessions.forget(forgotten)
             self.sessions.claim(trajectory_id)
+            known = self.sessions.lookup(trajectory_id)
+            if known is not None and self.shared_ids.shared:
+                for name in (trajectory_id, *aliases):
+                    shared[name] = dumps_known(known)
             if not may_reward:
                 continue
             if session_id is not None and not ids and self.stitch_in_streams:  # any gateway routes it to the stitcher
                 tokens.append(self.signer.issue(caller.tenant, "session", self.scoped(caller.tenant, session_id),
                                                 key_id=caller.key_id))
             else:
-                tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id, key_id=caller.key_id))
+                tokens.append(self.signer.issue(caller.tenant, "trajectory", trajectory_id, key_id=caller.key_id,
+                                                example_id=known.example_id if known is not None else "",
+                                                group_id=known.group_id if known is not None else ""))
         if tokens:
             headers[FEEDBACK_TOKEN_HEADER] = tokens[0]
         if ids and tokens:
             headers["x-rlstream-feedback-tokens"] = ",".join(tokens)
-        if not ids and response_id is not None:  # n > 1: the response id names the whole group (not indexed)
-            self.feedback_index.add_response(caller.tenant, response_id, trajectory_ids[0])
+        for alias in aliases:
+            self.feedback_index.add_response(caller.tenant, alias, trajectory_ids[0])
+        if shared:
+            self.background.run(self.shared_ids.put(caller.tenant, shared))
         if session_id is not None:
             headers["x-rlstream-session-id"] = session_id
         return headers

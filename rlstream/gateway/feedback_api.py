@@ -1,6 +1,8 @@
 """``POST /v1/feedback``, and the rules every feedback shape (``feedback_shapes.py``) goes through to become a
 RewardEvent: the holder of the trajectory's feedback token, or a key with the feedback scope of the same tenant,
-names a trajectory (by its id, the response id of its body, its session, or the token alone)."""
+names a trajectory (by its id, the response id of its body, the trace or span id of its call, its session, or the
+token alone). The ids are looked up in this gateway's memory, then in the state every gateway shares
+(:mod:`rlstream.gateway.shared_ids`); a trajectory token carries what its reward needs."""
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -11,7 +13,9 @@ from rlstream.gateway.auth import BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, Princip
 from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway, openai_error
 from rlstream.gateway.feedback import RANGE_CONTEXT, Feedback, validation_problems
 from rlstream.gateway.limits import parse_json
+from rlstream.gateway.feedback_tokens import FeedbackGrant
 from rlstream.gateway.sessions import KnownTrajectory
+from rlstream.gateway.shared_ids import loads_known
 from rlstream.schemas.models import CallEvent, CallKind, RewardEvent
 
 
@@ -30,9 +34,9 @@ class FeedbackEndpoint:
             problems = validation_problems(exc.errors())
             text = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
             return openai_error(422, f"invalid feedback: {text}", problems=problems)
-        return self.accept(request, fb)
+        return await self.accept(request, fb)
 
-    def accept(self, request: Request, fb: Feedback) -> Response:
+    async def accept(self, request: Request, fb: Feedback) -> Response:
         """Publish the RewardEvent of a validated feedback under the rules: the feedback token, or a key of the
         trajectory's tenant."""
         gw = self.gw
@@ -40,6 +44,7 @@ class FeedbackEndpoint:
             BEARER_TOKEN_KEY)
         caller: Principal | None = request.scope.get(PRINCIPAL_KEY, OPEN)
         granted: str | None = None  # the trajectory a token names
+        grant: FeedbackGrant | None = None
         if token:
             grant = gw.grant(token, request)
             tenant = grant.tenant
@@ -61,7 +66,7 @@ class FeedbackEndpoint:
                                                                                "problem": problem}])
         if gw.stitch_in_streams and granted is None and fb.session_id and not (fb.trajectory_id or fb.response_id):
             return self._session_feedback(gw.scoped(tenant, fb.session_id), fb)
-        known = self._target(fb, tenant, granted)
+        known = await self._target(fb, tenant, granted, grant)
         if known is None:
             what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
                     if fb.response_id else f"session {fb.session_id!r}" if fb.session_id else "trajectory")
@@ -87,7 +92,8 @@ class FeedbackEndpoint:
         return JSONResponse({"session_id": gw.client_session(scoped_session), "queued": queued},
                             status_code=202 if queued else 503)
 
-    def _target(self, fb: Feedback, tenant: str, granted: str | None) -> KnownTrajectory | None:
+    async def _target(self, fb: Feedback, tenant: str, granted: str | None,
+                      grant: FeedbackGrant | None) -> KnownTrajectory | None:
         """The trajectory ``fb`` rewards, when it exists and belongs to ``tenant`` (and is the one a token
         grants); None otherwise, whichever the reason."""
         gw = self.gw
@@ -100,9 +106,19 @@ class FeedbackEndpoint:
             trajectory_id = known.trajectory_id if known is not None else None
         else:
             trajectory_id = granted
-        if trajectory_id is None or (granted is not None and trajectory_id != granted):
+        if trajectory_id is not None and (granted is None or trajectory_id == granted):
+            owner = gw.feedback_index.owner(trajectory_id)
+            if owner == tenant or owner is None and not gw.keys.enabled:
+                local = gw.sessions.lookup(trajectory_id)
+                if local is not None:
+                    return local
+        if (grant is not None and grant.example_id and granted and not (fb.response_id or fb.session_id)
+                and (fb.trajectory_id or granted) == granted):
+            return KnownTrajectory(granted, grant.example_id, grant.group_id)  # the token says it all
+        name = fb.trajectory_id or fb.response_id or (granted if not fb.session_id else None)
+        if name is None or not gw.shared_ids.shared:
             return None
-        owner = gw.feedback_index.owner(trajectory_id)
-        if owner is not None and owner != tenant or owner is None and gw.keys.enabled:
+        shared = loads_known(await gw.shared_ids.get(tenant, name))  # the tenant's own ids only
+        if shared is None or granted is not None and shared.trajectory_id != granted:
             return None
-        return gw.sessions.lookup(trajectory_id)
+        return shared

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -33,7 +33,7 @@ from rlstream.gateway.feedback import (MAX_ID_CHARS, MAX_NAME_CHARS, RANGE_CONTE
 from rlstream.gateway.auth import BEARER_TOKEN_KEY, OPEN, PRINCIPAL_KEY, Principal, unauthorized
 from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway
 from rlstream.gateway.limits import parse_json
-from rlstream.gateway.tenants import PerTenantLru
+from rlstream.gateway.shared_ids import TenantMap
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -157,13 +157,15 @@ class LangSmithUpdate(BaseModel):
 class FeedbackShapes:
     """The observability tools' feedback routes of one gateway; each feedback goes through ``accept`` (the rules of
     ``/v1/feedback``, :meth:`FeedbackEndpoint.accept`). LangSmith's updates name only the feedback id: the run and
-    key of each recent feedback id are kept per tenant (bounded per tenant, oldest out first) to address them; a
-    tenant only ever reaches its own."""
+    key of each recent feedback id are kept per tenant (bounded per tenant, oldest out first; shared by every
+    gateway on the same Redis, like the ids of :mod:`rlstream.gateway.shared_ids`) to address them; a tenant only
+    ever reaches its own."""
 
-    def __init__(self, gateway: Gateway, accept: Callable[[Request, Feedback], Response]) -> None:
+    def __init__(self, gateway: Gateway, accept: Callable[[Request, Feedback], Awaitable[Response]]) -> None:
         self.gateway = gateway
         self.accept = accept
-        self._langsmith: PerTenantLru[str, tuple[str, str]] = PerTenantLru(gateway.config.remembered_trajectories)
+        self._langsmith = TenantMap("langsmith", gateway.config.policy, gateway.config.reward_window_s,
+                                    gateway.config.remembered_trajectories, gateway.shared_ids.control)
 
     def _tenant(self, request: Request) -> str:
         """The tenant a feedback request speaks for, decided by its credential as ``/v1/feedback`` decides it (the
@@ -181,7 +183,7 @@ class FeedbackShapes:
     def categories(self) -> dict[str, float]:
         return dict(self.gateway.config.feedback_categories)
 
-    def _submit(self, request: Request, target: Target, reward: float, component: str,
+    async def _submit(self, request: Request, target: Target, reward: float, component: str,
                 feedback_id: str | None) -> Response:
         """Publish through the gateway's feedback rules; an id that names no trajectory is tried as a response id."""
         reward_range = self.gateway.access.reward_range
@@ -189,9 +191,9 @@ class FeedbackShapes:
             fb = _feedback(target, reward, component, feedback_id, False, reward_range)
         except ValidationError as exc:
             return _invalid("feedback", exc)
-        answer: Response = self.accept(request, fb)
+        answer: Response = await self.accept(request, fb)
         if answer.status_code == 404 and target.session_id is None:
-            answer = self.accept(request, _feedback(target, reward, component, feedback_id, True,
+            answer = await self.accept(request, _feedback(target, reward, component, feedback_id, True,
                                                                      reward_range))
         return answer
 
@@ -212,7 +214,7 @@ class FeedbackShapes:
         except (ValidationError, FeedbackShapeError) as exc:
             return _invalid("score", exc)
         target = Target(session_id=score.session_id) if not target_id else Target(target_id)
-        answer = self._submit(request, target, reward, score.name, score.id)
+        answer = await self._submit(request, target, reward, score.name, score.id)
         if answer.status_code >= 400:
             return answer
         return JSONResponse({"id": score.id, "rlstream": _accepted(answer)}, status_code=200)
@@ -231,18 +233,18 @@ class FeedbackShapes:
         except (ValidationError, FeedbackShapeError) as exc:
             return _invalid("feedback", exc)
         feedback_id = feedback.id or feedback.feedback_id
-        answer = self._submit(request, Target(feedback.run_id), reward, feedback.key, feedback_id)
+        answer = await self._submit(request, Target(feedback.run_id), reward, feedback.key, feedback_id)
         if answer.status_code >= 400:
             return answer
         if feedback_id is not None:
-            self._langsmith.put(self._tenant(request), feedback_id, (feedback.run_id, feedback.key))
+            await self._langsmith.put(self._tenant(request), {feedback_id: json.dumps([feedback.run_id, feedback.key])})
         return JSONResponse({"id": feedback_id, "run_id": feedback.run_id, "key": feedback.key, "score": reward,
                              "rlstream": _accepted(answer)}, status_code=200)
 
     async def langsmith_update(self, request: Request) -> Response:
         """``PATCH /feedback/{feedback_id}``: a LangSmith feedback's new score, a correction of its reward."""
         feedback_id = request.path_params["feedback_id"]
-        known = self._langsmith.get(self._tenant(request), feedback_id)  # the credential first, then the lookup
+        known = _run_and_key(await self._langsmith.get(self._tenant(request), feedback_id))  # credential first
         if known is None:
             return _error(404, f"unknown feedback {feedback_id[:MAX_ID_CHARS]!r}", "not_found")
         try:
@@ -254,7 +256,7 @@ class FeedbackShapes:
         except (ValidationError, FeedbackShapeError) as exc:
             return _invalid("feedback", exc)
         run_id, key = known
-        answer = self._submit(request, Target(run_id), reward, key, feedback_id)
+        answer = await self._submit(request, Target(run_id), reward, key, feedback_id)
         if answer.status_code >= 400:
             return answer
         return JSONResponse({"id": feedback_id, "run_id": run_id, "key": key, "score": reward,
@@ -278,7 +280,7 @@ class FeedbackShapes:
                           "gateway.max_rewards_per_request)", "request_too_large")
         rejected: list[str] = []
         for record in records:
-            problem = self._otlp_record(request, record)
+            problem = await self._otlp_record(request, record)
             if problem is not None:
                 rejected.append(problem)
         answer: dict[str, Any] = {}
@@ -287,7 +289,7 @@ class FeedbackShapes:
             answer["partialSuccess"] = {"rejectedLogRecords": len(rejected), "errorMessage": "; ".join(rejected)[:2000]}
         return JSONResponse(answer, status_code=200)
 
-    def _otlp_record(self, request: Request, attributes: dict[str, Any]) -> str | None:
+    async def _otlp_record(self, request: Request, attributes: dict[str, Any]) -> str | None:
         response_id = attributes.get(ATTR_RESPONSE_ID)
         if not isinstance(response_id, str) or not response_id:
             return f"an {EVALUATION_EVENT} record without {ATTR_RESPONSE_ID}"
@@ -305,10 +307,19 @@ class FeedbackShapes:
                                          context={RANGE_CONTEXT: self.gateway.access.reward_range})
         except ValidationError as exc:
             return f"{response_id[:64]}: " + "; ".join(p["problem"] for p in validation_problems(exc.errors()))
-        answer = self.accept(request, fb)
+        answer = await self.accept(request, fb)
         if answer.status_code >= 400:
             return f"{response_id[:64]}: not accepted ({answer.status_code})"
         return None
+
+
+def _run_and_key(text: str | None) -> tuple[str, str] | None:
+    """The (run id, key) a LangSmith feedback id was given with."""
+    try:
+        run_id, key = json.loads(text) if text is not None else (None, None)
+    except (ValueError, TypeError):
+        return None
+    return (str(run_id), str(key)) if run_id is not None else None
 
 
 def _accepted(answer: Response) -> Any:

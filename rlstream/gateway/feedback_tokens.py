@@ -3,11 +3,13 @@
 A token lets whoever holds the response (an agent's front end, a browser's thumbs-up button) send feedback for that
 one trajectory or session without an API key, as LangSmith's presigned feedback URLs do. It is
 ``rlsft1.<payload>.<mac>``: the payload (base64url JSON) names the tenant, what is addressed (a trajectory or a
-session), an expiry (unix seconds) and the id of the API key whose call the token came with (a token dies with that
-key: the gateway refuses it once the key is revoked); the mac is HMAC-SHA256 over ``rlsft1.<payload>`` with the
-gateway's secret. Every gateway behind one load balancer must share the secret (``gateway.feedback_secret``); a
-gateway without one generates a random secret at start, and its tokens die with it. Rotation: the new secret becomes
-``feedback_secret`` and the old one ``feedback_secret_previous``; both verify, only the current one signs.
+session), an expiry (unix seconds), the id of the API key whose call the token came with (a token dies with that
+key: the gateway refuses it once the key is revoked) and, for a trajectory, its example and group ids: any gateway
+publishes the reward from the token alone, without having seen the call; the mac is HMAC-SHA256 over
+``rlsft1.<payload>`` with the gateway's secret. Every gateway behind one load balancer must share the secret
+(``gateway.feedback_secret``); a gateway without one generates a random secret at start, and its tokens die with it.
+Rotation: the new secret becomes ``feedback_secret`` and the old one ``feedback_secret_previous``; both verify, only
+the current one signs.
 """
 from __future__ import annotations
 
@@ -41,13 +43,16 @@ class FeedbackTokenError(ValueError):
 @dataclass(frozen=True)
 class FeedbackGrant:
     """What a valid token allows: feedback for ``target_id`` (a ``kind``) of ``tenant``, until ``expires_at``, while
-    the key ``key_id`` (whose call issued it; '' on an open gateway) is not revoked."""
+    the key ``key_id`` (whose call issued it; '' on an open gateway) is not revoked. A trajectory's token also names
+    its ``example_id`` and ``group_id`` ('' in a token issued without them)."""
 
     tenant: str
     kind: TargetKind
     target_id: str
     expires_at: int
     key_id: str = ""
+    example_id: str = ""
+    group_id: str = ""
 
 
 def _b64(data: bytes) -> str:
@@ -90,11 +95,14 @@ class FeedbackSigner:
         return _b64(mac.digest())
 
     def issue(self, tenant: str, kind: TargetKind, target_id: str, now: float | None = None,
-              key_id: str = "") -> str:
+              key_id: str = "", example_id: str = "", group_id: str = "") -> str:
         """A token for feedback on ``target_id`` by ``tenant``, valid for ``ttl_s`` from ``now`` while the key
-        ``key_id`` (the caller's) stays valid."""
+        ``key_id`` (the caller's) stays valid; a trajectory's ``example_id`` and ``group_id`` ride along."""
         expires = int((time.time() if now is None else now) + self.ttl_s)
-        payload = json.dumps([tenant, _CODE_OF_KIND[kind], target_id, expires, key_id], separators=(",", ":"))
+        fields: list[object] = [tenant, _CODE_OF_KIND[kind], target_id, expires, key_id]
+        if example_id or group_id:
+            fields += [example_id, group_id]
+        payload = json.dumps(fields, separators=(",", ":"))
         signed = f"{PREFIX}.{_b64(payload.encode())}"
         return f"{signed}.{self._mac(signed)}"
 
@@ -108,8 +116,11 @@ class FeedbackSigner:
         if not any([hmac.compare_digest(self._mac(signed, keyed).encode(), given) for keyed in self._keyed]):
             raise FeedbackTokenError("feedback token not valid (wrong signature)")
         try:
-            tenant, code, target_id, expires, key_id = json.loads(_unb64(signed.split(".", 1)[1]))
-            grant = FeedbackGrant(str(tenant), _KIND_CODES[code], str(target_id), int(expires), str(key_id))
+            fields = json.loads(_unb64(signed.split(".", 1)[1]))
+            tenant, code, target_id, expires, key_id = fields[:5]
+            example_id, group_id = fields[5:7] if len(fields) >= 7 else ("", "")
+            grant = FeedbackGrant(str(tenant), _KIND_CODES[code], str(target_id), int(expires), str(key_id),
+                                  str(example_id), str(group_id))
         except (binascii.Error, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise FeedbackTokenError("feedback token not valid (malformed payload)") from exc
         if (time.time() if now is None else now) >= grant.expires_at:

@@ -10,13 +10,16 @@ Token data: the gateway asks vLLM for ``enable_response_messages`` (the response
 logprobs (``include: ["message.output_text.logprobs"]``); it takes both back out of the client's answer unless the
 client asked for them itself. vLLM gives logprobs for text output only: a turn whose logprobs do not cover every
 completion token (a tool call) keeps its token ids without logprobs, and the learner trains it on-policy.
+
+``previous_response_id`` and ``conversation`` are resolved by the gateway (:mod:`rlstream.gateway.responses_state`):
+the upstream gets the whole input, so any replica behind any gateway answers the next turn.
 """
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from starlette.requests import Request
@@ -26,6 +29,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
 from rlstream.gateway.limits import check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
+from rlstream.gateway.responses_state import ResponsesState, StoredResponses
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -244,6 +248,8 @@ class ResponsesStreamCapture:
     response_id: str | None = None
     events: int = 0
     malformed: bool = False  # an event's token data could not be read: the call is recorded without logprobs
+    echo: dict[str, Any] = field(default_factory=dict)  # fields every response object carries as the client sent
+    on_final: Callable[[dict[str, Any]], None] | None = None  # called with the final response object
 
     def render(self, line: str) -> str:
         """One line of the stream as it goes to the client (``data:`` lines filtered, others as they came)."""
@@ -273,6 +279,8 @@ class ResponsesStreamCapture:
                 self.response_id = response["id"]  # the first event's: the one the headers index
             if kind in FINAL_EVENTS:
                 self.final = json.loads(json.dumps(response))  # a copy: the client's is filtered
+                if self.on_final is not None:
+                    self.on_final(self.final)
         if kind == "response.output_text.delta" and isinstance(event.get("logprobs"), list):
             self.logprobs.extend(float(lp["logprob"]) for lp in event["logprobs"]
                                  if isinstance(lp, dict) and "logprob" in lp)
@@ -281,6 +289,7 @@ class ResponsesStreamCapture:
         response = event.get("response")
         if isinstance(response, dict):
             filter_response_payload(response, self.asked)
+            response.update(self.echo)
             if response.get("model") == self.upstream_model:
                 response["model"] = self.client_model
         if not self.asked.logprobs:
@@ -315,6 +324,7 @@ class Responses:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.stored = StoredResponses(gateway)
 
     async def serve(self, request: Request) -> Response:
         gw, config = self.gw, self.gw.config
@@ -333,6 +343,15 @@ class Responses:
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         if not captured:
             return await gw.passthrough("/responses", body)
+        state = await self.stored.resolve(body, caller.tenant)  # previous_response_id, conversation
+        if isinstance(state, Response):
+            return state
+        if state.stateful:  # the upstream gets the whole input: the stored items, then this request's
+            body = state.body
+            try:
+                messages = request_messages(body)
+            except ValueError as exc:
+                return openai_error(400, str(exc))
         routed = await gw.routed(str(body.get("model", "")), session_id, caller, body.get("user"))
         if isinstance(routed, Response):
             return routed
@@ -352,7 +371,7 @@ class Responses:
         asked = responses_asked(body)
         if stream and upstream.status_code == 200:
             return await self._stream(upstream, request, recorded, asked, caller, session_id, task, version, model,
-                                      started, upstream_started)
+                                      started, upstream_started, state)
         raw = await upstream.aread() if stream else upstream.content
         await upstream.aclose()
         upstream_s = time.perf_counter() - upstream_started
@@ -364,6 +383,8 @@ class Responses:
         gw.finish(traj, recorded, response_message(payload), tokens.prompt_ids, tokens.completion_ids,
                   tokens.logprobs, finish_reason(payload), model, version)
         payload = filter_response_payload(payload, asked)
+        await self.stored.remember(caller.tenant, state, payload)  # before the answer: the next turn may go anywhere
+        payload = self.stored.answer(state, payload)
         if payload.get("model") == model:
             payload["model"] = body.get("model", model)
         answer = JSONResponse(payload, headers=gw.sign(headers, caller, request_session(request), payload.get("id")))
@@ -372,12 +393,15 @@ class Responses:
 
     async def _stream(self, response: httpx.Response, request: Request, recorded: dict[str, Any],
                       asked: ResponsesAsked, caller: Principal, session_id: str | None, task: str | None,
-                      version: int, model: str, started: float, upstream_started: float) -> Response:
+                      version: int, model: str, started: float, upstream_started: float,
+                      state: ResponsesState) -> Response:
         """Pass a streamed Responses answer on event by event while following it; the call is recorded from its
         final event (``response.completed``), which carries the token ids."""
         gw = self.gw
         lines = response.aiter_lines()
-        capture = ResponsesStreamCapture(asked, model, str(recorded.get("model") or model))
+        capture = ResponsesStreamCapture(asked, model, str(recorded.get("model") or model), echo=state.echo,
+                                         on_final=lambda final: gw.background.run(
+                                             self.stored.remember(caller.tenant, state, final)))
         try:  # up to the first event (response.created): its response id is indexed for feedback
             head = await read_head(response, lines, lambda line: event_response_id(line) is not None)
         except httpx.HTTPError as exc:

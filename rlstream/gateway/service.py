@@ -129,12 +129,13 @@ async def _serve(cfg: RlstreamConfig, gw: GatewaySettings, route_versions: bool,
         metrics = MetricsPublisher(publisher.producer, publisher.codec, topics.metrics, source="gateway",
                                    run_id=cfg.run_id, prometheus_port=gw.prometheus_port,
                                    prometheus_addr=gw.metrics_host or gw.host)
-    control = ControlPlane(str(cfg.redis.url)) if route_versions and cfg.redis.url else None
+    # Redis: version routing, and the ids feedback names and stored Responses every gateway shares
+    control = ControlPlane(str(cfg.redis.url), cfg.redis.retry_max_s) if cfg.redis.url else None
     # policy -> the serving version, policy@N -> version N; each request and session pinned to one version, sent to
     # a replica that acknowledged loading it (docs/promotion.md)
     fleet: FleetRouter | StaticFleet | None = FleetRouter(
         control, cfg.policy, gw.served_model, session_ttl_s=gw.session_idle_s,
-        serve_unpromoted=gw.serve_unpromoted) if control is not None else None
+        serve_unpromoted=gw.serve_unpromoted) if control is not None and route_versions else None
     if fleet is None and len(upstreams) > 1:  # replicas named here: each serves the configured version
         fleet = StaticFleet(upstreams, cfg.policy, gw.served_model, gw.policy_version)
     try:
@@ -142,7 +143,7 @@ async def _serve(cfg: RlstreamConfig, gw: GatewaySettings, route_versions: bool,
     except Exception as exc:  # Kafka down at start: serve anyway, capture counts the failures
         say(f"Kafka not reachable yet ({exc}); serving, capture will retry")
     try:
-        await serve_forever(Gateway(gw, publisher, metrics=metrics, access=access, fleet=fleet))
+        await serve_forever(Gateway(gw, publisher, metrics=metrics, access=access, fleet=fleet, control=control))
     finally:
         await close_publisher(publisher, gw.drain_timeout_s, spooled=gw.spool_dir is not None, say=say)
         if control is not None:

@@ -660,7 +660,13 @@ class GatewayConfig(Section):
     spool_after_s: float = Field(2.0, gt=0, description="an event Kafka has not taken or acknowledged within this "
                                  "long sends capture to the spool until the spool is drained")
     drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
-    remembered_trajectories: int = Field(100_000, ge=1, description="trajectory and response ids kept for feedback")
+    remembered_trajectories: int = Field(100_000, ge=1, description="ids feedback may name (trajectory, response, "
+                                         "trace and span ids) kept per tenant, for streams.reward_window_s; in "
+                                         "Redis (shared by every gateway) when redis.url is set")
+    max_stored_responses: int = Field(10_000, ge=1, description="Responses and conversations whose items are kept "
+                                      "per tenant for previous_response_id / conversation, for "
+                                      "streams.reward_window_s; in Redis (shared by every gateway) when redis.url "
+                                      "is set")
     request_token_data: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
     request_logprobs: bool = Field(True, description="with request_token_data, also ask for the sampled tokens' "
                                    "logprobs: the behaviour policy's, which the learner's importance weights "

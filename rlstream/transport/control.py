@@ -51,6 +51,12 @@ def worker_key(policy: str, worker_id: str) -> str:
     return f"rlstream:{policy}:worker:{worker_id}"
 
 
+def tenant_map_keys(policy: str, namespace: str, tenant: str) -> tuple[str, str]:
+    """(entries hash, order sorted set) of one tenant's bounded map ``namespace`` (a gateway's shared ids)."""
+    base = f"rlstream:{policy}:gateway:{namespace}:{tenant}"
+    return base + ":entries", base + ":order"
+
+
 def status_key(run_id: str) -> str:
     return f"rlstream:{run_id}:status"
 
@@ -106,6 +112,36 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# A tenant's bounded map: a hash of entries and a sorted set of the time each was put (Redis's clock, ms). A put
+# drops the entries older than the TTL and then the tenant's oldest beyond its capacity (returns how many of those);
+# a get ignores an entry older than the TTL. Both keys expire a TTL after the tenant's last put.
+_TENANT_PUT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[2], now, ARGV[i])
+end
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - ttl))
+local left = redis.call('ZCARD', KEYS[2]) - #gone
+local over = {}
+if left > cap then over = redis.call('ZRANGE', KEYS[2], #gone, #gone + left - cap - 1) end
+for _, name in ipairs(gone) do redis.call('HDEL', KEYS[1], name) end
+for _, name in ipairs(over) do redis.call('HDEL', KEYS[1], name) end
+if #gone + #over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[2], 0, #gone + #over - 1) end
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
+return #over
+"""
+_TENANT_GET_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local put = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not put or tonumber(put) < now - tonumber(ARGV[2]) then return false end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -143,6 +179,8 @@ class ControlPlane:
         self.url = url
         self.retry_max_s = retry_max_s
         self.redis: aioredis.Redis = aioredis.from_url(url, decode_responses=True, socket_timeout=5.0)
+        self._tenant_put_script = self.redis.register_script(_TENANT_PUT_LUA)
+        self._tenant_get_script = self.redis.register_script(_TENANT_GET_LUA)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -311,6 +349,35 @@ class ControlPlane:
             return out
 
         return await self._retry("workers", call)
+
+    # -- per-tenant bounded maps (the gateways' shared ids) -------------------------------
+    async def tenant_put(self, policy: str, namespace: str, tenant: str, entries: dict[str, str], ttl_s: float,
+                         capacity: int, patience_s: float | None = None) -> int:
+        """Put ``entries`` (name -> value) in ``tenant``'s map ``namespace``, each kept ``ttl_s``; the tenant's
+        oldest entries beyond ``capacity`` are dropped (only its own: each tenant has its own keys). Returns how
+        many were dropped for the capacity."""
+        if not entries:
+            return 0
+        keys = tenant_map_keys(policy, namespace, tenant)
+        args: list[str | int] = [max(1, int(ttl_s * 1000)), capacity]
+        for name, value in entries.items():
+            args += [name, value]
+        dropped = await self._retry("tenant_put", lambda: self._tenant_put_script(keys=keys, args=args),
+                                    patience_s)
+        return int(dropped)
+
+    async def tenant_get(self, policy: str, namespace: str, tenant: str, name: str, ttl_s: float,
+                         patience_s: float | None = None) -> str | None:
+        """The value of ``name`` in ``tenant``'s map ``namespace``; None when absent or older than ``ttl_s``."""
+        keys = tenant_map_keys(policy, namespace, tenant)
+        value = await self._retry("tenant_get", lambda: self._tenant_get_script(
+            keys=keys, args=[name, max(1, int(ttl_s * 1000))]), patience_s)
+        return value if isinstance(value, str) else None
+
+    async def tenant_size(self, policy: str, namespace: str, tenant: str) -> int:
+        """How many entries ``tenant``'s map ``namespace`` holds (expired ones not yet dropped included)."""
+        return int(await self._retry("tenant_size", lambda: self.redis.zcard(
+            tenant_map_keys(policy, namespace, tenant)[1])))
 
     # -- run status --------------------------------------------------------------------
     async def set_status(self, run_id: str, figures: dict[str, Any], patience_s: float | None = None) -> None:

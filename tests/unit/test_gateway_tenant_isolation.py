@@ -115,8 +115,9 @@ async def test_one_tenants_flood_does_not_evict_another_tenants_feedback(harness
 
 async def test_control_the_same_flood_within_one_shared_bound_evicts(harness: Harness) -> None:
     # the same flood from a key that shares the victim's bound (its own tenant) pushes the entry out: the bound is
-    # real, and only per-tenant bounds keep another tenant's entry
-    assert await _flood_then_reward(harness, ACME, ACME_2) == [404, 404, 404]
+    # real, and only per-tenant bounds keep another tenant's entry; the feedback token carries the trajectory's
+    # example and group, so it needs no remembered entry
+    assert await _flood_then_reward(harness, ACME, ACME_2) == [202, 404, 404]
 
 
 def test_open_sessions_past_the_limit_close_the_newcomers_own_tenants_oldest() -> None:
