@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.auth import Principal
-from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
+from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
+                                   upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
-from rlstream.gateway.limits import check_choices, check_temperature, parse_json
+from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
@@ -87,12 +88,12 @@ class ChatCompletions:
             prompt_ids = completion_ids = logprobs = None
         choices = payload.get("choices") or []
         if len(choices) > 1 and session_id is None:
-            headers = self._capture_choices(body, payload, version, task, model)
+            headers = self._capture_choices(body, payload, version, task, model, caller.tenant)
         else:
             if len(choices) > 1:
                 log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
                             choices=len(choices))
-            traj, headers = gw.begin(session_id, body, prompt_ids, version, task)
+            traj, headers = gw.begin(session_id, body, prompt_ids, version, task, caller.tenant)
             if choices:
                 gw.finish(traj, body, choices[0].get("message") or {"role": "assistant"}, prompt_ids,
                           completion_ids, logprobs, choices[0].get("finish_reason"), model, version)
@@ -114,13 +115,14 @@ class ChatCompletions:
             gw.request_token_data = False
         return response
 
-    def _begin_choices(self, n: int, version: int, task: str | None) -> tuple[list[Trajectory], dict[str, str]]:
+    def _begin_choices(self, n: int, version: int, task: str | None,
+                       tenant: str | None = None) -> tuple[list[Trajectory], dict[str, str]]:
         """``n > 1``: one trajectory per choice, together one GRPO group (the N generations of one prompt)."""
         group = new_id()
         trajs = []
         for index in range(n):
             traj = Trajectory(session_id=None, policy_version=version, task=task, choices_group=group,
-                              group_size=n, generation_index=index)
+                              group_size=n, generation_index=index, tenant=tenant)
             self.gw.sessions.remember(traj)
             trajs.append(traj)
         ids = [t.trajectory_id for t in trajs]
@@ -128,10 +130,10 @@ class ChatCompletions:
                        "x-rlstream-group-id": group, "x-rlstream-policy-version": str(version)}
 
     def _capture_choices(self, body: dict[str, Any], payload: dict[str, Any], version: int, task: str | None,
-                         served: str) -> dict[str, str]:
+                         served: str, tenant: str | None = None) -> dict[str, str]:
         """The choices of a whole (not streamed) ``n > 1`` answer, captured as one group."""
         choices = payload.get("choices") or []
-        trajs, headers = self._begin_choices(len(choices), version, task)
+        trajs, headers = self._begin_choices(len(choices), version, task, tenant)
         for index, (traj, choice) in enumerate(zip(trajs, choices)):
             prompt_ids, completion_ids, logprobs = token_data(payload, choice_index=index)
             self.gw.finish(traj, body, choice.get("message") or {"role": "assistant"}, prompt_ids, completion_ids,
@@ -158,12 +160,12 @@ class ChatCompletions:
         prompt_ids = first.get("prompt_token_ids")
         n = requested_choices(body)
         if n > 1 and session_id is None:  # the headers go out first: the group's trajectories exist up front
-            trajs, headers = self._begin_choices(n, version, task)
+            trajs, headers = self._begin_choices(n, version, task, caller.tenant)
         else:
             if n > 1:
                 log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,
                             choices=n)
-            traj, headers = gw.begin(session_id, body, prompt_ids, version, task)
+            traj, headers = gw.begin(session_id, body, prompt_ids, version, task, caller.tenant)
             trajs = [traj]
         accumulators = [StreamAccumulator(prompt_ids, choice_index=index) for index in range(len(trajs))]
         client_model = body.get("model", model)
@@ -188,7 +190,13 @@ class ChatCompletions:
             if not line.startswith("data:"):
                 return line + "\n"
             data = line[5:].strip()
-            if data == "[DONE]" or not data:
+            if data == "[DONE]":  # captured before the client hears the end: a capture Kafka refuses ends in error
+                try:
+                    record()
+                except RequestRejected as refusal:
+                    return capture_refused_event(refusal) + line + "\n"
+                return line + "\n"
+            if not data:
                 return line + "\n"
             try:
                 chunk = json.loads(data)
@@ -205,13 +213,24 @@ class ChatCompletions:
                 out["model"] = client_model
             return "data: " + json.dumps(out, separators=(",", ":")) + "\n"
 
+        recorded = False
+
         def record() -> None:
+            nonlocal recorded
+            if recorded:
+                return
+            recorded = True
             for traj, acc in zip(trajs, accumulators):
                 if acc.chunks:
                     gw.finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
                               acc.finish_reason, model, version)
 
+        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
+            with contextlib.suppress(RequestRejected):
+                record()
+
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, "".join(render(line) for line in head), render, handed_on, record, headers)
+        return relayed(response, lines, "".join(render(line) for line in head), render, handed_on, record_at_end,
+                       headers)

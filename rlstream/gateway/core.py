@@ -22,8 +22,8 @@ from rlstream.gateway.auth import (OPEN, PRINCIPAL_KEY, AccessConfig, AuthRefusa
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback import FeedbackIndex
 from rlstream.gateway.feedback_tokens import FeedbackGrant, FeedbackSigner, FeedbackTokenError, generate_secret
-from rlstream.gateway.limits import LimitStats, RateLimiter, malformed_answer
-from rlstream.gateway.queue import CaptureQueue, Submitter
+from rlstream.gateway.limits import LimitStats, RateLimiter, RequestRejected, error_body, malformed_answer
+from rlstream.gateway.queue import CaptureQueue, CaptureRefused, Submitter
 from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.gateway.shared_ids import TRACEPARENT_HEADER, Background, TenantMap, dumps_known, trace_ids
 from rlstream.gateway.spool import Spool
@@ -62,6 +62,19 @@ def openai_error(status: int, message: str, kind: str = "invalid_request_error",
 def request_session(request: Request) -> str | None:
     """The session id a request names, as the client sent it."""
     return request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
+
+
+def capture_too_large(exc: CaptureRefused) -> RequestRejected:
+    """The 413 of a call whose capture Kafka cannot take (its record would be larger than
+    ``kafka.max_message_bytes``): never a 2xx for a call that is not captured."""
+    return RequestRejected(413, f"this call cannot be captured: {exc}; send a shorter conversation or ask for fewer "
+                           "tokens", reason="capture_too_large")
+
+
+def capture_refused_event(refusal: RequestRejected) -> str:
+    """The server-sent error event that ends a stream whose capture Kafka cannot take (:func:`capture_too_large`;
+    the OpenAI SDKs raise it)."""
+    return "data: " + error_body(refusal.status, refusal.message, refusal.kind).decode() + "\n\n"
 
 
 def upstream_json(response: httpx.Response, raw: bytes, max_choices: int = 1 << 30) -> dict[str, Any] | Response:
@@ -132,7 +145,10 @@ class Gateway:
                                      max_bytes=config.max_session_bytes, tenant_of=self.tenant_of)
         self.limit_stats = LimitStats()
         self.token_rate = RateLimiter(config.token_rpm)  # per key that caused the tokens
-        self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s)
+        #: with keys, each tenant's share of the capture queue and spool (one tenant never fills them for all)
+        self.tenant_share = config.capture_tenant_share if self.keys.enabled else 1.0
+        self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s,
+                                    tenant_share=self.tenant_share)
         self._client = client
         self._own_client = client is None
         self._sweeper: asyncio.Task[None] | None = None
@@ -152,7 +168,8 @@ class Gateway:
                                              transport=transport)
         if self.config.spool_dir is not None and self.capture.spool is None:
             self.capture.use_spool(await asyncio.to_thread(
-                Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes))
+                Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes,
+                max(1, int(self.config.spool_max_bytes * self.tenant_share))))
         self.capture.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-sessions")
 
@@ -315,26 +332,40 @@ class Gateway:
                                  background=BackgroundTask(upstream.aclose))
 
     # -- capture --
-    def publish(self, traj: Trajectory) -> None:
-        """Queue a whole trajectory for ``trajectories`` (a malformed one is logged, never raised)."""
+    def publish(self, traj: Trajectory) -> bool:
+        """Queue a whole trajectory for ``trajectories``; False when it was not kept (malformed, too large for
+        Kafka, or dropped: logged and counted, never raised)."""
+        try:
+            return self._queue_trajectory(traj)
+        except CaptureRefused:
+            return False
+
+    def _queue_trajectory(self, traj: Trajectory) -> bool:
+        """:meth:`publish`, raising :class:`CaptureRefused` for a trajectory Kafka cannot take."""
         try:
             event = traj.to_event(run_id=self.config.run_id, policy=self.config.policy,
                                   producer_id=self.config.producer_id)
         except Exception as exc:  # a malformed call must not take the server down
             log.error("trajectory not built", trajectory_id=traj.trajectory_id, error=str(exc))
-            return
-        self.capture.put(event)
+            return False
+        tenant = traj.tenant if traj.tenant is not None else self.tenant_of(traj.session_id or "")
+        return self.capture.put(event, tenant)
 
     def publish_call(self, call: CallEvent) -> bool:
-        """Queue one record of a session for ``calls`` (the stream app stitches it); False when it was dropped."""
-        return self.capture.put(call)
+        """Queue one record of a session for ``calls`` (the stream app stitches it); False when it was dropped.
+        Raises :class:`RequestRejected` (413) for a record Kafka cannot take."""
+        try:
+            return self.capture.put(call, call.tenant)
+        except CaptureRefused as exc:
+            raise capture_too_large(exc) from exc
 
     def begin(self, session_id: str | None, body: dict[str, Any], prompt_ids: list[int] | None, version: int,
-              task: str | None) -> tuple[Trajectory, dict[str, str]]:
-        """The trajectory a call joins (its session's, or a new one) and the response headers that name it."""
+              task: str | None, tenant: str | None = None) -> tuple[Trajectory, dict[str, str]]:
+        """The trajectory a call joins (its session's, or a new one) and the response headers that name it;
+        ``tenant``: the caller's (its share of the capture queue; default: the session's)."""
         if session_id is not None and self.stitch_in_streams:  # the stitcher decides; the id is derived
             traj = Trajectory(session_id=session_id, policy_version=version, task=task,
-                              trajectory_id=session_trajectory_id(session_id))
+                              trajectory_id=session_trajectory_id(session_id), tenant=tenant)
             self.sessions.remember(traj)
             return traj, {"x-rlstream-trajectory-id": traj.trajectory_id, "x-rlstream-policy-version": str(version),
                           "x-rlstream-session-id": session_id}
@@ -342,6 +373,8 @@ class Gateway:
         with contextlib.suppress(Exception):
             messages = [to_message(m) for m in body.get("messages", [])]
         traj, closed = self.sessions.begin(session_id, prompt_ids, messages, version, task)
+        if tenant is not None:
+            traj.tenant = tenant
         evicted = self.sessions.take_evicted()
         if evicted:
             log.warning("open sessions at their limit: the least recently active closed and published",
@@ -362,7 +395,8 @@ class Gateway:
                completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
                served: str, version: int | None = None) -> None:
         """Record a completed call in ``traj``: a ``calls`` record of a session stitched in streams, else a turn
-        of the trajectory (published once it is whole)."""
+        of the trajectory (published once it is whole). Raises :class:`RequestRejected` (413) when the record would
+        be larger than Kafka takes: the call is not captured, so it must not be answered 2xx."""
         try:  # the turn carries the version this call was routed to (a session may straddle a reload)
             call = recorded_call(body, message, prompt_ids, completion_ids, logprobs, finish_reason, served,
                                  policy_version=version)
@@ -380,15 +414,24 @@ class Gateway:
         if traj.closed and traj.session_id is not None:
             log.warning("call finished after its session trajectory closed; captured alone",
                         trajectory_id=traj.trajectory_id)
-            traj = Trajectory(session_id=traj.session_id, policy_version=traj.policy_version, task=traj.task)
+            traj = Trajectory(session_id=traj.session_id, policy_version=traj.policy_version, task=traj.task,
+                              tenant=traj.tenant)
             self.sessions.remember(traj)
             traj.add(call)
-            self.publish(traj)
+            self._publish_whole(traj)
             return
         traj.add(call)
         if traj.session_id is None:
             traj.closed = True
-            self.publish(traj)
+            self._publish_whole(traj)
+
+    def _publish_whole(self, traj: Trajectory) -> None:
+        """Queue a trajectory whose call is being answered: 413 (:class:`RequestRejected`) when Kafka cannot take
+        it."""
+        try:
+            self._queue_trajectory(traj)
+        except CaptureRefused as exc:
+            raise capture_too_large(exc) from exc
 
     # -- signing --
     def sign(self, headers: dict[str, str], caller: Principal, session_id: str | None,

@@ -1,7 +1,9 @@
 """Between responses and Kafka: a bounded queue, and an on-disk spool while Kafka is slow or down.
 
-Capture never blocks or fails a response: the routes only :meth:`CaptureQueue.put` an event (False, counted and
-logged, when the queue is full). A sender task takes events from the queue and
+Capture never blocks a response: the routes only :meth:`CaptureQueue.put` an event (False, counted and logged, when
+the queue is full). An event Kafka can never take (larger than its record size: the publisher's codec refuses it) is
+refused at :meth:`~CaptureQueue.put` with :class:`CaptureRefused`, so the route answers an error instead of a 2xx for
+a call that is not captured. A sender task takes events from the queue and
 
 * without a spool, hands them to the publisher; what Kafka refuses is counted and logged, not kept;
 * with a spool (:class:`~rlstream.gateway.spool.Spool`), hands them to the publisher while Kafka keeps up
@@ -16,6 +18,10 @@ persisted after each drained batch and a segment is deleted once all of it is ac
 record is re-sent only if it was acknowledged after the last persisted batch (at most ``drain_batch`` records),
 or if it was in flight directly when the gateway died; the stream app drops such duplicates by trajectory_id
 (``streams.closed_retention_s``).
+
+Tenants: with ``tenant_share`` below 1, each tenant's events may take at most that share of the queue, and of the
+spool (``Spool.tenant_max_bytes``); a tenant past its share of the queue overflows to the spool (or is dropped without
+one) while the other tenants' events still find room: one tenant's flood never evicts or blocks another's captures.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from rlstream.gateway.spool import Position, Spool, SpoolRecord
+from rlstream.schemas.codec import CodecError
 from rlstream.schemas.models import CallEvent, RewardEvent, TrajectoryEvent, WireModel
 from rlstream.transport.log import get_logger
 
@@ -55,6 +62,10 @@ class SpoolSubmitter(Submitter, Protocol):
     async def submit_encoded(self, topic: str, key: bytes, value: bytes) -> "asyncio.Future[Any]": ...
 
 
+class CaptureRefused(ValueError):
+    """An event that can never be sent (larger than a Kafka record, or not encodable): not queued."""
+
+
 @dataclass
 class CaptureStats:
     queued: int = 0
@@ -67,6 +78,17 @@ class CaptureStats:
     spooled: int = 0           # events written to the spool
     spool_sent: int = 0        # spooled events handed to the producer by the drainer
     spool_dropped: int = 0     # the spool was full (spool_max_bytes) or the disk failed: the event was not kept
+    over_share: int = 0        # a tenant's share of the queue was full: its event overflowed to the spool or dropped
+    refused: int = 0           # never queued: over Kafka's record size or not encodable (CaptureRefused)
+
+
+@dataclass(eq=False)
+class _Queued:
+    """An event waiting to be sent, its tenant, and its record when it was encoded at :meth:`CaptureQueue.put`."""
+
+    tenant: str
+    event: WireModel
+    record: SpoolRecord | None = None
 
 
 @dataclass(eq=False)
@@ -83,9 +105,12 @@ class CaptureQueue:
     """Events wait here (``maxsize``) for a sender task; with ``spool``, Kafka's troubles go to disk."""
 
     def __init__(self, publisher: Submitter, maxsize: int, spool: Spool | None = None, spool_after_s: float = 2.0,
-                 drain_batch: int = 256) -> None:
+                 drain_batch: int = 256, tenant_share: float = 1.0) -> None:
         self.publisher = publisher
-        self.queue: asyncio.Queue[WireModel] = asyncio.Queue(maxsize)
+        self.queue: asyncio.Queue[_Queued] = asyncio.Queue(maxsize)
+        #: the most events one tenant may have in the queue (``tenant_share`` of it)
+        self.tenant_slots = max(1, int(maxsize * tenant_share)) if tenant_share < 1 else maxsize
+        self._held: dict[str, int] = {}  # per tenant: its events in the queue
         self.stats = CaptureStats()
         self.spool: Spool | None = None
         self.spool_after_s = spool_after_s
@@ -97,7 +122,7 @@ class CaptureQueue:
         #: spool positions whose record is also pending directly: the drainer waits for that delivery first
         self._links: dict[Position, "asyncio.Future[Any]"] = {}
         self._holding: list[SpoolRecord] = []  # taken from the queue, neither handed over nor being spooled
-        self._overflow: list[WireModel] = []  # did not fit the queue: the watcher writes them to the spool
+        self._overflow: list[_Queued] = []  # did not fit the queue: the watcher writes them to the spool
         self._appends: set["asyncio.Task[list[Position | None]]"] = set()
         self._appending = 0  # spool writes under way
         self._drain_busy = False
@@ -116,25 +141,67 @@ class CaptureQueue:
         self.spooling = spool.pending > 0
 
     # -- the routes' side ---------------------------------------------------------------------
-    def put(self, event: WireModel) -> bool:
-        """Queue one event without waiting. When the queue is full the event goes to the spool (where there is
-        one: a burst of closed sessions, a shutdown); without a spool it is dropped: False, counted and logged."""
-        try:
-            self.queue.put_nowait(event)
-        except asyncio.QueueFull:
-            if self.spool is not None and self._tasks:
-                if not self._overflow:
-                    log.warning("capture queue full: events go to the spool", queue_size=self.queue.maxsize)
-                self._overflow.append(event)
-                self.stats.overflowed += 1
-                self._watch_wake.set()
+    def put(self, event: WireModel, tenant: str | None = None) -> bool:
+        """Queue one event of ``tenant`` (default: the event's own ``tenant`` field, else '') without waiting.
+        When the queue, or the tenant's share of it, is full the event goes to the spool (where there is one and the
+        tenant's share of it is not full: a burst of closed sessions, a shutdown); else it is dropped: False,
+        counted and logged. :class:`CaptureRefused` for an event Kafka can never take (with a publisher that has a
+        codec, the event is encoded here, once)."""
+        owner = tenant if tenant is not None else str(getattr(event, "tenant", "") or "")
+        item = _Queued(owner, event, self._encode_at_put(event, owner))
+        held = self._held.get(owner, 0)
+        full = held >= self.tenant_slots
+        if full:
+            self.stats.over_share += 1
+        else:
+            try:
+                self.queue.put_nowait(item)
+            except asyncio.QueueFull:
+                full = True
+            else:
+                self._held[owner] = held + 1
+                self.stats.queued += 1
                 return True
-            self.stats.dropped_full += 1
-            log.warning("capture queue full: event dropped", kind=type(event).__name__,
-                        dropped=self.stats.dropped_full, key=getattr(event, "trajectory_id", ""))
-            return False
-        self.stats.queued += 1
-        return True
+        if self.spool is not None and self._tasks and not self.spool.tenant_full(owner):
+            if not self._overflow:
+                log.warning("capture queue full: events go to the spool", queue_size=self.queue.maxsize,
+                            tenant=owner, tenant_slots=self.tenant_slots)
+            self._overflow.append(item)
+            self.stats.overflowed += 1
+            self._watch_wake.set()
+            return True
+        self.stats.dropped_full += 1
+        log.warning("capture queue full: event dropped", kind=type(event).__name__, tenant=owner,
+                    dropped=self.stats.dropped_full, key=getattr(event, "trajectory_id", ""))
+        return False
+
+    def _encode_at_put(self, event: WireModel, tenant: str) -> SpoolRecord | None:
+        """The record of ``event`` when the publisher has a codec (None without one: it is encoded when sent);
+        :class:`CaptureRefused` when the codec refuses it (larger than ``kafka.max_message_bytes``)."""
+        codec = getattr(self.publisher, "codec", None)
+        if codec is None or not hasattr(self.publisher, "submit_encoded"):
+            return None
+        topic, key = self._topic_key(event)
+        try:
+            value = codec.encode(event)
+        except CodecError as exc:  # too large, or not the schema's shape: no retry would send it
+            self.stats.refused += 1
+            log.error("capture event refused: Kafka cannot take it", kind=type(event).__name__, tenant=tenant,
+                      error=str(exc), refused=self.stats.refused)
+            raise CaptureRefused(str(exc)) from exc
+        except Exception as exc:  # the schema registry unreachable: the sender encodes it later (and counts)
+            log.warning("capture event not encoded yet; the sender tries again", kind=type(event).__name__,
+                        error=str(exc))
+            return None
+        return SpoolRecord(topic, key.encode(), value, tenant)
+
+    def _taken(self, item: _Queued) -> None:
+        """``item`` left the queue: its tenant's share has room again."""
+        left = self._held.get(item.tenant, 0) - 1
+        if left > 0:
+            self._held[item.tenant] = left
+        else:
+            self._held.pop(item.tenant, None)
 
     def start(self) -> None:
         if self._tasks:
@@ -160,10 +227,12 @@ class CaptureQueue:
             batch = [await self.queue.get()]
             while len(batch) < self.drain_batch and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
+            for item in batch:
+                self._taken(item)
             try:
                 if self.spool is None:
-                    for event in batch:
-                        await self._submit(event)
+                    for item in batch:
+                        await self._submit(item)
                 else:
                     await self._send_or_spool(batch)
             except Exception as exc:  # never let the sender die: the next events must still go out
@@ -181,10 +250,15 @@ class CaptureQueue:
             return self.publisher.calls_topic, event.session_id
         raise TypeError(type(event))  # pragma: no cover - only these three are queued
 
-    async def _submit(self, event: WireModel) -> None:
-        topic, key = self._topic_key(event)
+    async def _submit(self, item: _Queued) -> None:
+        event, record = item.event, item.record
         try:
-            delivery = await self.publisher.submit(topic, key, event)
+            if record is not None:
+                delivery = await self.publisher.submit_encoded(  # type: ignore[attr-defined]
+                    record.topic, record.key, record.value)
+            else:
+                topic, key = self._topic_key(event)
+                delivery = await self.publisher.submit(topic, key, event)
         except Exception as exc:  # Kafka down, encoding error: count and log, never raise into the server
             self.stats.failed += 1
             log.error("capture event not handed to Kafka", kind=type(event).__name__, error=str(exc))
@@ -198,17 +272,19 @@ class CaptureQueue:
         else:
             self.stats.acknowledged += 1
 
-    def _encode(self, event: WireModel) -> SpoolRecord | None:
-        topic, key = self._topic_key(event)
+    def _encode(self, item: _Queued) -> SpoolRecord | None:
+        if item.record is not None:
+            return item.record
+        topic, key = self._topic_key(item.event)
         try:
-            value = self.publisher.codec.encode(event)  # type: ignore[attr-defined]
+            value = self.publisher.codec.encode(item.event)  # type: ignore[attr-defined]
         except Exception as exc:  # too large, invalid: it can never be sent
             self.stats.failed += 1
-            log.error("capture event not encoded; dropped", kind=type(event).__name__, error=str(exc))
+            log.error("capture event not encoded; dropped", kind=type(item.event).__name__, error=str(exc))
             return None
-        return SpoolRecord(topic, key.encode(), value)
+        return SpoolRecord(topic, key.encode(), value, item.tenant)
 
-    async def _send_or_spool(self, batch: list[WireModel]) -> None:
+    async def _send_or_spool(self, batch: list[_Queued]) -> None:
         records = [r for r in map(self._encode, batch) if r is not None]
         publisher: SpoolSubmitter = self.publisher  # type: ignore[assignment]
         sent = 0
@@ -427,7 +503,9 @@ class CaptureQueue:
         overflow, self._overflow = self._overflow, []
         records += [r for r in map(self._encode, overflow) if r is not None]
         while not self.queue.empty():
-            record = self._encode(self.queue.get_nowait())
+            item = self.queue.get_nowait()
+            self._taken(item)
+            record = self._encode(item)
             self.queue.task_done()
             if record is not None:
                 records.append(record)

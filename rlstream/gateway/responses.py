@@ -16,6 +16,7 @@ the upstream gets the whole input, so any replica behind any gateway answers the
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.auth import Principal
-from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
-from rlstream.gateway.limits import check_temperature, parse_json
+from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
+                                   upstream_json)
+from rlstream.gateway.limits import RequestRejected, check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
 from rlstream.gateway.responses_state import ResponsesState, StoredResponses
 from rlstream.transport.log import get_logger
@@ -379,7 +381,7 @@ class Responses:
         if isinstance(payload, Response):
             return payload
         tokens = response_tokens(payload)
-        traj, headers = gw.begin(session_id, recorded, tokens.prompt_ids, version, task)
+        traj, headers = gw.begin(session_id, recorded, tokens.prompt_ids, version, task, caller.tenant)
         gw.finish(traj, recorded, response_message(payload), tokens.prompt_ids, tokens.completion_ids,
                   tokens.logprobs, finish_reason(payload), model, version)
         payload = filter_response_payload(payload, asked)
@@ -408,10 +410,16 @@ class Responses:
             return upstream_failed(exc, gw.config, "stream failed")
         rendered = "".join(capture.render(line) for line in head)
         upstream_s = time.perf_counter() - upstream_started
-        traj, headers = gw.begin(session_id, recorded, None, version, task)
+        traj, headers = gw.begin(session_id, recorded, None, version, task, caller.tenant)
         headers = gw.sign(headers, caller, request_session(request), capture.response_id)
 
+        recorded = False
+
         def record() -> None:
+            nonlocal recorded
+            if recorded:
+                return
+            recorded = True
             tokens = capture.tokens()
             if capture.final is not None and tokens is not None:
                 gw.finish(traj, recorded, response_message(capture.final), tokens.prompt_ids, tokens.completion_ids,
@@ -420,7 +428,20 @@ class Responses:
                 log.warning("streamed Responses call ended without its final event; not captured",
                             trajectory_id=traj.trajectory_id)
 
+        def render(line: str) -> str:
+            out = capture.render(line)
+            if capture.final is not None and not recorded:  # captured before the client hears the end
+                try:
+                    record()
+                except RequestRejected as refusal:  # the final event becomes the error (the OpenAI SDKs raise it)
+                    return capture_refused_event(refusal)
+            return out
+
+        def record_at_end() -> None:  # a stream cut short: a refusal is logged and counted
+            with contextlib.suppress(RequestRejected):
+                record()
+
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, rendered, capture.render, handed_on, record, headers)
+        return relayed(response, lines, rendered, render, handed_on, record_at_end, headers)

@@ -46,6 +46,7 @@ class Trajectory:
     group_size: int = 1
     generation_index: int = 0
     approx_bytes: int = 0  # what its calls hold in memory, roughly (:func:`call_bytes`)
+    tenant: str | None = None  # the caller's tenant (its share of the capture queue); None: the session's
 
     @property
     def example_id(self) -> str:

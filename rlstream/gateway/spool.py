@@ -5,6 +5,10 @@ answers, and a restarted gateway finds them again. Layout of a spool directory:
 
 The directory is 0700 and its files 0600 (they hold conversations).
 
+With ``tenant_max_bytes``, each tenant's records not yet acknowledged may take at most that many bytes (a record
+names its tenant in :attr:`SpoolRecord.tenant`): one tenant's flood fills its own share and the rest of the spool
+stays for the others. Records a previous gateway left are counted in the whole (``max_bytes``), in no tenant's share.
+
 * ``.lock``: an exclusive ``flock`` held while a gateway uses the spool (two gateways never share one);
 * ``<seq>.seg`` (``seq``: 20 digits): segment files, written by one gateway in order; a gateway never appends to a
   segment it did not create (after a restart the old ones are only read);
@@ -60,6 +64,8 @@ class SpoolRecord:
     topic: str
     key: bytes
     value: bytes
+    #: whose record it is (bounded by the spool's ``tenant_max_bytes``); not written to disk; None: no tenant's
+    tenant: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, order=True)
@@ -154,6 +160,7 @@ def scan(data: bytes, start: int = len(SEGMENT_HEADER)) -> ScanResult:
 class SpoolStats:
     written: int = 0            # records written and fsync'd
     dropped_full: int = 0       # not written: the spool was at spool_max_bytes
+    dropped_tenant: int = 0     # not written: its tenant's records not yet acknowledged were at tenant_max_bytes
     dropped_error: int = 0      # not written: the disk failed (full, read-only, I/O error)
     acknowledged: int = 0       # records Kafka acknowledged
     skipped_damaged: int = 0    # damaged or cut-short records skipped when reading
@@ -168,6 +175,7 @@ class _Segment:
     size: int = 0                       # bytes of the file (written and fsync'd)
     upto: int = 0                       # records [0, upto) are acknowledged
     acked: set[int] = field(default_factory=set)  # starts of acknowledged records at index >= upto
+    owners: dict[int, tuple[str, int]] = field(default_factory=dict)  # start -> (tenant, bytes) until acknowledged
     sealed: bool = True
     fd: int | None = None               # the segment being written
     dirty: bool = False                 # acknowledgements not yet in the .ack file
@@ -198,9 +206,12 @@ class Spool:
     ``unacknowledged``, ``commit``) while its event loop records acknowledgements; the loop's calls
     (``mark_acknowledged``, ``pending``) only take a lock that no disk operation holds."""
 
-    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int = 16 * 1024 * 1024,
+                 tenant_max_bytes: int | None = None) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self.tenant_max_bytes = tenant_max_bytes if tenant_max_bytes is not None else max_bytes
+        self._tenant_bytes: dict[str, int] = {}  # per tenant: bytes of its records not yet acknowledged
         self.segment_bytes = segment_bytes
         self.stats = SpoolStats()
         self._segments: dict[int, _Segment] = {}
@@ -214,9 +225,10 @@ class Spool:
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: Path, max_bytes: int, segment_bytes: int = 16 * 1024 * 1024) -> "Spool":
+    def open(cls, directory: Path, max_bytes: int, segment_bytes: int = 16 * 1024 * 1024,
+             tenant_max_bytes: int | None = None) -> "Spool":
         """Lock ``directory`` (created if missing) and read what a previous gateway left there."""
-        spool = cls(directory, max_bytes, segment_bytes)
+        spool = cls(directory, max_bytes, segment_bytes, tenant_max_bytes)
         spool._open()
         return spool
 
@@ -312,10 +324,20 @@ class Spool:
         with self._lock:
             return len(self._segments)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s records written and not yet acknowledged."""
+        with self._lock:
+            return self._tenant_bytes.get(tenant, 0)
+
+    def tenant_full(self, tenant: str) -> bool:
+        """True when ``tenant``'s share (``tenant_max_bytes``) is used up: its next record would be dropped."""
+        return self.tenant_bytes(tenant) >= self.tenant_max_bytes
+
     # -- writing -------------------------------------------------------------------------------
     def append(self, records: list[SpoolRecord]) -> list[Position | None]:
         """Write ``records`` and fsync them (one write and one fsync per segment touched); the position of each,
-        or None for one not kept (the spool at ``max_bytes``, or the disk failed: counted and logged). Never raises."""
+        or None for one not kept (the spool at ``max_bytes``, its tenant at ``tenant_max_bytes``, or the disk failed:
+        counted and logged). Never raises."""
         out: list[Position | None] = [None] * len(records)
         with self._write_lock:
             if self._closed:
@@ -325,17 +347,25 @@ class Spool:
             batch: list[tuple[int, bytes]] = []  # (index in out, frame) for the active segment
             batch_bytes = 0
             used = self.disk_bytes
+            with self._lock:
+                tenant_used = dict(self._tenant_bytes)  # plus this call's records, as they are taken
             for index, record in enumerate(records):
                 frame = encode_record(record)
                 if used + batch_bytes + len(frame) > self.max_bytes:
                     with self._lock:
                         self.stats.dropped_full += 1
                     continue
+                if record.tenant is not None:
+                    if tenant_used.get(record.tenant, 0) + len(frame) > self.tenant_max_bytes:
+                        with self._lock:
+                            self.stats.dropped_tenant += 1
+                        continue
+                    tenant_used[record.tenant] = tenant_used.get(record.tenant, 0) + len(frame)
                 active = self._active
                 if active is None or (active.size + batch_bytes + len(frame) > self.segment_bytes
                                       and (batch or len(active.starts))):
                     if batch:
-                        self._flush(batch, out)
+                        self._flush(batch, out, records)
                         batch, batch_bytes = [], 0
                     self._roll()
                     used = self.disk_bytes
@@ -346,10 +376,11 @@ class Spool:
                 batch.append((index, frame))
                 batch_bytes += len(frame)
             if batch:
-                self._flush(batch, out)
+                self._flush(batch, out, records)
         return out
 
-    def _flush(self, batch: list[tuple[int, bytes]], out: list[Position | None]) -> None:
+    def _flush(self, batch: list[tuple[int, bytes]], out: list[Position | None],
+               records: list[SpoolRecord]) -> None:
         seg = self._active
         assert seg is not None and seg.fd is not None
         data = b"".join(frame for _, frame in batch)
@@ -374,6 +405,10 @@ class Spool:
                 seg.starts.append(pos)
                 seg.ends.append(pos + len(frame))
                 out[index] = Position(seg.seq, pos)
+                tenant = records[index].tenant
+                if tenant is not None:
+                    seg.owners[pos] = (tenant, len(frame))
+                    self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + len(frame)
                 pos += len(frame)
             seg.size = pos
             self.stats.written += len(batch)
@@ -476,11 +511,18 @@ class Spool:
             if seg is not None and self._ack(seg, position.offset):
                 self.stats.acknowledged += 1
 
-    @staticmethod
-    def _ack(seg: _Segment, start: int) -> bool:
+    def _ack(self, seg: _Segment, start: int) -> bool:
+        """Record one acknowledgement (under ``_lock``); its tenant's share is freed."""
         index = bisect_left(seg.starts, start)
         if index >= len(seg.starts) or seg.starts[index] != start or seg.is_acked(index):
             return False
+        owner = seg.owners.pop(start, None)
+        if owner is not None:
+            left = self._tenant_bytes.get(owner[0], 0) - owner[1]
+            if left > 0:
+                self._tenant_bytes[owner[0]] = left
+            else:
+                self._tenant_bytes.pop(owner[0], None)
         seg.acked.add(start)
         seg.advance()
         seg.dirty = True
