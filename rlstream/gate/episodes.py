@@ -5,6 +5,8 @@ An episode is ``async episode(request: EpisodeRequest) -> SampleResult`` (:class
 :func:`single_completion`, is one chat completion of the example's messages scored by the reward function: the
 episode of a single-turn task. A multi-turn task names its own episode, the agent, tools and verifier that produce its
 training traffic (the tool agent's: ``rlstream.ops.tool_task:gate_episode``), built on :func:`score_answer`.
+Each result carries the episode's transcript (:class:`~rlstream.gate.rules.SampleAnswer`: the conversation, the
+reward's components, the seed); the gate publishes those of a few examples per version (``gate.publish_answers``).
 
 The request's ``client`` is an ``AsyncOpenAI`` on the replica's own server (never the gateway: nothing evaluated is
 captured or trained on), without retries of its own: an episode lets the server's failures (connection errors,
@@ -20,7 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rlstream.gate.rules import SampleResult
+from rlstream.gate.rules import SampleAnswer, SampleResult
+from rlstream.schemas.models import Message, ToolCall
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -67,14 +70,45 @@ def example_messages(example: dict[str, Any]) -> list[dict[str, Any]]:
 
 def reward_of(result: Any) -> float:
     """The reward a reward function returned (a number, ``(number, components)`` or a mapping with ``reward``)."""
+    return scored(result)[0]
+
+
+def scored(result: Any) -> tuple[float, dict[str, float]]:
+    """A reward function's result as (reward, components): a number, a ``(number, components)`` pair or a mapping
+    with ``reward`` (its other numeric entries are the components); components that are not finite numbers are
+    left out."""
+    components: Any = {}
     if isinstance(result, dict):
-        result = result.get("reward")
+        result, components = result.get("reward"), {k: v for k, v in result.items() if k != "reward"}
     elif isinstance(result, (tuple, list)) and result:
-        result = result[0]
+        result, components = result[0], (result[1] if len(result) > 1 and isinstance(result[1], dict) else {})
     value = float(result)
     if not math.isfinite(value):
         raise ValueError(f"reward {value} is not finite")
-    return value
+    parts: dict[str, float] = {}
+    for name, part in components.items():
+        try:
+            number = float(part)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            parts[str(name)] = number
+    return value, parts
+
+
+def wire_message(message: dict[str, Any]) -> Message:
+    """An OpenAI-style chat message (tool calls flat or under ``function``; content text or parts) as a trajectory's
+    :class:`~rlstream.schemas.models.Message`."""
+    content = message.get("content")
+    calls = []
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        function = call.get("function") or call
+        arguments = function.get("arguments", "")
+        calls.append(ToolCall(id=str(call.get("id") or f"call_{i}"), name=str(function.get("name", "")),
+                              arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return Message(role=str(message.get("role", "user")),
+                   content=content if content is None or isinstance(content, str) else json.dumps(content),
+                   name=message.get("name"), tool_calls=calls or None, tool_call_id=message.get("tool_call_id"))
 
 
 def arguments_parse(arguments: Any) -> bool:
@@ -91,19 +125,24 @@ def tool_calls_parsed(tool_calls: list[Any]) -> int:
 
 
 def score_answer(request: EpisodeRequest, output: Any, answer: str, length: int, tool_calls: int = 0,
-                 parsed_calls: int = 0) -> SampleResult:
+                 parsed_calls: int = 0, messages: list[dict[str, Any]] | None = None) -> SampleResult:
     """The result of one episode: ``output`` scored by the reward function (one that raises scores 0, logged),
     ``answer`` (the final text) checked for the answer and refusal patterns (an episode with tool calls parses),
-    ``length`` the completion tokens of the episode."""
+    ``length`` the completion tokens of the episode. ``messages``: the episode's conversation after the example's
+    own messages (the assistant's turns, tool results), default the answer as one assistant message; with the
+    reward's components and the seed it is the result's :class:`SampleAnswer`."""
     try:
-        reward = reward_of(request.reward_function(request.example, output))
+        reward, components = scored(request.reward_function(request.example, output))
     except Exception as exc:  # noqa: BLE001 - user code
         log.warning("evaluation reward function failed", model=request.model, key=request.key, error=str(exc))
-        reward = 0.0
+        reward, components = 0.0, {}
+    said = messages if messages is not None else [{"role": "assistant", "content": answer}]
+    transcript = SampleAnswer(tuple(wire_message(m) for m in [*example_messages(request.example), *said]),
+                              components, request.seed)
     return SampleResult(key=request.key, reward=reward,
                         parses=bool(request.answer_pattern.search(answer)) or tool_calls > 0,
                         refusal=any(p.search(answer) for p in request.refusal_patterns), length=length,
-                        tool_calls=tool_calls, tool_calls_parsed=parsed_calls)
+                        tool_calls=tool_calls, tool_calls_parsed=parsed_calls, answer=transcript)
 
 
 async def single_completion(request: EpisodeRequest) -> SampleResult:
@@ -121,4 +160,8 @@ async def single_completion(request: EpisodeRequest) -> SampleResult:
     calls = list(message.tool_calls or [])
     usage = getattr(response, "usage", None)
     length = usage.completion_tokens if usage is not None else len(text.split())
-    return score_answer(request, text, text, length, len(calls), tool_calls_parsed(calls))
+    said = {"role": "assistant", "content": message.content,
+            "tool_calls": [{"id": getattr(c, "id", None), "function": {
+                "name": getattr(getattr(c, "function", None), "name", ""),
+                "arguments": getattr(getattr(c, "function", None), "arguments", "")}} for c in calls]}
+    return score_answer(request, text, text, length, len(calls), tool_calls_parsed(calls), [said])

@@ -23,10 +23,21 @@ figures; :meth:`Verdict.evidence` is what a PromotionDecision records.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from rlstream.gate.statistics import PairedTest, non_inferiority, paired_differences
+from rlstream.schemas.models import Message
+
+
+@dataclass(frozen=True)
+class SampleAnswer:
+    """What one held-out episode said, as the gate publishes it (``gate.publish_answers``): the conversation (the
+    prompt, the answer, its tool calls and their results), the reward function's components and the sampling seed."""
+
+    messages: tuple[Message, ...]
+    components: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class SampleResult:
     tool_calls: int = 0
     tool_calls_parsed: int = 0
     success: float | None = None  # task success (the reward function's ``success`` component), when it has one
+    answer: SampleAnswer | None = field(default=None, compare=False)  # the episode's transcript (not a figure)
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class EvalFigures:
 
     def metrics(self) -> dict[str, float]:
         """The figures as a PromotionDecision carries them (the per-sample results are not figures)."""
-        return {k: float(v) for k, v in asdict(self).items() if k != "results"}
+        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "results"}
 
 
 @dataclass(frozen=True)

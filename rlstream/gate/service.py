@@ -13,6 +13,10 @@ rewards of feedback.py finishes the promotion or rolls the canary back. Every de
 ``promotions``. Candidates that arrive while one is evaluated or a canary runs are not decided one by one: the next
 decision is about the newest.
 
+The answers of the first ``gate.publish_answers`` held-out examples (their first sample) of every version measured go
+to ``trajectories`` once per version, marked ``source: validation``: the stream app never groups them, no learner
+trains on them, and ``rlstream console`` shows two versions' answers to the same prompt side by side.
+
 Each decision measures the candidate, the serving version and the anchor on a replica that has each loaded (the
 anchor's latest measurement stands in only while no replica holds it, as with full weights), with the sample size gate.power asks for (statistics.sample_size). An evaluation that
 produces no result (:class:`rlstream.gate.evaluation.EvaluationFailed`) decides nothing: it is counted in
@@ -44,7 +48,7 @@ from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.masking import secret_value
 from rlstream.schemas.rewards import Invalid, RewardRange, check_rewards, validate_reward
 from rlstream.schemas.models import (DecisionKind, MetricEvent, PolicyVersion, PromotionDecision, RewardEvent,
-                                     TrajectoryEvent, TrajectoryGroup, WeightsKind)
+                                     TrajectoryEvent, TrajectoryGroup, TrajectorySource, WeightsKind)
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
@@ -186,6 +190,7 @@ class PromotionGate:
         self._feedback_consumer: Any = None
         self._groups_consumer: Any = None
         self._serving_read_at = 0.0
+        self.answers_published: set[int] = set()  # versions whose held-out answers this gate published
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -413,7 +418,46 @@ class PromotionGate:
         log.info("version evaluated", version=version, role=role, model=route.model,
                  reward_mean=round(figures.reward_mean, 3), answer_parse_rate=round(figures.answer_parse_rate, 3),
                  samples=figures.samples, seconds=round(figures.seconds, 2))
+        await self.publish_answers(figures, evaluation, route.model, role)
         return figures
+
+    def answer_trajectories(self, figures: EvalFigures, evaluation: EvaluationSet, model: str,
+                            role: str) -> list[TrajectoryEvent]:
+        """The held-out answers of ``figures``' version that ``gate.publish_answers`` asks for: the first sample of
+        each of the first examples (the same prompts and seeds for every version), as ``validation``
+        trajectories."""
+        wanted = {f"{e['id']}#0": str(e["id"]) for e in evaluation.examples[:self.gcfg.publish_answers]}
+        events = []
+        for result in figures.results:
+            example_id = wanted.get(result.key)
+            if example_id is None or result.answer is None or not result.answer.messages:
+                continue
+            answer = result.answer
+            events.append(TrajectoryEvent(
+                run_id=self.cfg.run_id, example_id=example_id,
+                group_id=f"gate-{self.policy}-v{figures.version}-{result.key}", group_size=1, generation_index=0,
+                policy=self.policy, policy_version=figures.version, source=TrajectorySource.validation,
+                messages=list(answer.messages), reward=result.reward, reward_components=dict(answer.components),
+                metadata={"gate.sample_key": result.key, "gate.seed": str(answer.seed), "gate.model": model,
+                          "gate.role": role},
+                producer_id=DECIDED_BY))
+        return events
+
+    async def publish_answers(self, figures: EvalFigures, evaluation: EvaluationSet, model: str, role: str) -> None:
+        """Publish a version's held-out answers (:meth:`answer_trajectories`) once per gate, on ``trajectories``
+        keyed by example id; a failure to publish is logged and decides nothing."""
+        if self.gcfg.publish_answers <= 0 or figures.version in self.answers_published:
+            return
+        events = self.answer_trajectories(figures, evaluation, model, role)
+        try:
+            for event in events:
+                await self.producer.send_and_wait(self.topics.trajectories, self.codec.encode(event),
+                                                  key=event.example_id.encode())
+        except Exception as exc:  # noqa: BLE001 - what the console shows must never stop a decision
+            log.warning("held-out answers not published", version=figures.version, error=str(exc))
+            return
+        self.answers_published.add(figures.version)
+        log.info("held-out answers published", version=figures.version, role=role, trajectories=len(events))
 
     def plan(self) -> EvaluationPlan:
         """This decision's sample size: what ``gate.power`` asks for at the paired reward std of the last decision
@@ -845,7 +889,7 @@ async def run_gate(cfg: RlstreamConfig, stop: asyncio.Event | None = None) -> No
     evaluation = evaluation_set(cfg)
     await create_topics(cfg.kafka, cfg.topics)
     codec = codec_for(cfg)
-    codec.ensure_registered([PromotionDecision.avro_name, MetricEvent.avro_name])
+    codec.ensure_registered([PromotionDecision.avro_name, MetricEvent.avro_name, TrajectoryEvent.avro_name])
     control = ControlPlane(str(cfg.redis.url), cfg.redis.retry_max_s)
     try:
         await PromotionGate(cfg, control, evaluation, codec=codec).run(stop)

@@ -328,7 +328,27 @@ async def gate_episode(request: EpisodeRequest) -> SampleResult:
     episode = await tool_agent(request.example, request.client, sampling, seed=request.seed)
     length = episode.completion_tokens or len(episode.final_answer.split())
     return score_answer(request, episode, episode.final_answer, length, len(episode.calls),
-                        sum(arguments_parse(call.arguments) for call in episode.calls))
+                        sum(arguments_parse(call.arguments) for call in episode.calls), episode_messages(episode))
+
+
+def episode_messages(episode: ToolEpisode) -> list[dict[str, Any]]:
+    """The agent's side of an episode as chat messages: each tool call (with the tool's result, when it ran), then
+    the final answer (or the error that ended the run)."""
+    messages: list[dict[str, Any]] = []
+    for i, call in enumerate(episode.calls):
+        wire = {"id": f"call_{i}", "function": {"name": call.name, "arguments": call.arguments}}
+        if messages and messages[-1]["role"] == "assistant":  # calls without results yet: one assistant turn
+            messages[-1]["tool_calls"].append(wire)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [wire]})
+        if i < len(episode.tool_results):
+            messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": episode.tool_results[i]})
+    final = episode.final_answer or (f"[{episode.error}]" if episode.error else "")
+    if messages and messages[-1]["role"] == "assistant":  # a call without a result: the answer joins its turn
+        messages[-1]["content"] = final or None
+    else:
+        messages.append({"role": "assistant", "content": final})
+    return messages
 
 
 # --- what no tool use earns -----------------------------------------------------------------------------------

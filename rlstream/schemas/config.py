@@ -547,6 +547,12 @@ class GateConfig(Section):
     max_tokens: int | None = Field(None, ge=1, description="completion token limit of the evaluation; default "
                                    "rollout.max_tokens")
     concurrency: int = Field(8, ge=1, description="evaluation requests in flight at once")
+    publish_answers: int = Field(4, ge=0, description="held-out examples (the first ones) whose answers the gate "
+                                 "publishes on the trajectories topic for each version it evaluates (the first "
+                                 "sample of each: messages, tool calls, reward and components, seed), marked "
+                                 "source validation: the stream app never groups them and no learner trains on "
+                                 "them; rlstream console shows two versions' answers to one prompt side by side. "
+                                 "0: none")
     margin: float = Field(0.1, gt=0, description="non-inferiority margin of the mean held-out reward: a candidate "
                           "passes when the one-sided lower confidence bound (level gate.alpha) of its mean paired "
                           "reward difference to the serving version, and to the anchor (the best version promoted), "

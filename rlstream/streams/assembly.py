@@ -11,7 +11,9 @@ changelog-backed table for ``groups``; tests pass dicts. Every call returns what
 (:class:`Finished`, members as consumed, so an unchanged member is never decoded or re-encoded) and rejected
 records (:class:`Reject`), plus counters.
 
-Rules: a trajectory_id already held (or already emitted) is ignored; a reward before its trajectory is
+Rules: a ``validation`` trajectory (held-out answers: the gate's, ``rlstream finetune``'s validation passes) is
+never grouped (counted ``validation_skipped``: it stays on ``trajectories`` for lineage and the console, and never
+reaches ``groups``); a trajectory_id already held (or already emitted) is ignored; a reward before its trajectory is
 held; a group completes when ``group_size`` members have rewards; after ``group_timeout_s`` since its
 first record it is emitted with completion=timeout if at least ``min_group_size`` members have rewards,
 else it expires. Members left out of a timed-out group and every member of an expired group go to the
@@ -40,7 +42,7 @@ from typing import Any, Iterable, MutableMapping
 
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import (GroupBaseline, GroupCompletion, RewardEvent, SourceOffset, TrajectoryEvent,
-                                     TrajectoryGroup, utc_now)
+                                     TrajectoryGroup, TrajectorySource, utc_now)
 from rlstream.streams import validation as v
 from rlstream.streams.baseline import (BaselineRules, BaselineState, baseline_key, is_baseline, mean_and_std, score,
                                        table_key, task_of)
@@ -361,6 +363,9 @@ class GroupAssembler:
     def on_trajectory(self, event: TrajectoryEvent, raw: bytes, key: bytes | None, src: SourceRef,
                       record_ts: float, now: float) -> Outcome:
         out = Outcome()
+        if event.source == TrajectorySource.validation:  # held-out answers: never a group, never trained
+            out.counts["validation_skipped"] += 1
+            return out
         state = self._open_state(event, src, now)
         if isinstance(state, ClosedGroup):
             self._on_closed(state, event.trajectory_id, "duplicate_trajectory",

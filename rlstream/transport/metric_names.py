@@ -161,6 +161,8 @@ STREAMS_GROUPS_EMITTED = "streams.groups_emitted"
 STREAMS_GROUPS_FILTERED = "streams.groups_filtered"
 #: The assembler's counters (``streams.assembly.Outcome.counts``).
 STREAMS_TRAJECTORIES_ACCEPTED = "streams.trajectories_accepted"
+#: Validation trajectories (held-out answers) read and left out of assembly: never grouped, never trained.
+STREAMS_VALIDATION_SKIPPED = "streams.validation_skipped"
 STREAMS_DUPLICATE_TRAJECTORY = "streams.duplicate_trajectory"
 STREAMS_DUPLICATE_REWARD = "streams.duplicate_reward"
 STREAMS_REWARDS_HELD = "streams.rewards_held"

@@ -3,8 +3,9 @@ topics that exist (``policy-versions``, ``promotions``, ``metrics``, ``groups``,
 ``dlq``), each read from its beginning by one group-less ``read_committed`` consumer (it never joins a consumer group
 and never commits), and from Redis (the latest and serving pointers). Nothing is written anywhere.
 
-Memory is bounded: per version a few sample trajectories, per example the answers of a few versions, a fixed number
-of recent dead letters and feedback times.
+Memory is bounded: per version a few sample trajectories, per example the answers of a few versions (held-out answers,
+the ``validation`` trajectories the gate publishes, kept apart from training answers), a fixed number of recent dead
+letters and feedback times.
 """
 from __future__ import annotations
 
@@ -124,7 +125,9 @@ class ConsoleState:
     versions: dict[int, VersionRow] = field(default_factory=dict)
     samples: dict[int, deque[dict[str, Any]]] = field(default_factory=dict)
     answers: OrderedDict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=OrderedDict)
-    heldout_examples: set[str] = field(default_factory=set)  # examples answered by validation trajectories
+    # held-out answers (validation trajectories: the gate's, finetune's), apart from training answers to an example
+    # of the same id
+    heldout_answers: OrderedDict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=OrderedDict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     feedback_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
     feedback_total: int = 0
@@ -205,9 +208,7 @@ class ConsoleState:
             return
         self.row(event.policy_version).trajectories += 1
         item = trajectory_json(event)
-        if event.source == TrajectorySource.validation:
-            self.heldout_examples.add(event.example_id)
-        self._answer(item)
+        self._answer(item, self.heldout_answers if event.source == TrajectorySource.validation else self.answers)
         if event.reward is not None:  # rewarded at once (rollout, validation): a sample before its group is
             self._sample(item)
 
@@ -237,23 +238,24 @@ class ConsoleState:
                 return
         kept.append(item)
 
-    def _answer(self, item: dict[str, Any]) -> None:
+    @staticmethod
+    def _answer(item: dict[str, Any], kept: OrderedDict[str, dict[int, list[dict[str, Any]]]]) -> None:
         example = item["example_id"]
-        by_version = self.answers.pop(example, {})
+        by_version = kept.pop(example, {})
         answers = by_version.setdefault(item["policy_version"], [])
         answers.append(item)
         del answers[:-ANSWERS_PER_VERSION]
-        self.answers[example] = by_version
-        while len(self.answers) > COMPARE_EXAMPLES:
-            self.answers.popitem(last=False)
+        kept[example] = by_version
+        while len(kept) > COMPARE_EXAMPLES:
+            kept.popitem(last=False)
 
     # -- views -------------------------------------------------------------------------------------------------
     def overview(self, now: float | None = None) -> dict[str, Any]:
         """The page's state: timeline, curves, rates, serving, the examples two versions answered."""
         now = time.time() if now is None else now
         rows = [self.versions[v].as_json() for v in sorted(self.versions)]
-        comparable = [e for e, by in reversed(self.answers.items()) if len(by) >= 2]
-        heldout_first = sorted(comparable, key=lambda e: e not in self.heldout_examples)
+        heldout = [e for e, by in reversed(self.heldout_answers.items()) if len(by) >= 2]
+        training = [e for e, by in reversed(self.answers.items()) if len(by) >= 2 and e not in self.heldout_answers]
         corrections = sum(n - 1 for n in self.feedback_ids.values() if n > 1)
         return {
             "policy": self.policy, "run_id": self.run_id, "now": now, "latest": self.latest,
@@ -268,8 +270,10 @@ class ConsoleState:
             "dlq": {"total": self.dlq_total, "per_min": per_minute(self.dlq_times, now),
                     "reasons": sorted(self.dlq_reasons.values(), key=lambda r: -r["count"])},
             "sampled_versions": sorted(self.samples),
-            "compare_examples": [{"example_id": e, "heldout": e in self.heldout_examples,
-                                  "versions": sorted(self.answers[e])} for e in heldout_first[:100]],
+            "compare_examples": [
+                *({"example_id": e, "heldout": True, "versions": sorted(self.heldout_answers[e])} for e in heldout),
+                *({"example_id": e, "heldout": False, "versions": sorted(self.answers[e])} for e in training),
+            ][:100],
             "errors": self.errors[-5:],
         }
 
@@ -279,8 +283,9 @@ class ConsoleState:
 
     def compare(self, example_id: str, a: int, b: int) -> dict[str, Any]:
         """The answers of versions ``a`` and ``b`` to the same example (held-out answers when there are)."""
-        by_version = self.answers.get(example_id, {})
-        return {"example_id": example_id, "heldout": example_id in self.heldout_examples,
+        heldout = example_id in self.heldout_answers
+        by_version = (self.heldout_answers if heldout else self.answers).get(example_id, {})
+        return {"example_id": example_id, "heldout": heldout,
                 "a": {"version": a, "answers": by_version.get(a, [])},
                 "b": {"version": b, "answers": by_version.get(b, [])}}
 
