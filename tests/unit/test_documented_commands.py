@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,78 @@ def test_synopsis_notation_is_resolved() -> None:
     assert arguments("rlstream tail metrics\\|groups [--run R] [--format table|json] | jq .") == [
         "tail", "metrics", "--run", "1", "--format", "table"]
     assert arguments("rlstream infra up --kafka-port/--redis-port P  # ports") == ["infra", "up", "--kafka-port", "1"]
+
+
+# --- every documented `rlstream up` line, run with --dry-run ---------------------------------------------------
+def up_lines() -> dict[str, tuple[list[str], set[str]]]:
+    """The distinct documented ``rlstream up`` lines (by their resolved arguments), each with its arguments and
+    the options given a placeholder; ``--help`` lines only parse."""
+    out: dict[str, tuple[list[str], set[str]]] = {}
+    for line in ALL_LINES:
+        args, placeheld = resolved(line.text)
+        if args[:1] == ["up"] and "--help" not in args:
+            out.setdefault(shlex.join(args), (args, placeheld))
+    return out
+
+
+UP_LINES = up_lines()
+
+
+@pytest.fixture(scope="module")
+def documented_up(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Run a documented ``rlstream up`` line with ``--dry-run`` in a directory holding what the reader supplies (a
+    local model for ``--model DIR``, ``my.yaml`` naming it for ``--config my.yaml``); the runs share one runs
+    directory. Returns the CLI's result."""
+    import json
+
+    from typer.testing import CliRunner
+
+    home = tmp_path_factory.mktemp("reader")
+    model = home / "model"  # a local Qwen2-family directory: config and tokenizer, no weights (nothing loads them)
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"<|im_start|>": 0, "a": 1}},
+                                                      "added_tokens": []}))
+    (home / "my.yaml").write_text(f"learner:\n  model: {model}\nrollout:\n  dataset: {home / 'train.jsonl'}\n")
+    supplied = {"--model": str(model), "--tool-call-parser": "hermes"}
+
+    def run(args: list[str], placeheld: set[str]) -> Any:
+        args = [supplied[args[i - 1]] if i and args[i - 1] in placeheld else arg for i, arg in enumerate(args)]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(home)
+            return CliRunner().invoke(app, [*args, *([] if "--dry-run" in args else ["--dry-run"]),
+                                            "--runs-dir", str(home / "runs")])
+    return run
+
+
+def test_the_documents_show_up_lines_of_every_model_and_task() -> None:
+    joined = " ".join(UP_LINES)
+    assert len(UP_LINES) >= 8
+    assert "--model smollm2" in joined and "--task tool-agent" in joined and "--traffic production" in joined
+
+
+@pytest.mark.parametrize("text", sorted(UP_LINES))
+def test_every_documented_up_line_passes_its_dry_run(text: str, documented_up: Any) -> None:
+    """The dry run resolves every process's config and checks the tool-call parser against the model's tokenizer
+    (a toy model not built yet: the tokenizer it will have), starting nothing."""
+    started = time.monotonic()
+    result = documented_up(*UP_LINES[text])
+    assert result.exit_code == 0, f"`rlstream {text} --dry-run`:\n{result.output}"
+    assert "nothing started" in result.output and "Traceback" not in result.output
+    assert re.search(r"command: vllm serve \S+ .*--tool-call-parser \w+", result.output) or \
+        "--tool-call-parser none" in text
+    assert time.monotonic() - started < 60  # seconds on an idle machine: no model is built, nothing starts
+
+
+@pytest.mark.parametrize("args,parser", [
+    (["up", "--model", "smollm2", "--tool-call-parser", "llama3_json"], "'llama3_json'"),  # SmolLM2 lacks its token
+    (["up", "--tool-call-parser", "mistral"], "'mistral'"),  # the tiny model's tokenizer has no [TOOL_CALLS]
+    (["up", "--tool-call-parser", "hermess"], "'hermess'"),  # vLLM has no such parser
+])
+def test_a_parser_vllm_would_refuse_fails_the_dry_run(args: list[str], parser: str, documented_up: Any) -> None:
+    """Negative control: the same run with a parser vLLM refuses for this model ends the dry run with one line
+    naming the parser and --tool-call-parser."""
+    result = documented_up(args, set())
+    assert result.exit_code == 1, result.output
+    assert parser in result.output and "--tool-call-parser" in result.output and "Traceback" not in result.output
+    assert "nothing started" not in result.output

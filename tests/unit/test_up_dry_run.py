@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import psutil
+import yaml
 import pytest
 from typer.testing import CliRunner
 
 from rlstream.cli.app import app
 from rlstream.ops.ports import port_open
 from rlstream.ops.up import dry_run_up, run_up
-from rlstream.ops.up_config import UpOptions
+from rlstream.ops.up_config import UpOptions, toy_model_tokenizer
 from rlstream.ops.vllm import ToolParserMismatch, resolve_tool_call_parser, tool_call_parser_for
 from rlstream.schemas.config import load_config
 
@@ -33,15 +34,9 @@ def model_dir(path: Path, model_type: str, tokens: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct's own tokens (read from the packaged GGUF) in a llama-family model directory."""
-    from gguf import GGUFReader
-
-    from rlstream.ops.toy import smollm2_gguf
-
-    reader = GGUFReader(str(smollm2_gguf()))
-    field = reader.fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(field.parts[i]).decode() for i in field.data]
-    assert len(tokens) == 49152 and "<|im_start|>" in tokens
-    return model_dir(tmp_path_factory.mktemp("smollm2") / "model", "llama", tokens)
+    smollm2 = toy_model_tokenizer("smollm2")
+    assert len(smollm2.tokens) == 49152 and "<|im_start|>" in smollm2.tokens and smollm2.model_type == "llama"
+    return model_dir(tmp_path_factory.mktemp("smollm2") / "model", "llama", sorted(smollm2.tokens))
 
 
 def _children() -> set[int]:
@@ -135,3 +130,51 @@ def test_real_up_refuses_the_parser_before_starting_anything(smollm2_tokenizer: 
         run_up(UpOptions(model=str(smollm2_tokenizer), tool_call_parser="llama3_json", runs_dir=tmp_path / "runs"))
     assert _children() - before == set()
     assert not list((tmp_path / "runs").glob("*/infra"))  # no broker or Redis was started
+
+
+def test_a_parser_name_vllm_lacks_is_refused_unless_a_plugin_may_register_it(tmp_path: Path) -> None:
+    model = model_dir(tmp_path / "model", "qwen2", ["a"])
+    with pytest.raises(ToolParserMismatch) as refused:
+        resolve_tool_call_parser(model, "hermess", [])
+    assert "'hermess'" in str(refused.value) and "--tool-call-parser" in str(refused.value)
+    assert resolve_tool_call_parser(model, "hermess", ["--tool-parser-plugin", "my_parsers.py"]) == "hermess"
+    assert resolve_tool_call_parser(model, "auto", ["--tool-call-parser=pythonic"]) == "pythonic"
+
+
+@pytest.mark.parametrize("parser,tokens,refused", [
+    ("mistral", ["a"], True), ("mistral", ["[TOOL_CALLS]"], False),
+    ("hy_v3", ["<tool_calls>"], True),  # the end delimiter too
+    ("hy_v4", ["<tool_calls:6124c78e>", "</tool_calls:6124c78e>"], False),  # a checkpoint's token suffix
+    ("jamba", ["<tool_calls>", "</tool_calls>"], False),
+    ("lfm2", ["<|tool_call_start|>"], True),
+])
+def test_each_parser_is_checked_for_the_tokens_vllm_looks_up(tmp_path: Path, parser: str, tokens: list[str],
+                                                            refused: bool) -> None:
+    model = model_dir(tmp_path / "model", "qwen2", tokens)
+    if refused:
+        with pytest.raises(ToolParserMismatch, match=repr(parser)):
+            resolve_tool_call_parser(model, parser, [])
+    else:
+        assert resolve_tool_call_parser(model, parser, []) == parser
+
+
+def test_dry_run_of_a_toy_model_checks_its_tokenizer_without_building_it(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    plan = dry_run_up(UpOptions(model="smollm2", runs_dir=tmp_path / "runs"))
+    assert not (tmp_path / "runs" / "models").exists()  # built by the first real run, not by the dry run
+    vllm = yaml.safe_load(next(p.config_file for p in plan if p.name == "vllm").read_text())
+    assert vllm["model"] == str((tmp_path / "runs" / "models" / "smollm2").resolve())
+    assert vllm["tool_call_parser"] == "pythonic"  # SmolLM2 has no <|python_tag|>
+    assert ".gguf" in capsys.readouterr().out  # checked against the packaged GGUF's tokenizer
+    with pytest.raises(ToolParserMismatch, match="<|python_tag|>"):
+        dry_run_up(UpOptions(model="smollm2", tool_call_parser="llama3_json", runs_dir=tmp_path / "runs"))
+
+
+def test_the_tool_agent_task_runs_on_smollm2_unless_another_model_is_named(tmp_path: Path) -> None:
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    result = CliRunner().invoke(app, ["up", "--dry-run", "--task", "tool-agent", *runs])
+    assert result.exit_code == 0, result.output
+    assert f"{tmp_path / 'runs' / 'models' / 'smollm2'}" in result.output
+    assert "--tool-call-parser hermes" in result.output  # the task's chat template writes <tool_call>{json}
+    refused = CliRunner().invoke(app, ["up", "--dry-run", "--task", "tool-agent", "--model", "tiny", *runs])
+    assert refused.exit_code == 1 and "pretrained instruct model" in refused.output
