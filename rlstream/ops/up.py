@@ -245,6 +245,13 @@ def plan_services(opts: UpOptions, cfg: RlstreamConfig, run_dir: Path, heldout: 
     return plan
 
 
+def plan_console(cfg: RlstreamConfig, run_dir: Path, port: int) -> PlannedProcess:
+    """``rlstream console`` of the run on loopback ``port``, with its own config file: an auxiliary process (the run
+    goes on without it; ops/supervisor.py)."""
+    path = process_config(cfg, "console", [], run_dir / "config")
+    return PlannedProcess("console", tuple(rlstream_command("console", "--port", str(port), "-c", str(path))), path)
+
+
 def plan_vllm(name: str, model_dir: Path, served: str, port: int, extra_args: list[str], tool_call_parser: str,
               config_dir: Path, tokenizer: ModelSource | None = None) -> PlannedProcess:
     """A vLLM server of the run: its main options (``start_vllm_server`` adds the engine's fixed ones) written to
@@ -305,6 +312,7 @@ def dry_run_up(opts: UpOptions) -> list[PlannedProcess]:
     gateway_port = free_port() if opts.traffic == "production" else None
     plan += plan_services(opts, cfg, run_dir, heldout, ServiceEndpoints(f"http://{LOOPBACK}:{vllm_port}", eval_url,
                                                                         gateway_port))
+    plan.append(plan_console(cfg, run_dir, free_port()))
     print(f"dry run {run_id}: run config {config_path}; nothing started", flush=True)
     if isinstance(tokenizer, ModelTokenizer):
         print(f"model: {model_dir} is built by the first real run; the tool-call parser was checked against "
@@ -384,9 +392,10 @@ def run_up(opts: UpOptions) -> dict[str, Any]:
             sup.env.update({API_KEYS_ENV: api_key, USERS_API_KEY_ENV: api_key})
             print(f"gateway http://127.0.0.1:{gateway_port} (OpenAI-compatible; send Authorization: Bearer {api_key})",
                   flush=True)
-        console_port = free_port()  # the read-only web page of the run (docs/console.md)
-        sup.spawn("console", rlstream_command("console", "-c", str(config_path), "--port", str(console_port)),
-                  env={API_KEYS_ENV: ""})  # loopback: open to this machine, not behind the gateway's client key
+        console_port = free_port()  # the read-only web page of the run (docs/console.md); the run goes on without it
+        console = plan_console(cfg, run_dir, console_port)
+        sup.spawn(console.name, list(console.argv), env={API_KEYS_ENV: ""},  # loopback: open to this machine, not
+                  auxiliary=True)  # behind the gateway's client key
         print(f"console http://127.0.0.1:{console_port}/ (read-only web page of the run)", flush=True)
         for process in plan:
             if process.name == "users" and figures.promotion.gate:

@@ -52,7 +52,7 @@ def test_dry_run_writes_one_config_per_process_and_starts_nothing(tmp_path: Path
     assert time.monotonic() - started < 30
     assert _children() - before == set()  # no broker, Redis, vLLM or service
     names = [p.name for p in plan]
-    assert {"vllm", "streams", "learner", "inference-sync", "gate", "gateway", "users"} <= set(names)
+    assert {"vllm", "streams", "learner", "inference-sync", "gate", "gateway", "users", "console"} <= set(names)
     assert "rollout" not in names  # production traffic: the users go through the gateway
     assert len(set(names)) == len(names)
     run_dir = plan[0].config_file.parent.parent
@@ -71,6 +71,9 @@ def test_dry_run_writes_one_config_per_process_and_starts_nothing(tmp_path: Path
     gateway = load_config(run_dir / "config" / "gateway.yaml")
     assert gateway.gateway.session_idle_s == 30 and not gateway.gateway.serve_unpromoted  # gated: promoted only
     assert load_config(run_dir / "config" / "learner.yaml").gateway.session_idle_s != 30  # only the gateway's
+    console = plan[names.index("console")]  # the read-only web page, on loopback, of this run
+    assert console.argv[console.argv.index("console") + 1:-2] == ("--port", console.argv[-3])
+    assert load_config(console.config_file).run_id == gate.run_id
     gateway_port = int(plan[names.index("gateway")].argv[plan[names.index("gateway")].argv.index("--port") + 1])
     assert not port_open("127.0.0.1", gateway_port)
     every_file = "".join(p.config_file.read_text() for p in plan)
