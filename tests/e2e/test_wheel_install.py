@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)], timeout=600)
     (built,) = out.glob("rlstream-*.whl")
     return built
+
+
+def test_the_wheel_ships_the_console_page_and_every_asset_it_loads(wheel: Path) -> None:
+    """``rlstream console`` works offline from the wheel: its page, script, styles and the charts library (with its
+    licence) are inside it, byte for byte the repository's, and every asset the page loads is one of them (no CDN)."""
+    prefix = "rlstream/ops/console/static/"
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name.removeprefix(prefix): archive.read(name) for name in archive.namelist()
+                   if name.startswith(prefix)}
+    static = ROOT / "rlstream" / "ops" / "console" / "static"
+    assert shipped == {p.name: p.read_bytes() for p in static.iterdir() if p.is_file()}
+    assert {"index.html", "console.js", "console.css", "uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"} <= set(
+        shipped)
+    loaded = re.findall(r'(?:src|href)="([^"]+)"', shipped["index.html"].decode())
+    assert loaded and all(url.startswith("/static/") for url in loaded), loaded  # nothing from another host
+    assert {url.removeprefix("/static/") for url in loaded} <= set(shipped)
 
 
 def fresh_venv(path: Path) -> Path:
