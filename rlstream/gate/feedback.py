@@ -62,6 +62,8 @@ class OnlineRewards:
     def on_trajectory(self, event: TrajectoryEvent, policy: str) -> None:
         if event.policy != policy or event.policy_version not in (self.canary_version, self.serving_version):
             return
+        if event.source == TrajectorySource.validation:  # held-out answers (the gate's own): not online traffic
+            return
         if event.created_at < self.since or event.trajectory_id in self._version_of:
             return
         self._version_of[event.trajectory_id] = event.policy_version

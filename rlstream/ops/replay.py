@@ -11,7 +11,8 @@ A slice is ``[from, to)`` per partition. A position is
 Without ``--to`` the slice ends at the end offsets of the moment the replay starts, so events the
 live run writes meanwhile (and the replay's own output) are never read back.
 
-Every replayed event is a copy with ``run_id`` = the new run, ``source = replay``, a new
+Every replayed event is a copy with ``run_id`` = the new run, ``source = replay`` (a ``validation`` trajectory, a
+held-out answer, stays ``validation``: replayed, it is still never grouped or trained), a new
 ``trajectory_id`` (uuid5 of new run + original id, so running the same replay twice gives the same
 ids and the assembler's de-duplication holds), and ``group_id = "<new run>:<original group id>"``
 so groups stay whole and never mix with the live run's. Metadata keeps the lineage:
@@ -220,7 +221,8 @@ def rewrite(event: TrajectoryEvent, new_run_id: str, topic: str, partition: int,
         trajectory_id=replay_trajectory_id(new_run_id, event.trajectory_id),
         run_id=new_run_id,
         group_id=replay_group_id(new_run_id, event.group_id),
-        source=TrajectorySource.replay,
+        # a held-out answer stays one: replaying it must not put held-out prompts into training
+        source=TrajectorySource.validation if event.source == TrajectorySource.validation else TrajectorySource.replay,
         metadata=metadata,
         producer_id=SERVICE,
     )

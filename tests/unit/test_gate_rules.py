@@ -7,7 +7,7 @@ import pytest
 
 from rlstream.gate.feedback import FeedbackClock, OnlineRewards, TrainedTrajectory, percentile
 from rlstream.gate.rules import DecisionRule, EvalFigures, SampleResult, judge, next_anchor
-from rlstream.schemas.models import RewardEvent, TrajectoryEvent
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent, TrajectorySource
 
 pytestmark = pytest.mark.unit
 
@@ -193,7 +193,11 @@ def test_online_rewards_join_and_corrections() -> None:
     online.on_trajectory(trajectory("c2", 8), "p")
     online.on_reward(_reward("c2", 0.0, 1003.0))
     online.on_reward(_reward("c2", 1.0, 1004.0))  # corrected
-    assert (online.canary.count, online.canary.mean) == (2, 0.5)
+    held_out = trajectory("gate-answer", 8, reward=0.0).model_copy(update={"source": TrajectorySource.validation})
+    online.on_trajectory(held_out, "p")  # the gate's held-out answers are not online traffic
+    online.on_trajectory(held_out.model_copy(update={"trajectory_id": "c3", "source": TrajectorySource.production,
+                                                     "reward": 1.0}), "p")  # control: the same as traffic counts
+    assert (online.canary.count, online.canary.mean) == (3, 2 / 3)
     assert (online.serving.count, online.serving.mean) == (1, 1.0)
 
 

@@ -48,3 +48,13 @@ def test_rewrite_keeps_original_untouched():
     assert copy.run_id == "new" and copy.group_id == "new:live:e1" and copy.source == TrajectorySource.replay
     assert copy.metadata["replay_of_offset"] == "t.trajectories:2:17"
     assert rewrite(ev, "new", "t", 0, 0).trajectory_id == copy.trajectory_id  # deterministic
+
+
+def test_a_replayed_held_out_answer_stays_validation_and_is_never_trained():
+    answer = make_trajectory(run_id="live", example_id="heldout-1").model_copy(
+        update={"source": TrajectorySource.validation})
+    copy = rewrite(answer, "new", "t", 0, 0)
+    assert copy.source == TrajectorySource.validation and copy.metadata["replay_of_source"] == "validation"
+    # control: a rollout trajectory of the same example becomes a replay (trainable) copy
+    assert rewrite(answer.model_copy(update={"source": TrajectorySource.rollout}), "new", "t", 0, 1).source == \
+        TrajectorySource.replay
