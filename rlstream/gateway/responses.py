@@ -413,13 +413,13 @@ class Responses:
         traj, headers = gw.begin(session_id, recorded, None, version, task, caller.tenant)
         headers = gw.sign(headers, caller, request_session(request), capture.response_id)
 
-        recorded = False
+        finished = False  # recorded once: at the final event, or when the stream ends without one
 
         def record() -> None:
-            nonlocal recorded
-            if recorded:
+            nonlocal finished
+            if finished:
                 return
-            recorded = True
+            finished = True
             tokens = capture.tokens()
             if capture.final is not None and tokens is not None:
                 gw.finish(traj, recorded, response_message(capture.final), tokens.prompt_ids, tokens.completion_ids,
@@ -430,7 +430,7 @@ class Responses:
 
         def render(line: str) -> str:
             out = capture.render(line)
-            if capture.final is not None and not recorded:  # captured before the client hears the end
+            if capture.final is not None and not finished:  # captured before the client hears the end
                 try:
                     record()
                 except RequestRejected as refusal:  # the final event becomes the error (the OpenAI SDKs raise it)
