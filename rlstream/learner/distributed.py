@@ -10,6 +10,14 @@ rank 0 therefore holds every rank's state, with the consumed offsets.
 
 DDP's module wrapper is not used because gradient accumulation over an uneven number of micro-batches per rank
 would need dummy backward passes; one explicit ``all_reduce`` per step does the same exchange.
+
+Sharded (``learner.parallelism: fsdp``, :mod:`rlstream.learner.sharded`): the same driver and followers, the same
+micro-batch split and loss normalisation, but the model is wrapped with FSDP2's ``fully_shard``: each rank holds
+1/N of the parameters, gradients and optimizer state, and the gradients are summed by FSDP's reduce-scatter in each
+backward pass instead of one ``all_reduce``. Every forward and backward is then a collective, so the ranks run the
+same number of micro-batches (a rank short of one runs a zero-weight pass), and what the driver alone did on its
+replica (the finite check, checkpoints, gathering the weights to publish) is announced to the followers first
+(:meth:`DataParallel.lockstep`) and run by every rank.
 """
 from __future__ import annotations
 
@@ -26,6 +34,10 @@ START = "start"
 STEP = "step"
 RESET = "reset"
 STOP = "stop"
+#: sharded only: the collectives the driver runs outside a step, which every rank joins (see ``lockstep``)
+NONFINITE = "nonfinite"  # the finite check of the weights
+CHECKPOINT = "checkpoint"  # a sharded checkpoint (with the state the driver records)
+GATHER = "gather"  # the full weights gathered to the driver, to publish them
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class DataParallel:
     rank: int
     world_size: int
     device: torch.device = torch.device("cpu")  # where collective tensors live (CUDA for NCCL)
+    sharded: bool = False  # learner.parallelism fsdp: the model is sharded over the ranks
 
     @property
     def is_driver(self) -> bool:
@@ -42,6 +55,16 @@ class DataParallel:
 
     def owns(self, micro_batch_index: int) -> bool:
         return micro_batch_index % self.world_size == self.rank
+
+    def rounds(self, micro_batches: int) -> int:
+        """How many micro-batches each rank runs when all run the same number (sharded: ``ceil(n / world)``)."""
+        return -(-micro_batches // self.world_size)
+
+    def lockstep(self, command: str, payload: Any = None) -> None:
+        """Before a collective outside a step: the driver tells the followers which one (``command``, with
+        ``payload``) so that they join it; on a follower (which runs it because it received ``command``) nothing."""
+        if self.is_driver:
+            self.broadcast_command(command, payload)
 
     # -- collectives --
     def broadcast_command(self, command: str | None = None, payload: Any = None) -> tuple[str, Any]:
@@ -78,8 +101,9 @@ class DataParallel:
                 dist.broadcast(p.data, src=0)
 
 
-def from_environment(device: torch.device | None = None) -> DataParallel | None:
-    """The data-parallel group of a ``torchrun`` launch (``WORLD_SIZE`` > 1), initialised once; None otherwise."""
+def from_environment(device: torch.device | None = None, sharded: bool = False) -> DataParallel | None:
+    """The data-parallel group of a ``torchrun`` launch (``WORLD_SIZE`` > 1), initialised once; None otherwise.
+    ``sharded``: the ranks shard the model (``learner.parallelism: fsdp``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
@@ -87,7 +111,8 @@ def from_environment(device: torch.device | None = None) -> DataParallel | None:
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
     return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                        device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
+                        device=device if device is not None and device.type == "cuda" else torch.device("cpu"),
+                        sharded=sharded)
 
 
 def local_rank() -> int:

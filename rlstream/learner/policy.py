@@ -6,7 +6,7 @@ import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -14,6 +14,10 @@ from rlstream.learner.batch import Batch
 from rlstream.learner.grpo import DEFAULT_LOGPROB_CHUNK, token_entropy, token_logprobs
 from rlstream.transport.log import get_logger
 from rlstream.schemas.config import ConfigError, LearnerConfig
+
+if TYPE_CHECKING:
+    from rlstream.learner.distributed import DataParallel
+    from rlstream.learner.sharded import Sharding
 
 log = get_logger(__name__)
 
@@ -44,6 +48,7 @@ class Policy:
     base_model: str
     reference: Any = None  # frozen copy (full fine-tuning with beta > 0)
     publish_merged: bool = False  # LoRA: versions are published as full weights (the adapter merged in)
+    sharding: "Sharding | None" = None  # learner.parallelism fsdp: the model is sharded over the ranks
 
     @property
     def pad_id(self) -> int:
@@ -62,8 +67,21 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def nonfinite_parameters(self) -> list[str]:
-        """Names of the trainable parameters holding a NaN or an infinity (the only ones training changes)."""
+        """Names of the trainable parameters holding a NaN or an infinity (the only ones training changes); when
+        sharded, over every rank's shards (a collective)."""
+        if self.sharding is not None:
+            return self.sharding.nonfinite(self.model)
         return nonfinite_parameters(self.model)
+
+    @contextlib.contextmanager
+    def publishable(self) -> Iterator["Policy"]:
+        """The policy whose ``model`` holds the whole weights, to write a version from: this one, or, when sharded,
+        rank 0's host copy holding the gathered weights (a collective; see :mod:`rlstream.learner.sharded`)."""
+        if self.sharding is None:
+            yield self
+            return
+        with self.sharding.publishable(self) as plain:
+            yield plain
 
     @contextlib.contextmanager
     def reference_mode(self) -> Iterator[Any]:
@@ -98,14 +116,22 @@ def require_model_dir(value: str | Path, key: str = "learner.model") -> Path:
     return path
 
 
-def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, with_reference: bool | None = None) -> Policy:
-    """Load ``cfg.model`` (or ``model_path``) for training as the config says (LoRA or full)."""
+def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, with_reference: bool | None = None,
+                parallel: "DataParallel | None" = None, device: torch.device | None = None) -> Policy:
+    """Load ``cfg.model`` (or ``model_path``) for training as the config says (LoRA or full), on ``device``
+    (default: ``learner.device``). With a sharded ``parallel`` (``learner.parallelism: fsdp``) the model is loaded
+    in fp32 on the host and sharded over the ranks onto ``device`` (:mod:`rlstream.learner.sharded`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(require_model_dir(model_path or cfg.model))
-    device = pick_device(cfg.device)
+    device = device if device is not None else pick_device(cfg.device)
     dtype = pick_dtype(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    sharded = parallel is not None and parallel.sharded
+    # sharded: fp32 master weights on the host, each rank's shards moved to the device when sharded
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if sharded else dtype,
+                                                 local_files_only=True)
+    if not sharded:
+        model = model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -131,9 +157,15 @@ def load_policy(cfg: LearnerConfig, model_path: str | Path | None = None, *, wit
     model.train()
     log.info("policy loaded", model=path, device=str(device), dtype=str(dtype), lora=cfg.lora.enabled,
              trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-             gradient_checkpointing=cfg.gradient_checkpointing)
-    return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, lora=cfg.lora.enabled,
-                  base_model=path, reference=reference, publish_merged=cfg.lora.enabled and cfg.lora.publish_merged)
+             gradient_checkpointing=cfg.gradient_checkpointing, sharded=sharded)
+    policy = Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, lora=cfg.lora.enabled,
+                    base_model=path, reference=reference, publish_merged=cfg.lora.enabled and cfg.lora.publish_merged)
+    if sharded:
+        from rlstream.learner.sharded import shard_policy
+
+        assert parallel is not None
+        policy = shard_policy(policy, parallel, cfg)
+    return policy
 
 
 def nonfinite_parameters(model: Any) -> list[str]:

@@ -140,9 +140,15 @@ def check_finite(policy: Policy) -> None:
 def write_version(policy: Policy, root: Path, policy_name: str, version: int) -> tuple[Path, dict[str, Any]]:
     """Write version ``version`` atomically (temporary directory, fsync, rename); returns (dir, manifest).
 
-    Raises :class:`NonFiniteWeightsError` (and writes nothing) when a trainable parameter is not finite.
+    Raises :class:`NonFiniteWeightsError` (and writes nothing) when a trainable parameter is not finite. A sharded
+    policy's weights are gathered for it (:meth:`Policy.publishable`).
     """
     check_finite(policy)
+    with policy.publishable() as whole:
+        return _write_version(whole, root, policy_name, version)
+
+
+def _write_version(policy: Policy, root: Path, policy_name: str, version: int) -> tuple[Path, dict[str, Any]]:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)

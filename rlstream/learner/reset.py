@@ -88,6 +88,9 @@ def load_serving_weights(policy: Policy, weights: ServingWeights) -> None:
         from peft import set_peft_model_state_dict
 
         state = load_file(str(weights.directory / "adapter_model.safetensors"))
+        if policy.sharding is not None:
+            _load_sharded(policy, weights, {_adapter_parameter(k): v for k, v in state.items()})
+            return
         result = set_peft_model_state_dict(policy.model, state)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
@@ -98,6 +101,9 @@ def load_serving_weights(policy: Policy, weights: ServingWeights) -> None:
     state = {}
     for path in sorted(weights.directory.glob("*.safetensors")):
         state.update(load_file(str(path)))
+    if policy.sharding is not None:
+        _load_sharded(policy, weights, state)
+        return
     params = dict(policy.model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
     if missing:
@@ -106,6 +112,25 @@ def load_serving_weights(policy: Policy, weights: ServingWeights) -> None:
         for name, tensor in state.items():
             if name in params:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+
+def _adapter_parameter(key: str, adapter: str = "default") -> str:
+    """The model's parameter name of a saved PEFT adapter tensor (saved files leave the adapter name out)."""
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        key = key.replace(f".{part}.weight", f".{part}.{adapter}.weight").replace(f".{part}.bias", f".{part}.{adapter}.bias")
+    return key
+
+
+def _load_sharded(policy: Policy, weights: ServingWeights, state: dict[str, torch.Tensor]) -> None:
+    """Every rank takes its shards of the full tensors it read (no collective: the ranks reach this at different
+    times); the trainable parameters must all be there."""
+    from rlstream.learner.sharded import load_full_weights
+
+    wanted = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise ManifestError(f"serving version {weights.version} lacks parameters of the model: {missing[:3]}")
+    load_full_weights(policy.model, state)
 
 
 def fresh_trainer(policy: Policy, cfg: LearnerConfig, old: GRPOTrainerStep,

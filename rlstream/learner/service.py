@@ -16,6 +16,9 @@ decode, and groups that cannot be tokenised or batched (e.g. a token id outside 
 with the reason. A step whose loss or gradient is not finite changes nothing (``learner/nonfinite_skipped``), and
 weights that are not finite are never checkpointed nor published (``learner/publish_refused``).
 
+Under ``torchrun`` the ranks train together (:mod:`rlstream.learner.distributed`): replicated, or sharded with
+FSDP2 (``learner.parallelism: fsdp``, :mod:`rlstream.learner.sharded`).
+
 Under a promotion gate the learner starts no step while it is ``learner.max_versions_ahead_of_serving`` versions
 ahead of the serving version, and after ``learner.reset_after_rejections`` rejections on ``promotions`` it moves back
 to the serving version's verified weights with a new optimizer (:mod:`rlstream.learner.reset`, docs/off-policy.md).
@@ -46,6 +49,7 @@ from rlstream.learner.loop import REFUSED_NONFINITE, PublicationTarget, TrainPub
 from rlstream.learner.publish import Announcer, versions_root
 from rlstream.learner.reset import fresh_trainer, load_serving_weights, verified_serving_weights, versions_ahead
 from rlstream.learner.reporting import Reporters, check_report_to
+from rlstream.learner.sharded import ShardedCheckpointStore
 from rlstream.learner.step import GRPOTrainerStep, StepStats, step_figures
 from rlstream.learner.waiting import WaitingForGroups
 from rlstream.transport import metric_names
@@ -146,7 +150,10 @@ class Learner:
         Under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 runs this loop and the other ranks follow it
         (:mod:`rlstream.learner.distributed`)."""
         require_model_dir(self.lcfg.model)  # before the lease is taken and anything is loaded
-        self.parallel = distributed.from_environment(self._device())
+        self.parallel = distributed.from_environment(self._device(), sharded=self.lcfg.parallelism == "fsdp")
+        if self.parallel is not None and self.parallel.sharded:  # every rank writes its shards (DCP)
+            self.store = ShardedCheckpointStore(self.output_dir / "checkpoints", self.parallel,
+                                                keep=self.lcfg.keep_checkpoints)
         try:
             if self.parallel is not None and not self.parallel.is_driver:
                 return await self._follow(self.parallel)
@@ -163,14 +170,15 @@ class Learner:
 
     async def _load(self) -> tuple[Policy, GRPOTrainerStep, LearnerState]:
         """The policy, its trainer and the newest checkpoint's state; on every rank, the same replica."""
-        policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg)
+        policy = self.policy = await asyncio.to_thread(load_policy, self.lcfg, parallel=self.parallel)
         trainer = GRPOTrainerStep(policy, self.lcfg, self.parallel)
         state = await asyncio.to_thread(self.store.load_latest, policy.model, trainer.optimizer,
                                         trainer.scheduler) or LearnerState()
         if self.parallel is not None:
             if not await asyncio.to_thread(self.parallel.same_everywhere, state.step):
                 raise RuntimeError("the ranks resumed from different checkpoints (is learner.output_dir shared?)")
-            await asyncio.to_thread(self.parallel.copy_from_driver, list(policy.trainable_parameters()))
+            if not self.parallel.sharded:  # sharded: each rank's shards come from the same files and seed
+                await asyncio.to_thread(self.parallel.copy_from_driver, list(policy.trainable_parameters()))
         return policy, trainer, state
 
     async def _follow(self, parallel: distributed.DataParallel) -> LearnerState:
@@ -187,10 +195,23 @@ class Learner:
                 await asyncio.to_thread(load_serving_weights, policy, payload)
                 trainer = fresh_trainer(policy, self.lcfg, trainer, parallel)
                 continue
+            if command in (distributed.NONFINITE, distributed.CHECKPOINT, distributed.GATHER):
+                await asyncio.to_thread(self._join_collective, command, payload, policy, trainer)
+                continue
             if command != distributed.STEP:
                 return state
             await asyncio.to_thread(trainer.step, payload)
             state.step += 1
+
+    def _join_collective(self, command: str, payload: Any, policy: Policy, trainer: GRPOTrainerStep) -> None:
+        """A sharded follower's part of a collective the driver runs outside a step (what it announced)."""
+        if command == distributed.NONFINITE:
+            policy.nonfinite_parameters()
+        elif command == distributed.CHECKPOINT:
+            self.store.save(LearnerState.from_json(payload), policy.model, trainer.optimizer, trainer.scheduler)
+        elif command == distributed.GATHER:
+            with policy.publishable():
+                pass
 
     async def _drive(self) -> LearnerState:
         control = ControlPlane(self.cfg.redis.url, self.cfg.redis.retry_max_s)

@@ -15,6 +15,7 @@ from rlstream.learner.distributed import DataParallel
 from rlstream.learner.grpo import (LossConfig, baseline_advantage, group_advantages, grpo_loss, lr_factor, masked_mean,
                                    turn_advantages)
 from rlstream.learner.policy import Policy, completion_logprobs_and_entropy
+from rlstream.learner.sharded import local_part
 from rlstream.schemas.config import LearnerConfig
 from rlstream.transport import metric_names as mn
 from rlstream.transport.log import get_logger
@@ -106,6 +107,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # the batch-start policy's, set by the first pass
     behaviour: torch.Tensor | None = None  # recorded logprobs (rows without them: old_logprobs)
     ref_logprobs: torch.Tensor | None = None
+    padding: bool = False  # sharded: a zero-weight pass that keeps this rank in step with the others
 
 
 @dataclass
@@ -244,16 +246,24 @@ class GRPOTrainerStep:
 
     def prepare(self, samples: Sequence[Sample], every_micro_batch: bool = False) -> PreparedStep:
         """Cut ``samples`` (advantages assigned) into collated micro-batches on the device, with step totals (under
-        data parallel only this rank's micro-batches, unless ``every_micro_batch``)."""
+        data parallel only this rank's micro-batches, unless ``every_micro_batch``; sharded, every rank gets as many
+        micro-batches as the busiest, the missing ones as zero-weight passes over the first micro-batch)."""
         trajs = trajectories_of(samples)
         row_traj_tokens = trajs.tokens[trajs.of_sample].to(torch.float32)
         micro = []
         bounds = micro_batch_bounds(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+
+        def micro_batch(start: int, end: int, padding: bool = False) -> MicroBatch:
+            batch = collate(samples[start:end], self.policy.pad_id).to(self.policy.device)
+            return MicroBatch(batch, row_traj_tokens[start:end].to(self.policy.device), padding=padding)
+
         for index, (start, end) in enumerate(bounds):
             if self.parallel is not None and not every_micro_batch and not self.parallel.owns(index):
                 continue  # another rank's micro-batch (the totals above and below are the whole step's)
-            batch = collate(samples[start:end], self.policy.pad_id).to(self.policy.device)
-            micro.append(MicroBatch(batch, row_traj_tokens[start:end].to(self.policy.device)))
+            micro.append(micro_batch(start, end))
+        if self.parallel is not None and self.parallel.sharded and not every_micro_batch:
+            while len(micro) < self.parallel.rounds(len(bounds)):  # every forward/backward is a collective
+                micro.append(micro_batch(*bounds[0], padding=True))
         return PreparedStep(micro_batches=micro, total_tokens=float(sum(len(s.completion_ids) for s in samples)),
                             total_sequences=float(len(samples)), total_trajectories=float(trajs.count),
                             trajectories=trajs, samples=list(samples))
@@ -286,7 +296,7 @@ class GRPOTrainerStep:
             stride = self.entropy_stride(mask) if mb.old_logprobs is None else None
             logprobs, entropy = completion_logprobs_and_entropy(policy.model, batch, chunk_size=chunk,
                                                                 entropy_stride=stride)
-            if entropy is not None and stride is not None:
+            if entropy is not None and stride is not None and not mb.padding:
                 sampled = mask[:, ::stride]
                 entropy_sum += float((entropy * sampled).sum())
                 entropy_tok += float(sampled.sum())
@@ -303,6 +313,9 @@ class GRPOTrainerStep:
                               behaviour_logprobs=mb.behaviour, ref_logprobs=mb.ref_logprobs,
                               total_tokens=prepared.total_tokens, total_sequences=prepared.total_sequences,
                               trajectory_tokens=mb.trajectory_tokens, total_trajectories=prepared.total_trajectories)
+            if mb.padding:
+                (parts.loss * 0.0).backward()  # the sharded collectives of a backward pass, no gradient
+                continue
             parts.loss.backward()
             tokens = float(mask.sum())
             loss_sum += float(parts.loss.detach())
@@ -317,7 +330,8 @@ class GRPOTrainerStep:
         is_min = float(is_all.min()) if is_count else math.inf
         is_max = float(is_all.max()) if is_count else -math.inf
         if self.parallel is not None:  # the whole step's gradient and figures, on every rank
-            self.parallel.sum_gradients(self.policy.trainable_parameters())
+            if not self.parallel.sharded:  # sharded: summed by FSDP's reduce-scatter in each backward pass
+                self.parallel.sum_gradients(self.policy.trainable_parameters())
             loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum, entropy_tok = self.parallel.sum(
                 [loss_sum, kl_sum, clip_sum, n_tok, is_sum, is_count, entropy_sum, entropy_tok])
             is_min, is_max = self.parallel.extreme(is_min, "min"), self.parallel.extreme(is_max, "max")
@@ -351,18 +365,19 @@ class GRPOTrainerStep:
     def nonfinite_rows(self, samples: Sequence[Sample]) -> list[int]:
         """Indices of the rows whose own loss or gradient is not finite, each row checked alone (a forward and
         backward per row: run only after a step's gradient came out non-finite). Under data parallel each rank checks
-        the rows of its own micro-batches and every rank returns the union."""
+        the rows of its own micro-batches (sharded: every rank checks every row together, each its own shards of
+        the gradient) and every rank returns the union."""
         bad = [0.0] * len(samples)
         bounds = micro_batch_bounds(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         params = self.policy.trainable_parameters()
         for index, (start, end) in enumerate(bounds):
-            if self.parallel is not None and not self.parallel.owns(index):
+            if self.parallel is not None and not self.parallel.sharded and not self.parallel.owns(index):
                 continue
             for row in range(start, end):
                 self.optimizer.zero_grad(set_to_none=True)
                 alone = self.prepare([samples[row]], every_micro_batch=True)
                 loss = self.accumulate_local(alone)
-                finite = math.isfinite(loss) and all(bool(torch.isfinite(p.grad).all()) for p in params
+                finite = math.isfinite(loss) and all(bool(torch.isfinite(local_part(p.grad)).all()) for p in params
                                                      if p.grad is not None)
                 bad[row] = 0.0 if finite else 1.0
         self.optimizer.zero_grad(set_to_none=True)

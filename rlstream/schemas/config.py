@@ -330,6 +330,12 @@ class LearnerConfig(Section):
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass instead of "
                                          "keeping them (transformers' gradient checkpointing, non-reentrant): less "
                                          "memory for about a third more compute; same gradients")
+    parallelism: Literal["replicate", "fsdp"] = Field(
+        "replicate", description="how a torchrun launch of several ranks trains: replicate (every rank holds the "
+        "whole model and optimizer; gradients summed with all_reduce) or fsdp (FSDP2 fully_shard: each rank holds "
+        "1/N of the parameters, gradients and optimizer state; checkpoints with torch.distributed.checkpoint, one "
+        "shard per rank, so learner.output_dir must be a filesystem every rank sees; bf16 compute with fp32 master "
+        "weights on GPUs); one process ignores it (docs/learner.md)")
     num_iterations: int = Field(1, ge=1, description="optimizer steps per batch (TRL's num_iterations, the mu of "
                                 "GRPO): every step trains on the same batch against the batch-start policy, so the "
                                 "clip (epsilon_low/epsilon_high) acts from the second one on")

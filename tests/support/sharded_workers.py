@@ -1,0 +1,123 @@
+"""Rank programs for the sharded learner tests (``torch.multiprocessing`` spawns them; gloo on CPU).
+
+Each writes what it measured under ``out`` for the test to compare; rank 0 also runs the single-process learner step
+on the same samples, so the sharded and the single-process figures come from the same inputs.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlstream.learner.checkpoint import LearnerState
+from rlstream.learner.distributed import DataParallel
+from rlstream.learner.policy import load_policy
+from rlstream.learner.reset import fresh_trainer
+from rlstream.learner.sharded import ShardedCheckpointStore, full_state
+from rlstream.learner.step import GRPOTrainerStep, assign_advantages
+from rlstream.schemas.config import LearnerConfig
+from tests.support.learner_helpers import random_samples
+
+WORLD = 2
+
+
+def learner_config(model: Path, lora: bool) -> LearnerConfig:
+    """3 micro-batches of 3 rows per step over 2 ranks (rank 1 runs one zero-weight pass); KL to the reference."""
+    base = LearnerConfig(model=str(model))
+    return base.model_copy(update={"lora": base.lora.model_copy(update={"enabled": lora}), "device": "cpu",
+                                   "micro_batch_size": 3, "learning_rate": 5e-3, "beta": 0.04, "seed": 0,
+                                   "num_iterations": 2, "warmup_steps": 0})
+
+
+def samples(step: int) -> list[Any]:
+    return random_samples(groups=2, per_group=4, seed=100 + step)
+
+
+def _init(rank: int, port: int) -> DataParallel:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    return DataParallel(rank=rank, world_size=WORLD, sharded=True)
+
+
+def _trainable_full(model: Any) -> dict[str, torch.Tensor]:
+    """The full trainable parameters (gathered; every rank calls it)."""
+    state = full_state(model)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {n: t.clone() for n, t in state.items() if n in names}
+
+
+def step_and_publish(rank: int, port: int, model: str, lora: bool, out: str) -> None:
+    """One step's gradient, the weights after two steps, and the weights rank 0 would publish: sharded and, on rank
+    0, single-process."""
+    parallel = _init(rank, port)
+    try:
+        cfg = learner_config(Path(model), lora)
+        policy = load_policy(cfg, parallel=parallel)
+        trainer = GRPOTrainerStep(policy, cfg, parallel)
+        batch = samples(0)
+        assign_advantages(batch, cfg.scale_rewards, cfg.baseline_min_count, cfg.single_advantage_cap)
+        trainer.accumulate(trainer.prepare(batch))
+        grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+        trainer.optimizer.zero_grad(set_to_none=True)
+        for step in range(2):
+            trainer.step(samples(step))
+        weights = _trainable_full(policy.model)
+        if rank != 0:
+            parallel.broadcast_command()  # the driver's GATHER (what the service's follower loop receives)
+        with policy.publishable() as whole:
+            published = {k: v.detach().clone() for k, v in whole.model.state_dict().items()} if rank == 0 else {}
+        if rank != 0:
+            return
+        single_policy = load_policy(cfg)
+        single = GRPOTrainerStep(single_policy, cfg)
+        batch = samples(0)
+        assign_advantages(batch, cfg.scale_rewards, cfg.baseline_min_count, cfg.single_advantage_cap)
+        single.accumulate(single.prepare(batch))
+        single_grads = {n: p.grad.clone() for n, p in single_policy.model.named_parameters() if p.requires_grad}
+        single.optimizer.zero_grad(set_to_none=True)
+        for step in range(2):
+            single.step(samples(step))
+        single_weights = {n: p.detach().clone() for n, p in single_policy.model.named_parameters()
+                          if p.requires_grad}
+        single_published = {k: v.detach().clone() for k, v in single_policy.model.state_dict().items()}
+        torch.save({"grads": grads, "single_grads": single_grads, "weights": weights,
+                    "single_weights": single_weights, "published": published,
+                    "single_published": single_published}, Path(out) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def resume(rank: int, port: int, model: str, lora: bool, out: str, phase: str) -> None:
+    """``run``: steps 0-1, a sharded checkpoint, steps 2-3 (the uninterrupted weights). ``resume``: new processes
+    restore the checkpoint and run steps 2-3; then, the negative control, they restore it again but start a new
+    optimizer (as a resume that lost the optimizer state would) and run steps 2-3 again."""
+    parallel = _init(rank, port)
+    try:
+        cfg = learner_config(Path(model), lora)
+        store = ShardedCheckpointStore(Path(out) / "checkpoints", parallel)
+        runs = ["run"] if phase == "run" else ["resume", "weights_only"]
+        for run in runs:
+            policy = load_policy(cfg, parallel=parallel)
+            trainer = GRPOTrainerStep(policy, cfg, parallel)
+            if run == "run":
+                for step in range(2):
+                    trainer.step(samples(step))
+                if rank != 0:
+                    parallel.broadcast_command()  # the driver's CHECKPOINT
+                store.save(LearnerState(step=2, offsets={0: 8}), policy.model, trainer.optimizer, trainer.scheduler)
+            else:
+                state = store.load_latest(policy.model, trainer.optimizer, trainer.scheduler)
+                assert state is not None and state.step == 2 and state.offsets == {0: 8}, state
+                if run == "weights_only":
+                    trainer = fresh_trainer(policy, cfg, trainer, parallel)
+            for step in range(2, 4):
+                trainer.step(samples(step))
+            weights = _trainable_full(policy.model)
+            if rank == 0:
+                torch.save(weights, Path(out) / f"{run}.pt")
+    finally:
+        dist.destroy_process_group()
