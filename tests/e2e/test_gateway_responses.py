@@ -159,3 +159,54 @@ async def test_responses_streamed_and_not_with_a_tool_round_trip_capture_vllms_e
         assert max_abs_diff(text_turn.completion_logprobs, want_lp) < 1e-5
         ref = reference_logprobs(reference, text_turn.prompt_token_ids, text_turn.completion_token_ids)
         assert max_abs_diff(text_turn.completion_logprobs, ref) < TOLERANCE
+
+
+async def test_responses_by_previous_response_id_alternating_between_two_gateways(
+        vllm: VllmServer, rl_config: Any, created_topics: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three turns chained by ``previous_response_id``, alternating between two gateways that share their state in
+    Redis (the third streamed), in front of the shared vLLM server: vLLM gets the whole conversation as input each
+    time (never the id, which it could not resolve on another replica), and each turn is captured once, its prompt
+    the exact tokens vLLM saw (transformers' chat template of the whole conversation)."""
+    from transformers import AutoTokenizer
+
+    from rlstream.transport.control import ControlPlane
+
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    control = ControlPlane(str(rl_config.redis.url))
+
+    def gateway() -> Gateway:
+        return Gateway(GatewaySettings(port=0, upstream_url=vllm.url, run_id=rl_config.run_id,
+                                       policy=rl_config.policy, spool=False), publisher, control=control)
+
+    inputs = [QUESTION, "Again, please.", "One more time."]
+    answers: list[dict[str, Any]] = []
+    try:
+        async with httpx.AsyncClient(timeout=120) as http, serving(gateway()) as a, serving(gateway()) as b:
+            for turn, (url, text) in enumerate(zip([a, b, a], inputs)):
+                stream = turn == 2
+                body: dict[str, Any] = {"model": SERVED_MODEL, "instructions": INSTRUCTIONS, "input": text,
+                                        "max_output_tokens": 6, "temperature": 0, "stream": stream}
+                if answers:
+                    body["previous_response_id"] = answers[-1]["id"]
+                r = await http.post(f"{url}/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                answers.append(final_response(r.text) if stream else r.json())
+                assert answers[-1]["previous_response_id"] == body.get("previous_response_id")
+    finally:
+        await publisher.close()
+        await control.close()
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=3)
+    assert len(events) == 3  # each turn once
+    by_length = sorted(events, key=lambda e: len(e.messages))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir(tmp_path_factory)))
+    for turn, event in enumerate(by_length):
+        assert [m.role for m in event.messages] == ["system"] + ["user", "assistant"] * (turn + 1)
+        assert [m.content for m in event.messages if m.role == "user"] == inputs[:turn + 1]
+        replies = [m.content for m in event.messages if m.role == "assistant"]
+        assert replies[-1] == answers[turn]["output"][0]["content"][0]["text"]  # this turn's own reply
+        (captured,) = event.turns
+        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in event.messages[:-1]],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert captured.prompt_token_ids == list(prompt["input_ids"]), turn
+        assert captured.completion_token_ids
