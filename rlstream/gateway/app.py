@@ -15,10 +15,12 @@ from starlette.routing import Route
 
 from rlstream.gateway.auth import OPEN, PRINCIPAL_KEY, AuthMiddleware, AuthRefusal, Principal
 from rlstream.gateway.chat import ChatCompletions
+from rlstream.gateway.completions import Completions
 from rlstream.gateway.core import Gateway, openai_error, upstream_failed
 from rlstream.gateway.feedback_api import FeedbackEndpoint
 from rlstream.gateway.feedback_shapes import FeedbackShapes
 from rlstream.gateway.limits import RequestLimits, RequestRejected, check_id
+from rlstream.gateway.messages import Messages
 from rlstream.gateway.responses import Responses
 from rlstream.gateway.unserved import not_served, public_models
 from rlstream.schemas.models import CallEvent, CallKind
@@ -80,6 +82,7 @@ class ServiceRoutes:
                              "rejected": dict(gw.limit_stats.rejected),
                              "in_flight": gw.limit_stats.in_flight,
                              "session_retokenized": gw.sessions.retokenized,
+                             "logprobs_incomplete": gw.logprobs_incomplete,
                              "upstreams_refused": gw.upstreams.refused,
                              "request_token_data": gw.request_token_data,
                              "request_logprobs": gw.request_token_data and gw.config.request_logprobs})
@@ -100,12 +103,15 @@ class ServiceRoutes:
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app of ``gateway`` (its lifespan starts and stops the gateway)."""
     chat, responses, service = ChatCompletions(gateway), Responses(gateway), ServiceRoutes(gateway)
+    completions, messages = Completions(gateway), Messages(gateway)
     feedback = FeedbackEndpoint(gateway)
     shapes = FeedbackShapes(gateway, feedback.accept)
     routes = []
     for prefix in ("", "/s/{session_id}"):
         routes += [Route(prefix + "/v1/chat/completions", chat.serve, methods=["POST"]),
                    Route(prefix + "/v1/responses", responses.serve, methods=["POST"]),
+                   Route(prefix + "/v1/completions", completions.serve, methods=["POST"]),
+                   Route(prefix + "/v1/messages", messages.serve, methods=["POST"]),
                    Route(prefix + "/v1/models", service.models, methods=["GET"])]
     routes += [
         Route("/v1/sessions", service.new_session, methods=["POST"]),

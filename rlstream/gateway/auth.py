@@ -482,8 +482,11 @@ async def send_refusal(refusal: AuthRefusal, send: Callable[[Any], Awaitable[Non
 
 def _bearer(scope: MutableMapping[str, Any]) -> str | None:
     """The caller's credential: ``Authorization: Bearer <key>``; on the feedback paths also Basic ``public:<key>``
-    (Langfuse's clients) and ``x-api-key: <key>`` (LangSmith's)."""
-    feedback = is_feedback_path(str(scope.get("path", "")))
+    (Langfuse's clients) and ``x-api-key: <key>`` (LangSmith's); on ``/v1/messages`` also ``x-api-key`` (Anthropic's
+    clients)."""
+    path = str(scope.get("path", ""))
+    feedback = is_feedback_path(path)
+    anthropic = path.endswith("/v1/messages")
     api_key: str | None = None
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
@@ -492,7 +495,7 @@ def _bearer(scope: MutableMapping[str, Any]) -> str | None:
             if scheme.lower() == "basic" and feedback:
                 return _basic_secret(credential)
             return credential if scheme.lower() == "bearer" and credential else None
-        if name == b"x-api-key" and feedback:
+        if name == b"x-api-key" and (feedback or anthropic):
             api_key = value.decode("latin-1").strip() or None
     return api_key
 

@@ -151,8 +151,11 @@ class Gateway:
                                     tenant_share=self.tenant_share)
         self._client = client
         self._own_client = client is None
+        self._urls: dict[str, httpx.URL] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.request_token_data = config.request_token_data
+        #: captured turns whose logprobs did not cover every completion token (kept with token ids, no logprobs)
+        self.logprobs_incomplete = 0
         #: a session's calls go to ``calls`` and the stream app stitches them (no session held here)
         self.stitch_in_streams = config.session_stitching == "streams"
         self.gateway_id = config.gateway_id or f"{config.host}:{config.port}"
@@ -397,6 +400,10 @@ class Gateway:
         """Record a completed call in ``traj``: a ``calls`` record of a session stitched in streams, else a turn
         of the trajectory (published once it is whole). Raises :class:`RequestRejected` (413) when the record would
         be larger than Kafka takes: the call is not captured, so it must not be answered 2xx."""
+        if completion_ids is not None and logprobs is not None and len(logprobs) != len(completion_ids):
+            self.logprobs_incomplete += 1  # e.g. a streamed token that added no text came without its logprob
+            log.warning("turn captured without logprobs: they do not cover every completion token",
+                        trajectory_id=traj.trajectory_id, tokens=len(completion_ids), logprobs=len(logprobs))
         try:  # the turn carries the version this call was routed to (a session may straddle a reload)
             call = recorded_call(body, message, prompt_ids, completion_ids, logprobs, finish_reason, served,
                                  policy_version=version)

@@ -170,9 +170,9 @@ class ResponseTokens:
 
 def response_tokens(payload: dict[str, Any], logprobs: list[float] | None = None) -> ResponseTokens:
     """The exact prompt and completion token ids of a Responses result (vLLM's ``input_messages`` /
-    ``output_messages``), and the completion's logprobs when they cover every completion token (``logprobs``: those
-    gathered from a stream, else the output text's own). An answer whose token data is malformed is recorded
-    without it."""
+    ``output_messages``), and the completion's logprobs (``logprobs``: those gathered from a stream, else the output
+    text's own; logprobs that miss a completion token are counted and left out by :meth:`Gateway.finish`). An
+    answer whose token data is malformed is recorded without it."""
     try:
         return _response_tokens(payload, logprobs)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
@@ -184,7 +184,7 @@ def _response_tokens(payload: dict[str, Any], logprobs: list[float] | None) -> R
     prompt_ids = _raw_tokens(payload.get("input_messages"))
     completion_ids = _raw_tokens(payload.get("output_messages"))
     values = logprobs if logprobs is not None else output_logprobs(payload)
-    if completion_ids is None or values is None or len(values) != len(completion_ids):
+    if completion_ids is None:  # logprobs that miss a token are counted and left out by the core (Gateway.finish)
         values = None
     return ResponseTokens(prompt_ids, completion_ids, values)
 
@@ -234,6 +234,8 @@ def filter_response_payload(payload: dict[str, Any], asked: ResponsesAsked) -> d
     if not asked.logprobs:
         for item in _list(payload.get("output")):
             _strip_item_logprobs(item)
+        if payload.get("top_logprobs") is not None:  # vLLM echoes the logprobs asked for: null when none were
+            payload["top_logprobs"] = None
     return payload
 
 

@@ -1,9 +1,8 @@
 """What the gateway answers for routes it does not serve, and the model list it shows clients.
 
-Every path the gateway has no route for (legacy ``/v1/completions``, ``/v1/embeddings``, anything else) is answered
-with an OpenAI-style JSON error (``{"error": {...}}``, 404 or 405), never a plain-text page: OpenAI clients parse the
-body of every error. The legacy routes are not passed to the upstream: a completion for the policy's model would
-reach it uncaptured, and token-id prompts bypass the chat template the policy is trained with.
+Every path the gateway has no route for (``/v1/embeddings``, anything else) is answered with an OpenAI-style JSON
+error (``{"error": {...}}``, 404 or 405), never a plain-text page: OpenAI clients parse the body of every error. They
+are not passed to the upstream: a call for the policy's model would reach it uncaptured.
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from starlette.responses import JSONResponse, Response
 
 #: Routes of the OpenAI API the gateway does not serve, with the reason its 404 gives.
 UNSERVED_ROUTES: dict[str, str] = {
-    "/v1/completions": "the legacy Completions API is not served by the capture gateway; use /v1/chat/completions "
-                       "or /v1/responses",
     "/v1/embeddings": "embeddings are not served by the capture gateway; call an embeddings server directly",
 }
 

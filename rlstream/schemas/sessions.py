@@ -2,6 +2,7 @@
 trajectory, and the ids of a session's trajectories (derived, so any gateway and the stitcher name them alike)."""
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 
@@ -14,10 +15,22 @@ MESSAGES = "messages"
 SESSION_NAMESPACE = uuid.UUID("6f1d3c2e-5b8a-4e0f-9c3d-2a7b1e4f8d60")
 
 
+def _arguments(text: str) -> object:
+    """Tool-call arguments as the JSON value they spell (as sent when they are not JSON): a client that sends a
+    call back as an object (the Anthropic API's ``tool_use`` input) re-serializes it with other spacing."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError, RecursionError):
+        return text
+
+
 def same_message(a: Message, b: Message) -> bool:
-    """Equal for the continuation rule: role, content, tool call id and the tool calls' names and arguments."""
+    """Equal for the continuation rule: role, content, tool call id and the tool calls' names and arguments (as
+    JSON values)."""
     return a.role == b.role and (a.content or "") == (b.content or "") and a.tool_call_id == b.tool_call_id and (
-        [(t.name, t.arguments) for t in a.tool_calls or []] == [(t.name, t.arguments) for t in b.tool_calls or []])
+        [(t.name, t.arguments) for t in a.tool_calls or []] == [(t.name, t.arguments) for t in b.tool_calls or []]
+        or [(t.name, _arguments(t.arguments)) for t in a.tool_calls or []]
+        == [(t.name, _arguments(t.arguments)) for t in b.tool_calls or []])
 
 
 def continues(previous_prompt_ids: Sequence[int] | None, previous_completion_ids: Sequence[int] | None,

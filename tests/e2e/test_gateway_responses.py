@@ -120,9 +120,9 @@ async def test_responses_streamed_and_not_with_a_tool_round_trip_capture_vllms_e
             # server), each as its own root
             assert [m["id"] for m in listed] == [m["id"] for m in upstream] and SERVED_MODEL in [m["id"] for m in listed]
             assert all(m["root"] == m["id"] for m in listed), listed
-            for legacy in ("/v1/completions", "/v1/embeddings"):  # an OpenAI-style JSON error, not a text page
-                r = await http.post(f"{url}{legacy}", json={"model": SERVED_MODEL, "prompt": "a", "input": "a"})
-                assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+            # an unserved route: an OpenAI-style JSON error, not a text page
+            r = await http.post(f"{url}/v1/embeddings", json={"model": SERVED_MODEL, "input": "a"})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
         vllm_answers = await direct(http, vllm, client_answers["responses-plain"])
     await publisher.close()
 

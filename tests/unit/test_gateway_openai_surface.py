@@ -137,12 +137,13 @@ async def test_unserved_routes_answer_json_errors_and_models_hide_server_paths()
     await gateway.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            # an endpoint the gateway serves but this upstream lacks answers the upstream's 404, as a JSON error
             for path in ("/v1/completions", "/v1/embeddings", "/s/abc/v1/completions", "/v1/images/generations"):
                 r = await c.post(path, json={"model": "policy", "prompt": "a"})
                 assert r.status_code == 404 and r.headers["content-type"] == "application/json", (path, r.text)
                 error = r.json()["error"]
                 assert error["type"] == "not_found_error" and error["code"] == 404 and error["message"]
-            assert "legacy Completions" in (await c.post("/v1/completions", json={})).json()["error"]["message"]
+            assert "embeddings" in (await c.post("/v1/embeddings", json={})).json()["error"]["message"]
             r = await c.get("/v1/chat/completions")
             assert r.status_code == 405 and r.json()["error"]["code"] == 405
             listed = (await c.get("/v1/models")).json()["data"]
@@ -170,8 +171,8 @@ def test_responses_token_data_is_asked_for_recorded_and_filtered_out() -> None:
     tokens = response_tokens(json.loads(json.dumps(VLLM_ANSWER)))
     assert (tokens.prompt_ids, tokens.completion_ids, tokens.logprobs) == ([1, 2, 3], [9, 9], [-0.5, -0.25])
     short = json.loads(json.dumps(VLLM_ANSWER))
-    short["output_messages"][0]["tokens"] = [9, 9, 2]  # logprobs that do not cover every token are dropped
-    assert response_tokens(short).logprobs is None and response_tokens(short).completion_ids == [9, 9, 2]
+    short["output_messages"][0]["tokens"] = [9, 9, 2]  # logprobs that miss a token: Gateway.finish counts them
+    assert response_tokens(short).logprobs == [-0.5, -0.25] and response_tokens(short).completion_ids == [9, 9, 2]
     client = filter_response_payload(json.loads(json.dumps(VLLM_ANSWER)), ResponsesAsked())
     assert client["input_messages"] is None and client["output_messages"] is None
     assert client["output"][0]["content"][0]["logprobs"] is None
