@@ -36,10 +36,11 @@ def _tier(item: pytest.Item) -> str:
 XDIST_GROUP_OF_MODULE = {
     "test_vllm_capture": "vllm", "test_vllm_runner": "vllm", "test_vllm_sync": "vllm", "test_finetune_toy": "vllm",
     "test_gateway": "vllm", "test_gateway_responses": "vllm", "test_gateway_agents_example": "vllm",
+    "test_gateway_apis": "vllm",
     "test_nat_finetune": "vllm", "test_vllm_zombie_learner": "vllm",
     "test_nat_serve": "vllm", "test_nat_doc_configs": "vllm", "test_gate_vllm": "vllm",
     "test_tool_agent_data_path": "vllm", "test_shadow_sampling": "vllm", "test_gateway_fleet_vllm": "vllm",
-    "test_vllm_fleet_switch": "vllm", "test_vllm_temperature": "vllm",
+    "test_vllm_fleet_switch": "vllm", "test_vllm_temperature": "vllm", "test_vllm_seeded_prefill": "vllm",
     "test_up_models_vllm": "vllm",
     "test_vllm_engine_restart": "vllm",  # a vLLM server of its own (it is killed), never beside the shared one's tests
     "test_wheel_install": "up", "test_up_production": "up",
