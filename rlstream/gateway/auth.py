@@ -389,7 +389,11 @@ def inline_keys_from_env(environ: MutableMapping[str, str] | None = None) -> lis
 
 
 #: paths that take feedback: rlstream's own, and the shapes observability tools send (feedback_shapes.py)
-FEEDBACK_PATHS = frozenset({"/v1/feedback", "/api/public/scores", "/feedback", "/api/v1/feedback", "/v1/logs"})
+FEEDBACK_PATHS = frozenset({"/v1/feedback", "/api/public/scores", "/api/public/ingestion", "/feedback",
+                            "/api/v1/feedback", "/v1/logs"})
+#: paths open to anyone: the health and readiness checks, and LangSmith's ``/info`` (asked by every client at start;
+#: it names no tenant's data)
+OPEN_PATHS = frozenset({"/health", "/ready", "/info", "/api/v1/info"})
 #: LangSmith's feedback updates: PATCH /feedback/{id}
 FEEDBACK_UPDATE_PREFIXES = ("/feedback/", "/api/v1/feedback/")
 
@@ -401,7 +405,7 @@ def is_feedback_path(path: str) -> bool:
 
 def required_scope(path: str) -> str | None:
     """The scope a path needs (None: open to anyone, the health and readiness checks)."""
-    if path in ("/health", "/ready"):
+    if path in OPEN_PATHS:
         return None
     if path.startswith("/s/"):  # /s/{session}/v1/...
         return "inference"

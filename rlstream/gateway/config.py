@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rlstream.schemas.config import GatewayConfig, InferenceConfig, KafkaConfig, RlstreamConfig, StreamsConfig
+from rlstream.schemas.config import (GatewayConfig, InferenceConfig, KafkaConfig, RewardRulesConfig, RlstreamConfig,
+                                     StreamsConfig)
 from rlstream.schemas.masking import SecretUrl, mask_url
 
 
@@ -40,6 +41,9 @@ class GatewaySettings(GatewayConfig):
     temperature_range: tuple[float, float] = Field(_default(StreamsConfig, "temperature_range"),
                                                    description="a sampled temperature outside it is answered 400 "
                                                    "(streams.temperature_range)")
+    correction_window_s: float = Field(_default(RewardRulesConfig, "correction_window_s"), ge=0,
+                                       description="a correction of a single's feedback after its capture plus "
+                                       "this is answered 409 (streams.reward.correction_window_s)")
 
     @classmethod
     def resolve(cls, cfg: RlstreamConfig, section: GatewayConfig | None = None) -> "GatewaySettings":
@@ -63,6 +67,7 @@ class GatewaySettings(GatewayConfig):
                    max_body_bytes=gw.max_body_bytes or record_max // 2,
                    max_session_bytes=gw.max_session_bytes or record_max // 2,
                    temperature_range=cfg.streams.temperature_range, reward_window_s=cfg.streams.reward_window_s,
+                   correction_window_s=cfg.streams.reward.correction_window_s,
                    spool_dir=(gw.spool_dir or default_spool_dir(gw.port)) if gw.spool else None)
 
     @property

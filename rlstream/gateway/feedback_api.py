@@ -14,6 +14,7 @@ from rlstream.gateway.core import FEEDBACK_TOKEN_HEADER, Gateway, openai_error
 from rlstream.gateway.feedback import RANGE_CONTEXT, Feedback, validation_problems
 from rlstream.gateway.limits import parse_json
 from rlstream.gateway.feedback_tokens import FeedbackGrant
+from rlstream.gateway.feedback_window import CorrectionWindow
 from rlstream.gateway.sessions import KnownTrajectory
 from rlstream.gateway.shared_ids import loads_known
 from rlstream.schemas.models import CallEvent, CallKind, RewardEvent
@@ -25,6 +26,8 @@ class FeedbackEndpoint:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.corrections = CorrectionWindow(gateway.config.correction_window_s,
+                                            gateway.config.remembered_trajectories)
 
     async def serve(self, request: Request) -> Response:
         raw = parse_json(await request.body(), self.gw.config.max_json_depth)
@@ -71,6 +74,12 @@ class FeedbackEndpoint:
             what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
                     if fb.response_id else f"session {fb.session_id!r}" if fb.session_id else "trajectory")
             return openai_error(404, f"unknown {what}", "not_found")
+        if known.group_id == known.trajectory_id and self.corrections.too_late(
+                tenant, known.trajectory_id, fb.feedback_id, self._captured_at(known, grant)):
+            return openai_error(409, f"feedback {fb.feedback_id!r} was already given for this response and its "
+                                f"correction window ({self.corrections.window_s:g} s after the call, "
+                                "streams.reward.correction_window_s) has passed: the reward it set has been trained "
+                                "on, a correction would never be", "correction_window_closed")
         still_open = gw.sessions.open_trajectory(known.trajectory_id)
         if still_open is not None:  # it will carry the reward itself too
             still_open.reward, still_open.reward_components = fb.reward, dict(fb.components)
@@ -78,8 +87,19 @@ class FeedbackEndpoint:
                             run_id=gw.config.run_id, reward=fb.reward, components=dict(fb.components),
                             feedback_id=fb.feedback_id)
         queued = gw.capture.put(event)
+        if queued:
+            self.corrections.accepted(tenant, known.trajectory_id, fb.feedback_id)
         return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
                             status_code=202 if queued else 503)
+
+    def _captured_at(self, known: KnownTrajectory, grant: FeedbackGrant | None) -> float | None:
+        """When the trajectory was captured: from the id map, else from its feedback token (issued at the call,
+        valid for the token lifetime from then); None when neither says."""
+        if known.captured_at:
+            return known.captured_at
+        if grant is not None and grant.kind == "trajectory" and grant.target_id == known.trajectory_id:
+            return grant.expires_at - self.gw.access.feedback_token_ttl_s
+        return None
 
     def _session_feedback(self, scoped_session: str, fb: Feedback) -> Response:
         """A reward for a session's latest trajectory, through ``calls``: the stream app's stitcher gives it to the

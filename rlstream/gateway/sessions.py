@@ -96,6 +96,7 @@ class KnownTrajectory:
     trajectory_id: str
     example_id: str
     group_id: str
+    captured_at: float = 0.0  # wall clock when the gateway captured it (the correction window counts from here)
 
 
 class SessionStore:
@@ -125,7 +126,7 @@ class SessionStore:
     def remember(self, traj: Trajectory) -> None:
         """Keep what feedback needs to address ``traj`` (unclaimed until :meth:`claim`)."""
         tid = traj.trajectory_id
-        self.known[tid] = KnownTrajectory(tid, traj.example_id, traj.group_id)
+        self.known[tid] = KnownTrajectory(tid, traj.example_id, traj.group_id, time.time())
         self._unclaimed[tid] = None
         self._unclaimed.move_to_end(tid)
         if traj.session_id:

@@ -55,6 +55,7 @@ async def gateway(rl_config: Any, created_topics: Any, tmp_path: Path) -> AsyncI
     access = AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr("s" * 32), reward_range=(-1.0, 1.0))
     config = GatewaySettings(session_stitching="gateway",
                              policy=POLICY, served_model=POLICY, run_id=rl_config.run_id, session_idle_s=600,
+                             correction_window_s=600,
                            feedback_categories={"thumbs_up": 1.0, "thumbs_down": -1.0, "meh": 0.0})
     gw = Gateway(config, publisher, access=access,
                  client=httpx.AsyncClient(transport=httpx.ASGITransport(canned_upstream()), base_url="http://up"))
@@ -88,7 +89,7 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
         "id": "score-2", "observationId": response_id, "name": "verdict", "value": "Thumbs_Up",
         "dataType": "CATEGORICAL"})).status_code == 200
     r = await c.post("/api/public/scores", headers=lf, json={"traceId": single, "name": "verdict", "value": "great"})
-    assert r.status_code == 422 and "unknown category" in r.json()["error"]["message"]  # not in the table
+    assert r.status_code == 400 and "unknown category" in r.json()["error"]["message"]  # not in the table
     # the trajectory of a session still open: its reward goes out before the trajectory does
     assert (await c.post("/api/public/scores", headers=lf, json={
         "id": "early-1", "sessionId": "open-1", "name": "resolved", "value": True,
@@ -117,8 +118,9 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
         {"gen_ai.response.id": "resp_unknown", "gen_ai.evaluation.name": "relevance",
          "gen_ai.evaluation.score.value": 0.9},
         {"event": "some.other.event", "gen_ai.response.id": response_id}))
-    assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedLogRecords"] == 1, r.text
-    assert "resp_unknown" in r.json()["partialSuccess"]["errorMessage"]
+    # one record names no known response: the request is refused (400) naming it, the others were taken
+    assert r.status_code == 400 and r.json()["error"]["rejectedLogRecords"] == 1, r.text
+    assert "resp_unknown" in r.json()["error"]["message"]
 
     # the same auth as /v1/feedback: no key, a wrong secret, another tenant, a key without the feedback scope
     assert (await c.post("/api/public/scores", json={"traceId": single, "name": "q", "value": 1})).status_code == 401
@@ -130,8 +132,10 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
                          json=otlp())).status_code == 403
     # a feedback token of the trajectory works as the Langfuse secret too
     token = chat.headers["x-rlstream-feedback-token"]
-    assert (await c.post("/api/public/scores", headers=basic("pk", token), json={
-        "traceId": single, "name": "token", "value": 0.1})).status_code == 200
+    r = await c.post("/api/public/scores", headers=basic("pk", token), json={
+        "traceId": single, "name": "token", "value": 0.1})
+    assert r.status_code == 200, r.text
+    created = r.json()["id"]  # created by the gateway, as Langfuse creates it
 
     expected = 10
     rewards = await read_topic(rl_config, created_topics.rewards, RewardEvent, expect=expected)
@@ -144,7 +148,7 @@ async def test_langfuse_langsmith_and_otel_feedback_become_rewards_with_correcti
         (answered, 0.5, {"correctness": 0.5}, "ls-1"),
         (answered, 0.5, {"relevance": 0.5}, f"otel:{response_id}:relevance"),
         (answered, 0.0, {"relevance": 0.0}, f"otel:{response_id}:relevance"),
-        (single, 0.1, {"token": 0.1}, None)], got
+        (single, 0.1, {"token": 0.1}, created)], got
     # the open session's trajectory is published only now, after its reward, and carries it too
     trajectories = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=2)
     assert open_tid not in {t.trajectory_id for t in trajectories}

@@ -291,7 +291,8 @@ def otlp(count: int, response_id: str) -> dict[str, Any]:
 async def test_otlp_rewards_per_request_are_capped(tmp_path: Path) -> None:
     gateway, c, publisher = await keyed(tmp_path, max_rewards_per_request=3)
     try:
-        response_id = (await c.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json().get("id") or "none"
+        # the trajectory id names the call (this upstream's answers carry no response id)
+        response_id = (await c.post("/v1/chat/completions", json=CHAT, headers=AUTH)).headers["x-rlstream-trajectory-id"]
         r = await c.post("/v1/logs", json=otlp(4, response_id), headers=AUTH)
         assert r.status_code == 413 and "max_rewards_per_request" in r.text
         assert not [e for _, e in publisher.sent if isinstance(e, RewardEvent)]

@@ -18,7 +18,8 @@ from rlstream.ops.toy import CHATML_TEMPLATE
 from rlstream.ops.vllm import tool_call_args, tool_call_parser_for
 from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.config import GatewaySettings
-from rlstream.gateway.feedback_shapes import FeedbackShapeError, evaluation_records, reward_of
+from rlstream.gateway.feedback_otlp import JSON_TYPE, OtlpRequestError, evaluation_records
+from rlstream.gateway.feedback_shapes import FeedbackShapeError, reward_of
 from rlstream.gateway.responses import (ResponsesAsked, ResponsesStreamCapture, filter_response_payload,
                                                 response_tokens, responses_upstream_request)
 from tests.unit.test_gateway_sessions import FakePublisher
@@ -218,11 +219,11 @@ def test_feedback_shapes_rewards_and_otlp_records() -> None:
         {"attributes": [{"key": "event.name", "value": {"stringValue": "gen_ai.evaluation.result"}},
                         {"key": "n", "value": {"intValue": "7"}}]},
         {"eventName": "other"}, "garbage"]}]}]}
-    assert evaluation_records(body) == [{"gen_ai.response.id": "chatcmpl-1", "gen_ai.evaluation.score.value": 0.5},
+    assert evaluation_records(json.dumps(body).encode(), JSON_TYPE, 64) == [{"gen_ai.response.id": "chatcmpl-1", "gen_ai.evaluation.score.value": 0.5},
                                         {"event.name": "gen_ai.evaluation.result", "n": 7}]
     for bad_body in ({}, {"resourceLogs": {}}, [], "x"):
-        with pytest.raises(FeedbackShapeError):
-            evaluation_records(bad_body)
+        with pytest.raises(OtlpRequestError):
+            evaluation_records(json.dumps(bad_body).encode(), JSON_TYPE, 64)
 
 
 @pytest.mark.unit

@@ -78,7 +78,7 @@ async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     keys_file.chmod(0o600)
     publisher = FakePublisher()
     gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="m", served_model="m",
-                                      remembered_trajectories=8),
+                                      remembered_trajectories=8, correction_window_s=600),  # updates are corrections
                       publisher, client=httpx.AsyncClient(transport=httpx.MockTransport(upstream())),
                       access=AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr(SECRET)))
     gateway.keys.reload_check_s = 0.0
