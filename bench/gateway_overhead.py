@@ -4,6 +4,10 @@ non-streamed calls and the time to first token of streamed ones, both ways, and 
 
     .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
                                                [--no-logprobs] [--keys]
+    .venv/bin/python bench/gateway_overhead.py --endpoints [--keys] --requests 200
+
+`--endpoints` times each endpoint (chat, completions, responses, messages; streamed and not) at 1 and 10 concurrent
+requests, in process against bench/canned_upstream.py's app, and prints the added latency p50/p99 of each.
 
 The baseline (straight to vLLM) and the gateway runs alternate in rounds, so that a slow moment of the shared
 machine hits both. vLLM runs the tiny local model on the CPU (tests/e2e/vllm_support.py's server). The gateway runs
@@ -335,6 +339,70 @@ async def keys_ab_in_process(requests: int) -> str:
             f"keys - open {p_keys - p_open:+.3f} ms")
 
 
+#: one call of each endpoint the gateway serves (path, body), as an agent sends it
+ENDPOINT_CALLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", BODY),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "Repeat the letter c.", "max_tokens": 8,
+                                        "temperature": 1.0}),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "Repeat the letter c.", "max_output_tokens": 8,
+                                    "temperature": 1.0}),
+    "messages": ("/v1/messages", {"model": MODEL, "max_tokens": 8, "temperature": 1.0,
+                                  "messages": [{"role": "user", "content": "Repeat the letter c."}]}),
+}
+
+
+async def endpoints_in_process(requests: int, keys: bool) -> str:
+    """The added latency of each endpoint (chat, completions, responses, messages; non-streamed and streamed, read
+    to the end) at 1 and 10 concurrent requests: the same call straight to bench/canned_upstream.py's app and
+    through a gateway in front of it (with ``keys``, one that authenticates its clients), alternating round by
+    round, each app driven in process (httpx.ASGITransport): p50 and p99 of gateway - direct, in ms."""
+    from canned_upstream import app as canned_app
+
+    access = None
+    headers = None
+    if keys:
+        keys_file = Path(tempfile.mkdtemp(prefix="rlstream-bench-keys-")) / "keys.json"
+        keys_file.write_text(json.dumps(KEYS_FILE))
+        keys_file.chmod(0o600)
+        access, headers = AccessConfig(api_keys_file=keys_file), KEY_HEADERS
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(canned_app), base_url="http://upstream")
+    gw = Gateway(GatewaySettings(session_stitching="gateway", served_model=MODEL, policy=MODEL), _Discard(),
+                 client=upstream, access=access)
+    await gw.start()
+    direct = httpx.AsyncClient(transport=httpx.ASGITransport(canned_app), base_url="http://upstream")
+    through = httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gw)), base_url="http://gw")
+
+    async def call(client: httpx.AsyncClient, path: str, body: dict[str, Any], sent: dict[str, str] | None) -> float:
+        started = time.perf_counter()
+        r = await client.post(path, json=body, headers=sent)
+        r.raise_for_status()
+        await r.aread()
+        return time.perf_counter() - started
+
+    rows = [f"in process, keys {'on' if keys else 'off'}, {requests} calls per cell; added = gateway - direct, ms",
+            f"{'endpoint':<13}{'streamed':>9}{'clients':>8}{'direct p50':>11}{'added p50':>10}{'added p99':>10}"]
+    try:
+        for name, (path, body) in ENDPOINT_CALLS.items():
+            for stream in (False, True):
+                sent = {**body, "stream": stream}
+                for concurrency in (1, 10):
+                    times: dict[str, list[float]] = {"direct": [], "gateway": []}
+                    for index in range(max(1, requests // concurrency) + 5):
+                        for way, client, h in (("direct", direct, None), ("gateway", through, headers)):
+                            got = await asyncio.gather(*(call(client, path, sent, h) for _ in range(concurrency)))
+                            if index >= 5:  # after a warm-up
+                                times[way] += got
+                    d, g = times["direct"], times["gateway"]
+                    rows.append(f"{name:<13}{str(stream).lower():>9}{concurrency:>8}{1000 * pct(d, 0.5):>11.3f}"
+                                f"{1000 * (pct(g, 0.5) - pct(d, 0.5)):>10.3f}"
+                                f"{1000 * (pct(g, 0.99) - pct(d, 0.99)):>10.3f}")
+    finally:
+        await direct.aclose()
+        await through.aclose()
+        await gw.stop()
+    return "\n".join(rows)
+
+
 def auth_costs_us(calls: int = 20_000) -> str:
     """What checking a key and issuing a feedback token cost on their own (µs per call, this machine)."""
     keys = KeyStore([BENCH_KEY])
@@ -375,6 +443,9 @@ def main() -> None:
                              "session's end to its trajectory with stitching in the stream app and in the gateway)")
     parser.add_argument("--upstreams", type=int, default=1, help="canned upstreams of the fleet run")
     parser.add_argument("--sessions", type=int, default=50, help="sessions timed end -> trajectory (fleet run)")
+    parser.add_argument("--endpoints", action="store_true",
+                        help="only the added latency per endpoint (chat, completions, responses, messages), in "
+                             "process in front of the canned upstream (with --keys: a gateway that checks keys)")
     parser.add_argument("--keys-in-process-only", action="store_true",
                         help="only the in-process A/B of an open and a keyed gateway (no broker, no processes)")
     args = parser.parse_args()
@@ -382,6 +453,9 @@ def main() -> None:
         from gateway_fleet import run_fleet
 
         asyncio.run(run_fleet(args))
+        return
+    if args.endpoints:
+        print(asyncio.run(endpoints_in_process(args.requests, args.keys)))
         return
     if args.keys_in_process_only:
         print(asyncio.run(keys_ab_in_process(args.requests)))
