@@ -1,6 +1,7 @@
 """A canned OpenAI-compatible upstream for bench/gateway_overhead.py: answers every chat completion, legacy completion,
 Responses and Anthropic Messages call at once with a body shaped like vLLM's (8 completion tokens; token ids and
-logprobs each when asked, as vLLM returns them), streamed or not. With it, the benchmark measures the gateway's own work without vLLM's time or its CPU on the same cores.
+logprobs each when asked, as vLLM returns them), streamed or not. With it, the benchmark measures the gateway's own
+work without vLLM's time or its CPU on the same cores.
 
     .venv/bin/python bench/canned_upstream.py PORT
 """
