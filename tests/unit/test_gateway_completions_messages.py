@@ -237,3 +237,28 @@ def test_a_tool_call_sent_back_reserialized_continues_its_session() -> None:
     assert same_message(call('{"letter":"b"}'), call('{"letter": "b"}'))
     assert not same_message(call('{"letter":"b"}'), call('{"letter": "c"}'))  # other arguments: a rewritten history
     assert not same_message(call("b"), call(" b"))  # not JSON: compared as sent
+
+
+async def test_the_anthropic_sdks_x_api_key_is_the_key_on_the_messages_path_only() -> None:
+    from pydantic import SecretStr
+
+    from rlstream.gateway.auth import AccessConfig
+
+    key = "messages-key-" + "0" * 32
+    gateway = Gateway(GatewaySettings(session_stitching="gateway"), FakePublisher(), client=httpx.AsyncClient(
+        transport=httpx.ASGITransport(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])),
+        base_url="http://up"), access=AccessConfig(api_keys=[SecretStr(key)]))
+    await gateway.start()
+    ask = {"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            assert (await c.post("/v1/messages", json=ask, headers={"x-api-key": key})).status_code == 200
+            assert (await c.post("/v1/messages", json=ask, headers={"x-api-key": "wrong"})).status_code == 401
+            assert (await c.post("/v1/messages", json=ask)).status_code == 401
+            # negative control: the other inference paths take the key as a bearer token only
+            chat_call = {"model": "policy", "messages": [{"role": "user", "content": "a"}]}
+            assert (await c.post("/v1/chat/completions", json=chat_call, headers={"x-api-key": key})).status_code == 401
+            assert (await c.post("/v1/chat/completions", json=chat_call,
+                                 headers={"authorization": f"Bearer {key}"})).status_code == 200
+    finally:
+        await gateway.stop()
