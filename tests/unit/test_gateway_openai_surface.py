@@ -45,7 +45,7 @@ def test_vllm_starts_with_the_model_familys_tool_call_parser(tmp_path: Path) -> 
     (toy / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # tool calls written without JSON
     assert tool_call_parser_for(toy) == "pythonic"
     assert tool_call_args(toy, "auto", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
-    assert tool_call_args(toy, "mistral", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    assert tool_call_args(toy, "hermes", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     assert tool_call_args(toy, "none", []) == [] and tool_call_args(toy, None, []) == []
     assert tool_call_args(toy, "auto", ["--tool-call-parser=hermes"]) == ["--enable-auto-tool-choice"]
     assert tool_call_args(toy, "auto", ["--enable-auto-tool-choice", "--tool-call-parser", "x"]) == []
