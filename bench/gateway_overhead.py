@@ -4,6 +4,12 @@ non-streamed calls and the time to first token of streamed ones, both ways, and 
 
     .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
                                                [--no-logprobs] [--keys]
+    .venv/bin/python bench/gateway_overhead.py --throughput [--requests 3000] [--rate 500] [--compare-tree DIR]
+
+`--throughput` (bench/gateway_throughput.py) measures one gateway process with keys and capture on in front of the
+canned upstream, its clients in processes of their own: calls/s and p50/p99 at 1, 16 and 64 concurrent clients,
+straight and through the gateway in the same run, the p99 added at 16 clients offering --rate calls/s, and the
+gateway's CPU per call; it ends with one JSON line of those figures.
     .venv/bin/python bench/gateway_overhead.py --endpoints [--keys] --requests 200
 
 `--endpoints` times each endpoint (chat, completions, responses, messages; streamed and not) at 1 and 10 concurrent
@@ -446,9 +452,19 @@ def main() -> None:
     parser.add_argument("--endpoints", action="store_true",
                         help="only the added latency per endpoint (chat, completions, responses, messages), in "
                              "process in front of the canned upstream (with --keys: a gateway that checks keys)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="calls/s at 1, 16 and 64 clients and the p99 added at --rate (bench/gateway_throughput.py)")
+    parser.add_argument("--rate", type=float, default=500.0, help="calls/s offered by 16 clients (--throughput)")
+    parser.add_argument("--compare-tree", default=None,
+                        help="--throughput: also a gateway from this source tree (another revision), same rounds")
     parser.add_argument("--keys-in-process-only", action="store_true",
                         help="only the in-process A/B of an open and a keyed gateway (no broker, no processes)")
     args = parser.parse_args()
+    if args.throughput:
+        from gateway_throughput import run_throughput
+
+        run_throughput(args)
+        return
     if args.gateways:
         from gateway_fleet import run_fleet
 

@@ -5,17 +5,17 @@ replica the core routes it to, asking for token ids and logprobs; the client get
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Any
 
 import httpx
+import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from rlstream.gateway.auth import Principal
-from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
-                                   upstream_json)
+from rlstream.gateway.core import (Gateway, capture_refused_event, json_response, openai_error, request_session,
+                                   upstream_failed, upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
 from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
@@ -100,7 +100,7 @@ class ChatCompletions:
         out = filter_response(payload, asked)
         if "model" in out and out.get("model") == model:
             out["model"] = body.get("model", model)
-        answer = JSONResponse(out, headers=gw.sign(headers, caller, request_session(request), payload.get("id")))
+        answer = json_response(out, headers=gw.sign(headers, caller, request_session(request), payload.get("id")))
         await gw.overhead(ROUTE, False, started, upstream_s)
         return answer
 
@@ -154,8 +154,8 @@ class ChatCompletions:
         upstream_s = time.perf_counter() - upstream_started
         first: dict[str, Any] | None = None
         if head and _first_event(head[-1]):
-            with contextlib.suppress(ValueError, RecursionError):
-                first = json.loads(head[-1][5:])
+            with contextlib.suppress(orjson.JSONDecodeError):
+                first = orjson.loads(head[-1][5:])
         first = first if isinstance(first, dict) else {}
         prompt_ids = first.get("prompt_token_ids")
         n = requested_choices(body)
@@ -199,8 +199,8 @@ class ChatCompletions:
             if not data:
                 return line + "\n"
             try:
-                chunk = json.loads(data)
-            except (ValueError, RecursionError):
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
                 return line + "\n"
             if not isinstance(chunk, dict):
                 return line + "\n"
@@ -211,7 +211,7 @@ class ChatCompletions:
             out = filter_response(chunk, asked)
             if out.get("model") == model:
                 out["model"] = client_model
-            return "data: " + json.dumps(out, separators=(",", ":")) + "\n"
+            return "data: " + orjson.dumps(out).decode() + "\n"
 
         recorded = False
 

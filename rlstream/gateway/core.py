@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import json
 import math
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
+import orjson
+from httpx_aiohttp import AiohttpTransport
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -47,6 +48,7 @@ TASK_HEADER = "x-rlstream-task"
 FEEDBACK_TOKEN_HEADER = "x-rlstream-feedback-token"
 #: set on a request once it was counted against ``token_rpm`` (its token may be verified more than once)
 TOKEN_COUNTED_KEY = "rlstream.token_counted"
+JSON_CONTENT = {"content-type": "application/json"}
 #: ``async () -> (model name to request, policy version)``, e.g. ``VersionRouter.current`` adapted.
 RouteSource = Callable[[], Awaitable[tuple[str, int]]]
 #: the W3C trace and span ids of the inference call being served (set at admission, read when its ids are signed)
@@ -84,14 +86,31 @@ def upstream_json(response: httpx.Response, raw: bytes, max_choices: int = 1 << 
         return Response(raw, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
     try:
-        payload = json.loads(raw)
-    except (ValueError, RecursionError):
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return openai_error(502, "upstream answered with invalid JSON", "upstream_error")
     problem = malformed_answer(payload, max_choices)
     if problem is not None:
         log.warning("malformed upstream answer", problem=problem)
         return openai_error(502, problem, "upstream_error")
     return payload  # type: ignore[no-any-return]
+
+
+class UpstreamTransport(AiohttpTransport):
+    """The transport of the gateway's upstream client: httpx's API over aiohttp's connection pool (httpx_aiohttp).
+    httpcore's pool checks every idle connection's socket on each request; under load that was the largest part of
+    the gateway's own work (bench/results/2026-11-27-gateway-overhead.md). A password in the upstream URL is already
+    the request's Authorization header (httpx's basic auth): aiohttp refuses both, so the URL goes without it."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.userinfo:
+            request.url = request.url.copy_with(userinfo=b"")
+        return await super().handle_async_request(request)
+
+
+def json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded with orjson (Starlette's JSONResponse encodes with the standard library's json)."""
+    return Response(orjson.dumps(content), status_code=status_code, headers=headers, media_type="application/json")
 
 
 def upstream_failed(exc: Exception, config: GatewaySettings, what: str = "unreachable") -> JSONResponse:
@@ -166,7 +185,9 @@ class Gateway:
             key = self.config.upstream_key
             headers = {"authorization": f"Bearer {key}"} if key else {}
             # with a fleet, each replica's requests in flight are counted (least outstanding routing)
-            transport = OutstandingTransport(self.fleet.outstanding) if self.fleet is not None else None
+            transport: httpx.AsyncBaseTransport = UpstreamTransport()
+            if self.fleet is not None:
+                transport = OutstandingTransport(self.fleet.outstanding, transport)
             self._client = httpx.AsyncClient(timeout=self.config.upstream_timeout_s, headers=headers,
                                              transport=transport)
         if self.config.spool_dir is not None and self.capture.spool is None:
@@ -312,16 +333,24 @@ class Gateway:
                    rejects: Callable[[int, str], bool]) -> tuple[httpx.Response, bool]:
         """POST ``sent`` (the request asking for token data) to ``url``; an upstream that refuses the token-data
         fields (``rejects(status, text)``) gets ``plain`` instead. Returns the response and whether it refused."""
-        response = await self.client.send(self.client.build_request("POST", url, json=sent), stream=stream)
+        response = await self.client.send(self._post(url, sent), stream=stream)
         if sent is not plain and self.request_token_data and response.status_code in (400, 422):
             text = (await response.aread()).decode(errors="replace")
             if rejects(response.status_code, text):
                 await response.aclose()
                 log.warning("upstream rejects token-data options; capturing without token data", url=url,
                             error=text[:200])
-                return await self.client.send(self.client.build_request("POST", url, json=plain),
-                                              stream=stream), True
+                return await self.client.send(self._post(url, plain), stream=stream), True
         return response, False
+
+    def _post(self, url: str, body: dict[str, Any]) -> httpx.Request:
+        """The upstream POST of ``body`` to ``url``: the body encoded with orjson, the URL parsed once per address."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 1024:  # a fleet's addresses come and go: never an unbounded map
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        return self.client.build_request("POST", parsed, content=orjson.dumps(body), headers=JSON_CONTENT)
 
     async def passthrough(self, path: str, body: dict[str, Any]) -> Response:
         """A call for a model that is not the policy's: passed to the upstream as it came, not captured."""

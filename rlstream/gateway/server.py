@@ -69,5 +69,6 @@ class StoppableServer(uvicorn.Server):
 async def serve_forever(gateway: Gateway, log_level: str = "info") -> None:
     """Serve ``gateway`` until SIGTERM or SIGINT, then return (after a graceful shutdown)."""
     config = uvicorn.Config(create_app(gateway), host=gateway.config.host, port=gateway.config.port,
-                            lifespan="on", log_level=log_level, **uvicorn_options(gateway.config))
+                            lifespan="on", log_level=log_level, access_log=gateway.config.access_log,
+                            **uvicorn_options(gateway.config))
     await StoppableServer(config).serve()

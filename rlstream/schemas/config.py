@@ -706,6 +706,9 @@ class GatewayConfig(Section):
                     "categorical values, OpenTelemetry gen_ai.evaluation.score.label), matched case-insensitively; "
                     "a category not in the table is refused")
     producer_id: str = Field("gateway", description="producer_id written into every captured trajectory")
+    access_log: bool = Field(False, description="one log line per request (uvicorn's access log); off by default: "
+                             "at hundreds of calls per second it costs the gateway a few percent of its CPU and the "
+                             "log volume grows with the traffic")
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve the gateway's metrics (overhead "
                                         "per call, bounds, process) to Prometheus on this port (0 = a free port)")
     metrics_host: str | None = Field(None, description="address the gateway's Prometheus endpoint binds; None: "

@@ -118,13 +118,12 @@ async def test_unauthenticated_feedback_bodies_are_capped_before_they_are_read(t
 async def test_json_depth_is_refused_from_the_bytes_before_any_parse(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[int] = []
-    decoder = limits._DECODER
+    loads = limits.orjson.loads
 
-    class Spy:
-        def decode(self, text: str) -> Any:
-            parsed.append(len(text))
-            return decoder.decode(text)
-    monkeypatch.setattr(limits, "_DECODER", Spy())
+    def spy(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return loads(raw)
+    monkeypatch.setattr(limits.orjson, "loads", spy)
     gateway, c, _ = await keyed(tmp_path, max_json_depth=8)
     try:
         deep = b'{"reward": 1, "components": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
