@@ -48,7 +48,7 @@ def test_vllm_starts_with_the_model_familys_tool_call_parser(tmp_path: Path) -> 
     assert tool_call_args(toy, "hermes", []) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     assert tool_call_args(toy, "none", []) == [] and tool_call_args(toy, None, []) == []
     assert tool_call_args(toy, "auto", ["--tool-call-parser=hermes"]) == ["--enable-auto-tool-choice"]
-    assert tool_call_args(toy, "auto", ["--enable-auto-tool-choice", "--tool-call-parser", "x"]) == []
+    assert tool_call_args(toy, "auto", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == []
 
 
 @pytest.mark.unit
