@@ -33,11 +33,13 @@ COMPONENT_COMMANDS = {("streams", "worker"), ("learner", "run"), ("rollout", "ru
                       ("topics", "create")}
 #: The variables docker-compose.yml requires (``${VAR:?message}``), with values for the tests.
 REQUIRED_ENV = {"MODEL_DIR": "/srv/models/base", "DATASET": "/srv/data/train.jsonl",
-                "ROLLOUT_REWARD": "mytask.reward:score",
+                "ROLLOUT_REWARD": "mytask.reward:score", "WEIGHT_STORE_USER": "rlstream",
+                "WEIGHT_STORE_PASSWORD": "weight-store-password-0123456789",
                 **{f"RLSTREAM_REDIS_{user}_PASSWORD": f"{user.lower()}-password-0123456789"
                    for user in ("SYNC", "LEARNER", "STREAMS", "ROLLOUT", "ADMIN")}}
 #: The Redis user of each service that uses Redis (the users of the compose file's redis-acl config).
-REDIS_USERS = {"inference-sync": "sync", "streams": "streams", "learner": "learner", "rollout": "rollout"}
+REDIS_USERS = {"inference-sync": "sync", "inference-sync-1": "sync", "streams": "streams", "learner": "learner",
+               "rollout": "rollout"}
 #: compose-go always sets the project name for interpolation.
 TEST_ENV = {**REQUIRED_ENV, "COMPOSE_PROJECT_NAME": "rlstream-test"}
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -178,17 +180,18 @@ def env_key(var: str) -> list[str]:
 
 def test_compose_parses_and_holds_the_deployment():
     services = compose()["services"]
-    for needed in ("kafka", "topics-init", "redis", "schema-registry", "vllm", "inference-sync", "streams", "learner",
-                   "rollout", "prometheus"):
+    for needed in ("kafka", "topics-init", "redis", "schema-registry", "vllm", "inference-sync", "vllm-1",
+                   "inference-sync-1", "weight-store", "weight-store-init", "streams", "learner", "rollout",
+                   "prometheus"):
         assert needed in services, f"service {needed} missing"
     assert services["kafka"]["image"].startswith("apache/kafka:")
     assert "broker,controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
     assert services["schema-registry"]["image"].startswith("confluentinc/cp-schema-registry:")
     assert interpolate(services["vllm"]["image"]).startswith("vllm/vllm-openai:")
-    for name in ("vllm", "learner"):
+    for name in ("vllm", "vllm-1", "learner"):
         gpu = services[name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia", name
-    for name in ("streams", "learner", "rollout", "inference-sync"):
+    for name in ("streams", "learner", "rollout", "inference-sync", "inference-sync-1"):
         assert services[name]["depends_on"]["topics-init"]["condition"] == "service_completed_successfully"
     assert (ROOT / "Dockerfile").exists() and (ROOT / "rlstream" / "ops" / "prometheus.yml").exists()
 
@@ -342,6 +345,46 @@ def test_learner_and_vllm_reserve_different_gpus():
     assert "--gpu-memory-utilization" in services["vllm"]["command"]  # the single-GPU split is one variable away
     shared = interpolate_tree(compose(), {**TEST_ENV, "LEARNER_GPU": "0", "VLLM_GPU": "0"})["services"]
     assert gpu_device_ids(shared["learner"]) == gpu_device_ids(shared["vllm"]) == {"0"}
+    second = gpu_device_ids(services["vllm-1"])  # the second replica has a GPU of its own
+    assert second and not second & (learner | vllm), (learner, vllm, second)
+
+
+def test_replicas_load_versions_from_the_weight_store_by_url():
+    """Two vLLM replicas, each with its own sync worker and volume; the learner uploads to the weight store and the
+    sync workers accept exactly that prefix, with no filesystem shared between learner and replicas."""
+    services = resolved()["services"]
+    learner_env = services["learner"]["environment"]
+    store = learner_env["RLSTREAM_LEARNER__WEIGHT_STORE"]
+    assert store.startswith("s3://")
+    endpoint = json.loads(learner_env["RLSTREAM_LEARNER__WEIGHT_STORE_OPTIONS"])["client_kwargs"]["endpoint_url"]
+    assert endpoint.split("//", 1)[1].split(":", 1)[0] == "weight-store" and "weight-store" in services
+    bucket = store.split("/")[2]
+    assert f"store/{bucket}" in services["weight-store-init"]["command"][0]  # the bucket exists before the learner
+    assert services["learner"]["depends_on"]["weight-store-init"]["condition"] == "service_completed_successfully"
+
+    def volume_names(service: dict[str, Any]) -> set[str]:
+        return {v.split(":", 1)[0] for v in service.get("volumes", []) if isinstance(v, str)}
+
+    urls = set()
+    for sync, server in (("inference-sync", "vllm"), ("inference-sync-1", "vllm-1")):
+        env = services[sync]["environment"]
+        assert json.loads(env["RLSTREAM_INFERENCE__WEIGHTS_ROOTS"]) == [store]
+        assert json.loads(env["RLSTREAM_INFERENCE__WEIGHT_STORE_OPTIONS"]) == json.loads(
+            learner_env["RLSTREAM_LEARNER__WEIGHT_STORE_OPTIONS"])
+        command = services[sync]["command"]
+        urls.add(command[command.index("--url") + 1])
+        assert command[command.index("--url") + 1] == f"http://{server}:8000"
+        assert services[sync]["depends_on"][server]["condition"] == "service_healthy"
+        # vLLM reads the staged copy its own sync worker wrote: one volume, mounted at the same path in both
+        shared = volume_names(services[sync]) & volume_names(services[server])
+        assert len(shared) == 1, (sync, server)
+        mount = next(v for v in services[server]["volumes"] if isinstance(v, str) and v.startswith(f"{shared.pop()}:"))
+        assert env["RLSTREAM_INFERENCE__STAGING_DIR"].startswith(mount.split(":")[1] + "/")
+        assert not volume_names(services[sync]) & volume_names(services["learner"])  # nothing shared with the learner
+    assert len(urls) == 2
+    worker_ids = {services[s]["environment"]["RLSTREAM_INFERENCE__WORKER_ID"] for s in ("inference-sync",
+                                                                                         "inference-sync-1")}
+    assert len(worker_ids) == 2  # each replica acknowledges its versions under its own id
 
 
 def test_vllm_image_is_on_the_tested_version_line():
