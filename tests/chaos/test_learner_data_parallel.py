@@ -1,9 +1,11 @@
-"""The data-parallel learner: ``torchrun --nproc-per-node 2`` over gloo on CPU, against the real broker and Redis.
+"""The data-parallel learner: ``torchrun --nproc-per-node 2`` over gloo on CPU, against the real broker and Redis,
+replicated and sharded (``learner.parallelism: fsdp``).
 
 * Same groups, same config: the two-rank run publishes the weights the single-process run publishes (within
   float tolerance: the ranks sum partial gradients in another order).
 * SIGKILL of rank 1 mid-run, then a restart of the whole launch: every group is trained exactly once (the
-  versions' ``trained_on`` lineage covers each group offset once).
+  versions' ``trained_on`` lineage covers each group offset once), and the last version holds the weights of a
+  single-process run that never stopped (the restart resumed the checkpoint's weights, optimizer and offsets).
 """
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ GROUPS_PER_STEP = 2
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def learner_config(base: RlstreamConfig, model: Path, out: Path, steps: int, suffix: str) -> RlstreamConfig:
+def learner_config(base: RlstreamConfig, model: Path, out: Path, steps: int, suffix: str,
+                   parallelism: str = "replicate") -> RlstreamConfig:
     """A LoRA learner on CPU; 2 groups x 4 trajectories per step in micro-batches of 2 (2 per rank)."""
     learner = base.learner.model_copy(update={
         "model": str(model), "lora": base.learner.lora.model_copy(update={"enabled": True}), "device": "cpu",
         "groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 2, "total_steps": steps, "publish_every": 1,
-        "checkpoint_every": 1, "learning_rate": 5e-3, "lease_ttl_s": 5.0, "output_dir": out, "seed": 0})
+        "checkpoint_every": 1, "learning_rate": 5e-3, "lease_ttl_s": 5.0, "output_dir": out, "seed": 0,
+        "parallelism": parallelism})
     return base.model_copy(update={"learner": learner, "policy": f"{base.policy}-{suffix}",
                                    "topics": base.topics.model_copy(update={"prefix": f"{base.topics.prefix}{suffix}."})})
 
@@ -80,10 +84,23 @@ def trained_offsets(cfg: RlstreamConfig) -> list[int]:
                   for o in range(r.first, r.last + 1))
 
 
-def test_two_ranks_publish_the_single_process_weights(rl_config: RlstreamConfig, tmp_path: Path) -> None:
+PARALLELISM = pytest.mark.parametrize("parallelism", ["replicate", "fsdp"])
+
+
+def assert_same_adapter(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want) and want
+    moved = max(float(t.abs().max()) for name, t in want.items() if "lora_B" in name)
+    assert moved > 1e-4  # the adapter trained (lora_B starts at zero): equality below is not trivial
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@PARALLELISM
+def test_two_ranks_publish_the_single_process_weights(rl_config: RlstreamConfig, tmp_path: Path,
+                                                      parallelism: str) -> None:
     model = tiny_model(tmp_path)
     single = learner_config(rl_config, model, tmp_path / "single", steps=2, suffix="one")
-    parallel = learner_config(rl_config, model, tmp_path / "parallel", steps=2, suffix="two")
+    parallel = learner_config(rl_config, model, tmp_path / "parallel", steps=2, suffix="two", parallelism=parallelism)
     for cfg in (single, parallel):
         asyncio.run(place_groups(cfg, 2 * GROUPS_PER_STEP))
 
@@ -92,12 +109,7 @@ def test_two_ranks_publish_the_single_process_weights(rl_config: RlstreamConfig,
     proc = launch(parallel, tmp_path, "parallel")
     assert proc.wait(timeout=240) == 0, (tmp_path / "parallel.log").read_text()[-4000:]
 
-    one, two = final_adapter(single), final_adapter(parallel)
-    assert set(one) == set(two) and one
-    moved = max(float(t.abs().max()) for name, t in one.items() if "lora_B" in name)
-    assert moved > 1e-4  # the adapter trained (lora_B starts at zero): equality below is not trivial
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_adapter(final_adapter(parallel), final_adapter(single))
     assert trained_offsets(parallel) == trained_offsets(single) == [0, 1, 2, 3]
 
 
@@ -116,9 +128,12 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_restarts_and_every_group_is_trained_once(rl_config: RlstreamConfig, tmp_path: Path) -> None:
+@PARALLELISM
+def test_a_killed_rank_restarts_and_every_group_is_trained_once(rl_config: RlstreamConfig, tmp_path: Path,
+                                                                parallelism: str) -> None:
     steps = 4
-    cfg = learner_config(rl_config, tiny_model(tmp_path), tmp_path / "learner", steps=steps, suffix="kill")
+    cfg = learner_config(rl_config, tiny_model(tmp_path), tmp_path / "learner", steps=steps, suffix="kill",
+                         parallelism=parallelism)
     # Two steps' groups and one more: the first run trains two steps, then holds half of the third step's batch
     # (read, not trained, not committed) while it waits for the rest; the kill lands there, whatever the speed.
     offsets = asyncio.run(place_groups(cfg, 2 * GROUPS_PER_STEP + 1))
@@ -141,3 +156,8 @@ def test_a_killed_rank_restarts_and_every_group_is_trained_once(rl_config: Rlstr
     again = launch(cfg, tmp_path, "second")
     assert again.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()[-4000:]
     assert trained_offsets(cfg) == offsets  # each group once: none lost, none trained twice
+    # the same groups in one process that never stopped: the restart continued exactly where the checkpoint was
+    single = learner_config(rl_config, tiny_model(tmp_path), tmp_path / "single", steps=steps, suffix="kill-one")
+    asyncio.run(place_groups(single, len(offsets)))
+    assert asyncio.run(Learner(single, holder="single").run()).step == steps
+    assert_same_adapter(final_adapter(cfg), final_adapter(single))
