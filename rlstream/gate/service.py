@@ -27,7 +27,6 @@ a restarted gate reads it back).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -126,7 +125,7 @@ def evaluation_plan(needed: int, available_examples: int, max_samples: int) -> E
 @dataclass(frozen=True)
 class ReplicaRoute:
     """Where to ask one version: the replica's server (``.../v1``) and the model name it answers the version by;
-    ``evaluates``: an ``evaluate`` replica (held on the version while it is evaluated)."""
+    ``evaluates``: an ``evaluate`` replica (every replica is held on the version while it is evaluated)."""
 
     base_url: str
     model: str
@@ -393,9 +392,9 @@ class PromotionGate:
         if route is None:
             log.info("no replica has the version loaded; not measured", version=version, role=role)
             return None
-        # an evaluate replica keeps the version loaded until the figures are in
-        hold = (self.serving.held_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
-                if route.evaluates else contextlib.nullcontext())
+        # the replica keeps the version loaded until the figures are in (an evaluate replica loads no newer
+        # full-weights candidate over it; a serve replica does not trim the adapter away)
+        hold = self.serving.held_for_evaluation(self.policy, route.worker_id, version, EVALUATION_HOLD_S)
 
         async def request_failed(reason: str) -> None:
             await self.metrics.emit(mn.GATE_EVALUATION_REQUEST_FAILURES, 1.0, step=version,

@@ -146,10 +146,10 @@ def adapters_to_unload(adapters: list[str], keep_versions: set[int], keep_adapte
     return others[:max(0, len(others) - keep_adapters)]
 
 
-def waits_for_evaluation(role: str, held_version: int | None, loaded_version: int) -> bool:
-    """Whether a newer candidate waits instead of loading: on an ``evaluate`` replica while the gate holds the
+def waits_for_evaluation(role: str, held_versions: set[int], loaded_version: int) -> bool:
+    """Whether a newer candidate waits instead of loading: on an ``evaluate`` replica while an evaluation holds the
     version it has loaded (a hold on another version is stale and ignored)."""
-    return role == ROLE_EVALUATE and held_version is not None and held_version == loaded_version
+    return role == ROLE_EVALUATE and loaded_version in held_versions
 
 
 def url_without_credentials(url: str) -> str:
@@ -332,7 +332,7 @@ class InferenceSyncWorker:
         if self.icfg.role != ROLE_EVALUATE:
             return False
         try:
-            held = await self.serving.evaluation_hold(self.cfg.policy, self.icfg.worker_id)
+            held = await self.serving.evaluation_holds(self.cfg.policy, self.icfg.worker_id)
         except Exception as exc:  # noqa: BLE001 - Redis unreachable: never stall loading on it
             log.warning("cannot read the evaluation hold; loading", error=str(exc))
             return False
@@ -502,12 +502,9 @@ class InferenceSyncWorker:
         so does a version held for an evaluation on this replica (the gate's, or ``rlstream up``'s held-out scoring)."""
         keep = set(self.wanted)
         try:
-            held = await self.serving.evaluation_hold(self.cfg.policy, self.icfg.worker_id)
+            keep |= await self.serving.evaluation_holds(self.cfg.policy, self.icfg.worker_id)
         except Exception as exc:  # noqa: BLE001 - Redis unreachable: trim as if nothing were held
             log.warning("cannot read the evaluation hold; trimming adapters without it", error=str(exc))
-            held = None
-        if held is not None:
-            keep.add(held)
         for name in adapters_to_unload(list(self.adapters), keep, self.icfg.keep_adapters):
             self.adapters.remove(name)
             await self._unload_quietly(name)

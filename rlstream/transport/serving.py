@@ -33,10 +33,13 @@ import contextlib
 import hashlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from redis import exceptions as redis_errors
 
 from rlstream.schemas.codec import AvroCodec
 from rlstream.schemas.models import DecisionKind, PolicyVersion, PromotionDecision
@@ -70,10 +73,11 @@ def canary_state_key(policy: str) -> str:
 
 
 def evaluation_hold_key(policy: str, worker_id: str) -> str:
-    """The version an evaluation (the gate's, or ``rlstream up``'s held-out scoring) holds on replica ``worker_id``
-    (string, with an expiry): until it is released or expires, an ``evaluate`` replica loads no newer full-weights
-    candidate over it and no replica trims it away as a LoRA adapter."""
-    return f"rlstream:{policy}:evaluating:{worker_id}"
+    """The versions evaluations (the gate's, ``rlstream up``'s held-out scoring) hold on replica ``worker_id``: a
+    sorted set of ``<version>|<holder>`` scored by each hold's expiry time. Until a hold is released or expires, an
+    ``evaluate`` replica loads no newer full-weights candidate over its version and no replica trims that version
+    away as a LoRA adapter."""
+    return f"rlstream:{policy}:evaluation-holds:{worker_id}"
 
 
 def parse_model_name(model: str, policy: str) -> tuple[bool, int | None]:
@@ -571,33 +575,60 @@ class ServingControl:
         return int(held)
 
     # -- evaluation holds ----------------------------------------------------------------
-    async def hold_for_evaluation(self, policy: str, worker_id: str, version: int, ttl_s: float) -> None:
-        """Ask the ``evaluate`` replica ``worker_id`` to keep ``version`` loaded for ``ttl_s`` at most (the gate's
-        evaluation; a newer candidate announced meanwhile waits instead of replacing it halfway)."""
+    async def hold_for_evaluation(self, policy: str, worker_id: str, version: int, ttl_s: float,
+                                  holder: str) -> None:
+        """Ask replica ``worker_id`` to keep ``version`` loaded for ``ttl_s`` at most on behalf of ``holder`` (an
+        evaluation: the gate's, or ``rlstream up``'s held-out scoring). Holds of several holders stand side by side:
+        no replica trims a held version away as a LoRA adapter, and an ``evaluate`` replica loads no newer
+        full-weights candidate over the one it holds."""
         key, ttl = evaluation_hold_key(policy, worker_id), max(1, int(ttl_s))
-        await self.control._retry("hold_for_evaluation", lambda: self.redis.set(key, str(version), ex=ttl))
+        member = f"{version}|{holder}"
+
+        async def call() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zadd(key, {member: time.time() + ttl})
+                pipe.expire(key, ttl, gt=True)
+                pipe.expire(key, ttl, nx=True)
+                await pipe.execute()
+        await self.control._retry("hold_for_evaluation", call)
 
     @contextlib.asynccontextmanager
     async def held_for_evaluation(self, policy: str, worker_id: str, version: int,
                                   ttl_s: float) -> AsyncIterator[None]:
-        """:meth:`hold_for_evaluation` for the ``async with`` block, released when it ends (also on an error)."""
-        await self.hold_for_evaluation(policy, worker_id, version, ttl_s)
+        """:meth:`hold_for_evaluation` for the ``async with`` block under a holder of its own, released when it
+        ends (also on an error); another holder's hold stays."""
+        holder = uuid.uuid4().hex
+        await self.hold_for_evaluation(policy, worker_id, version, ttl_s, holder)
         try:
             yield
         finally:
-            await self.release_evaluation(policy, worker_id)
+            await self.release_evaluation(policy, worker_id, version, holder)
 
-    async def release_evaluation(self, policy: str, worker_id: str) -> None:
-        """End the hold of :meth:`hold_for_evaluation`."""
+    async def release_evaluation(self, policy: str, worker_id: str, version: int, holder: str) -> None:
+        """End ``holder``'s hold of ``version`` (:meth:`hold_for_evaluation`)."""
         key = evaluation_hold_key(policy, worker_id)
-        await self.control._retry("release_evaluation", lambda: self.redis.delete(key))
+        await self.control._retry("release_evaluation", lambda: self.redis.zrem(key, f"{version}|{holder}"))
 
-    async def evaluation_hold(self, policy: str, worker_id: str) -> int | None:
-        """The version held on ``worker_id`` for an evaluation, or None (no hold, expired, or not a number)."""
+    async def evaluation_holds(self, policy: str, worker_id: str) -> set[int]:
+        """The versions held on ``worker_id`` for evaluations now (expired holds and members that are not
+        ``<version>|<holder>`` are ignored)."""
         key = evaluation_hold_key(policy, worker_id)
-        raw = await self.control._retry("evaluation_hold", lambda: self.redis.get(key))
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        return int(text) if text is not None and text.isdigit() and len(text) <= 18 else None
+
+        async def call() -> list[Any]:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zremrangebyscore(key, "-inf", time.time())
+                pipe.zrangebyscore(key, time.time(), "+inf")
+                return list((await pipe.execute())[1])
+        try:
+            members = await self.control._retry("evaluation_holds", call)
+        except redis_errors.ResponseError:  # not a sorted set: written by something else, holds nothing
+            return set()
+        held: set[int] = set()
+        for raw in members:
+            version = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split("|", 1)[0]
+            if version.isdigit() and len(version) <= 18:
+                held.add(int(version))
+        return held
 
     # -- the fleet ---------------------------------------------------------------------
     async def record_replica(self, policy: str, ack: ReplicaAck, ttl_s: float) -> None:

@@ -3,6 +3,7 @@ fleet rule over the replicas' acknowledgements, and a decision recorded on the r
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -279,18 +280,46 @@ def test_evaluation_holds_are_per_replica_released_expire_and_ignore_garbage(rl_
         control = ControlPlane(str(rl_config.redis.url))
         serving = ServingControl(control)
         try:
-            assert await serving.evaluation_hold(policy, "eval-0") is None
-            await serving.hold_for_evaluation(policy, "eval-0", 7, ttl_s=60)
-            assert await serving.evaluation_hold(policy, "eval-0") == 7
-            assert await serving.evaluation_hold(policy, "eval-1") is None  # another replica is not held
-            await serving.release_evaluation(policy, "eval-0")
-            assert await serving.evaluation_hold(policy, "eval-0") is None
-            await serving.hold_for_evaluation(policy, "eval-0", 8, ttl_s=1)  # a gate that died mid-evaluation
+            assert await serving.evaluation_holds(policy, "eval-0") == set()
+            await serving.hold_for_evaluation(policy, "eval-0", 7, ttl_s=60, holder="gate")
+            assert await serving.evaluation_holds(policy, "eval-0") == {7}
+            assert await serving.evaluation_holds(policy, "eval-1") == set()  # another replica is not held
+            await serving.release_evaluation(policy, "eval-0", 7, "gate")
+            assert await serving.evaluation_holds(policy, "eval-0") == set()
+            await serving.hold_for_evaluation(policy, "eval-0", 8, ttl_s=1, holder="gate")  # died mid-evaluation
             await asyncio.sleep(2.2)
-            assert await serving.evaluation_hold(policy, "eval-0") is None
+            assert await serving.evaluation_holds(policy, "eval-0") == set()
+            await control.redis.delete(evaluation_hold_key(policy, "eval-0"))
             await control.redis.set(evaluation_hold_key(policy, "eval-0"), "not-a-version")  # written by anyone
-            assert await serving.evaluation_hold(policy, "eval-0") is None
+            assert await serving.evaluation_holds(policy, "eval-0") == set()
+            await control.redis.delete(evaluation_hold_key(policy, "eval-0"))
+            await control.redis.zadd(evaluation_hold_key(policy, "eval-0"), {"x|y": time.time() + 60})
+            assert await serving.evaluation_holds(policy, "eval-0") == set()
         finally:
             await control.close()
 
     asyncio.run(scenario())
+
+
+def test_two_evaluations_hold_one_replica_side_by_side(rl_config: RlstreamConfig) -> None:
+    # the gate and rlstream up's held-out scoring evaluate on the same replica at once: each hold stands until its own
+    # holder releases it (one value per replica, as holds were kept before, lost the first hold when the second
+    # evaluation started and when it ended)
+    policy = rl_config.policy
+
+    async def scenario() -> list[set[int]]:
+        control = ControlPlane(str(rl_config.redis.url))
+        serving = ServingControl(control)
+        seen = []
+        try:
+            async with serving.held_for_evaluation(policy, "serve-0", 3, ttl_s=60):
+                seen.append(await serving.evaluation_holds(policy, "serve-0"))
+                async with serving.held_for_evaluation(policy, "serve-0", 4, ttl_s=60):
+                    seen.append(await serving.evaluation_holds(policy, "serve-0"))
+                seen.append(await serving.evaluation_holds(policy, "serve-0"))
+            seen.append(await serving.evaluation_holds(policy, "serve-0"))
+        finally:
+            await control.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [{3}, {3, 4}, {3}, set()]

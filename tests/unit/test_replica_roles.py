@@ -159,10 +159,11 @@ def test_inference_config_defaults_full_weights_follow_serving() -> None:
 
 
 def test_a_candidate_waits_only_on_an_evaluate_replica_held_on_its_loaded_version() -> None:
-    assert waits_for_evaluation("evaluate", held_version=3, loaded_version=3)
-    assert not waits_for_evaluation("evaluate", held_version=None, loaded_version=3)  # no hold
-    assert not waits_for_evaluation("evaluate", held_version=2, loaded_version=3)  # a stale hold on another version
-    assert not waits_for_evaluation("serve", held_version=3, loaded_version=3)  # serve replicas are never held
+    assert waits_for_evaluation("evaluate", held_versions={3}, loaded_version=3)
+    assert waits_for_evaluation("evaluate", held_versions={2, 3}, loaded_version=3)  # two evaluations at once
+    assert not waits_for_evaluation("evaluate", held_versions=set(), loaded_version=3)  # no hold
+    assert not waits_for_evaluation("evaluate", held_versions={2}, loaded_version=3)  # a stale hold on another version
+    assert not waits_for_evaluation("serve", held_versions={3}, loaded_version=3)  # a serve replica loads on
 
 
 def test_trimming_keeps_the_served_and_the_held_adapters() -> None:
