@@ -86,7 +86,7 @@ class FeedbackEndpoint:
         event = RewardEvent(trajectory_id=known.trajectory_id, group_id=known.group_id, example_id=known.example_id,
                             run_id=gw.config.run_id, reward=fb.reward, components=dict(fb.components),
                             feedback_id=fb.feedback_id)
-        queued = gw.capture.put(event)
+        queued = gw.capture.put(event, tenant)  # within the caller's tenant's share of the queue and spool
         if queued:
             self.corrections.accepted(tenant, known.trajectory_id, fb.feedback_id)
         return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
