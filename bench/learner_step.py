@@ -9,6 +9,16 @@ forward+backward+AdamW of the same tokens, measured in one run on the same model
 Prints one JSON object: seconds per step (median) of each, the ratios ours/TRL and ours/bare, tokens/s, peak
 memory and, on CUDA, the model FLOPs utilisation of ours and bare (6 * params * tokens / step time / peak, every
 prompt and completion token counted; ``--peak-tflops``, default H100 bf16 dense). Speed figures from a shared machine are noisy: compare the ratios, measured together.
+
+    python bench/learner_step.py --fsdp [--ranks 2] [--model-config small-30m] [--lora] [--device cuda]
+
+``--fsdp``: the sharded learner (``learner.parallelism: fsdp``) against replicated data parallelism, the same
+learner step on the same batch over ``--ranks`` processes (gloo on CPU, NCCL with one GPU per rank), run one after
+the other in one invocation. Prints per rank the peak memory during the steps and the step time of each, side by
+side with the ratio sharded / replicated, then one JSON line. Peak memory: on CUDA the allocator's peak; on CPU the
+peak resident set during the steps (``VmHWM``, reset after loading) above the process's resident set before the
+model existed. ``state_mb``: parameters, gradients and optimizer state held by the rank (exact). On CUDA also MFU
+per GPU (sharded: bf16 compute on fp32 master weights; replicated: bf16 weights, as the learner loads them).
 """
 from __future__ import annotations
 
@@ -37,6 +47,10 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                          tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # about 31M parameters: big enough on CPU that training state, not activations, dominates a rank's memory
+    "small-30m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                          tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
@@ -116,6 +130,151 @@ def model_choice(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r}: not tiny, smollm2, {', '.join(MODEL_CONFIGS)} nor a model directory")
 
 
+def _rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return float(line.split()[1]) / 1024
+    return 0.0
+
+
+def _release_host_memory() -> None:
+    """Give freed host memory back (so that the loading transient is not in the steps' peak) and reset the peak."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+
+
+def _state_mb(policy: Any, optimizer: torch.optim.Optimizer) -> float:
+    from rlstream.learner.sharded import local_part
+
+    total = sum(local_part(p).numel() * local_part(p).element_size() for p in policy.model.parameters())
+    total += sum(local_part(p.grad).numel() * local_part(p.grad).element_size() for p in policy.model.parameters()
+                 if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(local_part(t).numel() * local_part(t).element_size() for t in state.values()
+                     if isinstance(t, torch.Tensor))
+    return total / 2**20
+
+
+def _parallel_rank(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, workdir: str,
+                   out: str) -> None:
+    """One rank of ``--fsdp``: the learner step replicated or sharded; writes its figures to ``out``."""
+    import os
+
+    import torch.distributed as dist
+
+    from rlstream.learner.distributed import DataParallel
+    from rlstream.learner.sharded import shard_policy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        sharded = mode == "fsdp"
+        import peft  # noqa: F401 - the libraries are loaded before the baseline: it is the process without a model
+        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+        base_rss = _rss_mb("VmRSS")
+        # sharded: fp32 master weights on the host, sharded onto the device; replicated: the learner's dtype
+        load_dtype = torch.float32 if sharded else pick_dtype(device)
+        model, tokenizer = build_model(args.model_config, torch.device("cpu"), load_dtype, Path(workdir))
+        cfg = LearnerConfig(model="(in memory)", lora=LoraConfig(enabled=args.lora), learning_rate=1e-6,
+                            micro_batch_size=args.micro_batch, device=args.device, beta=0.0,
+                            parallelism="fsdp" if sharded else "replicate")
+        if args.lora:
+            from peft import LoraConfig as PeftLoraConfig
+            from peft import get_peft_model
+
+            torch.manual_seed(0)
+            model = get_peft_model(model, PeftLoraConfig(r=8, lora_alpha=16,
+                                                         target_modules=list(cfg.lora.target_modules)))
+        model.train()
+        parallel = DataParallel(rank=rank, world_size=world, device=device if device.type == "cuda" else
+                                torch.device("cpu"), sharded=sharded)
+        policy = Policy(model=model if sharded else model.to(device), tokenizer=tokenizer, device=device,
+                        dtype=pick_dtype(device), lora=args.lora, base_model="bench")
+        if sharded:
+            policy = shard_policy(policy, parallel, cfg)
+        trainer = GRPOTrainerStep(policy, cfg, parallel)
+        vocab = min(policy.model.config.vocab_size, 1000)
+        samples = make_samples(args.batch, args.prompt_len, args.completion_len, vocab)
+        del model
+        _release_host_memory()
+        loaded_rss = _rss_mb("VmRSS")
+        reset_peak(device)
+        times = timed(lambda: trainer.step(samples), args.warmup, args.iters, device)
+        figures = {"step_s": statistics.median(times), "state_mb": _state_mb(policy, trainer.optimizer),
+                   "params": sum(p.numel() for p in policy.model.parameters())}
+        if device.type == "cuda":
+            figures["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            figures["peak_mb"] = _rss_mb("VmHWM") - base_rss
+            figures["peak_rss_mb"] = _rss_mb("VmHWM")
+            figures["loaded_mb"] = loaded_rss - base_rss  # resident once the model is ready, before the steps
+        torch.save(figures, Path(out) / f"{mode}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_main(args: argparse.Namespace) -> None:
+    """``--fsdp``: replicated and sharded, ``--ranks`` processes each, side by side."""
+    import torch.multiprocessing as mp
+
+    from rlstream.ops.ports import free_port
+
+    workdir = Path(tempfile.mkdtemp(prefix="rlstream-bench-"))
+    if args.model_config == "tiny":
+        from rlstream.ops.toy import build_tiny_model
+
+        build_tiny_model(workdir / "tiny")  # once, before the ranks read it
+    per_mode: dict[str, list[dict[str, float]]] = {}
+    for mode in ("replicate", "fsdp"):
+        mp.spawn(_parallel_rank, args=(args.ranks, free_port(), mode, args, str(workdir), str(workdir)),
+                 nprocs=args.ranks, join=True)
+        per_mode[mode] = [torch.load(workdir / f"{mode}-{r}.pt", weights_only=True) for r in range(args.ranks)]
+    rep, fsdp = per_mode["replicate"], per_mode["fsdp"]
+    print(f"{args.model_config} ({rep[0]['params']:.0f} params), {args.ranks} ranks, {args.device}, "
+          f"{'LoRA' if args.lora else 'full fine-tuning'}, {args.batch} sequences of {args.prompt_len}+"
+          f"{args.completion_len} tokens per step")
+    print(f"{'rank':>4} {'replicated peak MB':>19} {'sharded peak MB':>16} {'ratio':>6} {'replicated state MB':>20} "
+          f"{'sharded state MB':>17} {'ratio':>6}")
+    for r in range(args.ranks):
+        print(f"{r:>4} {rep[r]['peak_mb']:>19.1f} {fsdp[r]['peak_mb']:>16.1f} "
+              f"{fsdp[r]['peak_mb'] / rep[r]['peak_mb']:>6.3f} {rep[r]['state_mb']:>20.1f} "
+              f"{fsdp[r]['state_mb']:>17.1f} {fsdp[r]['state_mb'] / rep[r]['state_mb']:>6.3f}")
+    if args.device == "cpu":
+        loaded = {mode: ", ".join(f"{f['loaded_mb']:.1f}" for f in figures) for mode, figures in per_mode.items()}
+        print(f"resident above the baseline once loaded, before the steps (MB, per rank): replicated "
+              f"{loaded['replicate']}; sharded {loaded['fsdp']}")
+    rep_s, fsdp_s = rep[0]["step_s"], fsdp[0]["step_s"]
+    print(f"step time: replicated {rep_s:.3f} s, sharded {fsdp_s:.3f} s, ratio {fsdp_s / rep_s:.3f}")
+    result: dict[str, Any] = {
+        "model": args.model_config, "device": args.device, "ranks": args.ranks, "lora": args.lora,
+        "params": rep[0]["params"], "batch": args.batch, "prompt_len": args.prompt_len,
+        "completion_len": args.completion_len,
+        "replicated_peak_mb": max(f["peak_mb"] for f in rep), "sharded_peak_mb": max(f["peak_mb"] for f in fsdp),
+        "replicated_state_mb": max(f["state_mb"] for f in rep), "sharded_state_mb": max(f["state_mb"] for f in fsdp),
+        "replicated_step_s": rep_s, "sharded_step_s": fsdp_s}
+    result["peak_ratio"] = result["sharded_peak_mb"] / result["replicated_peak_mb"]
+    result["state_ratio"] = result["sharded_state_mb"] / result["replicated_state_mb"]
+    result["step_time_ratio"] = fsdp_s / rep_s
+    if args.device == "cuda":
+        seen = args.batch * (args.prompt_len + args.completion_len)  # every rank's share of one step's tokens
+        for name, step_s in (("replicated", rep_s), ("sharded", fsdp_s)):
+            result[f"{name}_mfu"] = model_flops_utilization(int(rep[0]["params"]), seen, step_s,
+                                                             args.peak_tflops * args.ranks)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="tiny", type=model_choice,
@@ -131,7 +290,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                     help="the device's peak TFLOP/s for MFU (default: H100 bf16 dense)")
+    ap.add_argument("--fsdp", action="store_true", help="sharded (FSDP2) against replicated data parallel")
+    ap.add_argument("--ranks", type=int, default=2, help="--fsdp: processes (one GPU each on CUDA)")
+    ap.add_argument("--micro-batch", type=int, default=2, help="--fsdp: rows per micro-batch (split over ranks)")
     args = ap.parse_args()
+    if args.fsdp:
+        fsdp_main(args)
+        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = pick_dtype(device)
