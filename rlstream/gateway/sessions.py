@@ -78,11 +78,17 @@ class Trajectory:
         return event.model_copy(update={"trajectory_id": self.trajectory_id})
 
 
+def _utf8_len(value: object) -> int:
+    return len(str(value or "").encode("utf-8", errors="replace"))
+
+
 def call_bytes(call: RecordedCall) -> int:
-    """Roughly the memory one recorded call holds: its messages' text and its token ids (8 bytes each)."""
-    text = sum(len(str(m.content or "")) + len(str(m.tool_calls or "")) for m in call.request_messages)
+    """Roughly the memory one recorded call holds, and at least what it adds to its session's encoded record: its
+    messages' text in UTF-8 bytes (a character of non-Latin text is 2-4 of them) and its token ids and logprobs
+    (8 bytes each, more than their Avro encoding takes)."""
+    text = sum(_utf8_len(m.content) + _utf8_len(m.tool_calls) for m in call.request_messages)
     reply = call.response_message
-    text += len(str(reply.content or "")) + len(str(reply.tool_calls or ""))
+    text += _utf8_len(reply.content) + _utf8_len(reply.tool_calls)
     turn = call.turn
     tokens = sum(len(ids or ()) for ids in (turn.prompt_token_ids, turn.completion_token_ids,
                                              turn.completion_logprobs))

@@ -359,3 +359,17 @@ async def test_a_streamed_answer_is_handed_on_one_write_per_event() -> None:
     # the first event goes on as soon as it is read (its blank line follows); every later one in one write
     assert bodies[0].decode().startswith("data: ") and bodies[1] == b"\n"
     assert len(bodies) == 2 + len(events) - 1 and all(b.endswith(b"\n\n") for b in bodies[2:])
+
+
+def test_a_calls_size_counts_its_text_in_utf8_bytes() -> None:
+    # the session bound keeps a session's record below what Kafka accepts: non-Latin text takes 2-4 bytes a character
+    # there, so counting characters (the control) lets a session three times the bound through
+    from rlstream.gateway.sessions import call_bytes
+    from rlstream.rollout.capture import RecordedCall
+    from rlstream.schemas.models import Message, Turn
+
+    turn = Turn(model="m", prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-0.1])
+    text = "語" * 1000  # 3 bytes each in UTF-8
+    call = RecordedCall([Message(role="user", content=text)], Message(role="assistant", content="ok"), turn, "m")
+    assert call_bytes(call) >= len(text.encode()) + len("ok") + 3 * 8
+    assert len(text) < len(text.encode()) // 2  # what a count of characters would have taken
