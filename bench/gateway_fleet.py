@@ -205,7 +205,9 @@ async def run_fleet(args: argparse.Namespace) -> None:
                                                            loaded={0: MODEL}), 3600)
         fleet.streams_worker()
         single = await fleet.gateway("gateway-single", upstreams[0], "-o", "gateway.route_versions", "false")
-        members = [await fleet.gateway(f"gateway-{i}", upstreams[0]) for i in range(args.gateways)]
+        # no promotion gate here: the replicas' acknowledged version 0 serves without a serving pointer
+        members = [await fleet.gateway(f"gateway-{i}", upstreams[0], "-o", "gateway.serve_unpromoted", "true")
+                   for i in range(args.gateways)]
         in_memory = await fleet.gateway("gateway-in-memory", upstreams[0], "-o", "gateway.route_versions",
                                         "false", "-o", "gateway.session_stitching", "gateway", "-o",
                                         "gateway.session_idle_s", "600")

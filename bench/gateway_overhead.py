@@ -5,12 +5,12 @@ non-streamed calls and the time to first token of streamed ones, both ways, and 
     .venv/bin/python bench/gateway_overhead.py --requests 200 [--in-process] [--upstream canned] [--separate-core]
                                                [--no-logprobs] [--keys]
     .venv/bin/python bench/gateway_overhead.py --throughput [--requests 3000] [--rate 500] [--compare-tree DIR]
+    .venv/bin/python bench/gateway_overhead.py --endpoints [--keys] --requests 200
 
 `--throughput` (bench/gateway_throughput.py) measures one gateway process with keys and capture on in front of the
 canned upstream, its clients in processes of their own: calls/s and p50/p99 at 1, 16 and 64 concurrent clients,
 straight and through the gateway in the same run, the p99 added at 16 clients offering --rate calls/s, and the
 gateway's CPU per call; it ends with one JSON line of those figures.
-    .venv/bin/python bench/gateway_overhead.py --endpoints [--keys] --requests 200
 
 `--endpoints` times each endpoint (chat, completions, responses, messages; streamed and not) at 1 and 10 concurrent
 requests, in process against bench/canned_upstream.py's app, and prints the added latency p50/p99 of each.

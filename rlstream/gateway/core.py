@@ -28,12 +28,13 @@ from rlstream.gateway.queue import CaptureQueue, CaptureRefused, Submitter
 from rlstream.gateway.sessions import SessionStore, Trajectory, recorded_call
 from rlstream.gateway.shared_ids import TRACEPARENT_HEADER, Background, TenantMap, dumps_known, trace_ids
 from rlstream.gateway.spool import Spool
-from rlstream.gateway.upstreams import UpstreamAllowlist
+from rlstream.gateway.upstreams import UpstreamAllowlist, upstream_default_temperature
 from rlstream.rollout.capture import to_message
 from rlstream.rollout.routing import (FleetRouter, NoServingVersion, OutstandingTransport, StaticFleet,
                                       VersionForbidden, VersionNotLoaded, caller_identity)
 from rlstream.schemas.masking import mask_text
 from rlstream.schemas.models import CallEvent
+from rlstream.schemas.sampling import NEUTRAL_TEMPERATURE
 from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
@@ -121,6 +122,10 @@ def upstream_failed(exc: Exception, config: GatewaySettings, what: str = "unreac
     return openai_error(502, f"upstream {what} ({type(exc).__name__})", "upstream_error")
 
 
+#: seconds between lookups of the upstream's default temperature while it is not known
+DEFAULTS_RETRY_S = 30.0
+
+
 class Gateway:
     """State of one gateway: the upstream client, open sessions, the capture queue; with ``metrics``, the
     gateway's overhead per captured call (``metric_names.GATEWAY_OVERHEAD_S``, Prometheus only).
@@ -178,6 +183,12 @@ class Gateway:
         #: a session's calls go to ``calls`` and the stream app stitches them (no session held here)
         self.stitch_in_streams = config.session_stitching == "streams"
         self.gateway_id = config.gateway_id or f"{config.host}:{config.port}"
+        #: the temperature a request that names none is recorded at (gateway.default_temperature, else the
+        #: upstream's generation defaults, looked up at start and again every DEFAULTS_RETRY_S until known)
+        self.default_temperature = (config.default_temperature if config.default_temperature is not None
+                                    else NEUTRAL_TEMPERATURE)
+        self._defaults_known = config.default_temperature is not None
+        self._defaults_tried = -math.inf
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -195,6 +206,7 @@ class Gateway:
                 Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes,
                 max(1, int(self.config.spool_max_bytes * self.tenant_share))))
         self.capture.start()
+        await self.learn_default_temperature()
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-sessions")
 
     async def stop(self) -> None:
@@ -224,6 +236,20 @@ class Gateway:
             for traj in self.sessions.idle():
                 self.publish(traj)
             await self._emit_bounds()
+            if not self._defaults_known and time.monotonic() - self._defaults_tried >= DEFAULTS_RETRY_S:
+                await self.learn_default_temperature()
+
+    async def learn_default_temperature(self) -> None:
+        """Read the upstream's default temperature (:func:`upstream_default_temperature`) into
+        :attr:`default_temperature`, unless ``gateway.default_temperature`` set it or it is known already."""
+        if self._defaults_known:
+            return
+        self._defaults_tried = time.monotonic()
+        found = await upstream_default_temperature(self.client, self.config.upstream_base)
+        if found is not None:
+            self.default_temperature, self._defaults_known = found, True
+            log.info("requests without a temperature are recorded at the upstream's default",
+                     temperature=found, upstream=self.config.upstream_shown)
 
     async def _emit_bounds(self) -> None:
         """The bounds' running totals to Prometheus (when the gateway has metrics)."""
@@ -435,7 +461,7 @@ class Gateway:
                         trajectory_id=traj.trajectory_id, tokens=len(completion_ids), logprobs=len(logprobs))
         try:  # the turn carries the version this call was routed to (a session may straddle a reload)
             call = recorded_call(body, message, prompt_ids, completion_ids, logprobs, finish_reason, served,
-                                 policy_version=version)
+                                 policy_version=version, default_temperature=self.default_temperature)
         except Exception as exc:
             log.error("call not captured", error=str(exc))
             return

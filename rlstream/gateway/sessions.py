@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from rlstream.rollout.capture import RecordedCall, Recording
 from rlstream.schemas.models import Message, TrajectoryEvent, TrajectorySource, new_id
+from rlstream.schemas.sampling import NEUTRAL_TEMPERATURE
 from rlstream.schemas.sessions import MESSAGES, TOKENS, continues
 
 
@@ -236,9 +237,11 @@ class SessionStore:
 
 def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: list[int] | None,
                   completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,
-                  served_model: str, *, policy_version: int | None = None) -> RecordedCall:
+                  served_model: str, *, policy_version: int | None = None,
+                  default_temperature: float = NEUTRAL_TEMPERATURE) -> RecordedCall:
     """A gateway call as capture's RecordedCall (grammar-constrained logprobs dropped, as capture does); its turn
-    carries ``policy_version`` (the version the call was routed to) and the request's sampling temperature."""
+    carries ``policy_version`` (the version the call was routed to) and the request's sampling temperature
+    (``default_temperature``, the upstream's default, when the request names none)."""
     from rlstream.rollout.capture import constrained, request_temperature, request_tools, to_message
     from rlstream.schemas.models import Turn
 
@@ -249,7 +252,8 @@ def recorded_call(request: dict[str, Any], message: dict[str, Any], prompt_ids: 
         logprobs = None
     turn = Turn(model=str(request.get("model")), prompt_token_ids=prompt_ids, completion_token_ids=completion_ids,
                 completion_logprobs=logprobs, trainable=True, finish_reason=finish_reason,
-                policy_version=policy_version, temperature=request_temperature(request))
+                policy_version=policy_version,
+                temperature=request_temperature(request, default_temperature))
     return RecordedCall(request_messages=[to_message(m) for m in request.get("messages", [])],
                         response_message=to_message(message), turn=turn, served_model=served_model,
                         tools=request_tools(request))

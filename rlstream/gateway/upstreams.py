@@ -7,12 +7,14 @@ per address and counted (``refused``)."""
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import httpx
 
 from rlstream.schemas.masking import mask_url
+from rlstream.schemas.sampling import server_default_temperature
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -82,3 +84,29 @@ class UpstreamAllowlist:
         except ValueError:
             return False
         return any(address in network for network in self.networks)
+
+
+def served_base_root(listing: object) -> str | None:
+    """The base model of an OpenAI-compatible ``/v1/models`` answer: ``root`` (vLLM: the path or id it loaded) of
+    the first entry without a ``parent`` (a LoRA adapter names its base as parent); None when there is none."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    for model in data if isinstance(data, list) else []:
+        if isinstance(model, dict) and not model.get("parent") and isinstance(model.get("root"), str):
+            return str(model["root"])
+    return None
+
+
+async def upstream_default_temperature(client: httpx.AsyncClient, base: str, timeout_s: float = 5.0) -> float | None:
+    """The temperature the upstream at ``base`` (ending in ``/v1``) samples a request that names none at, read from
+    its base model's ``generation_config.json`` as vLLM does with ``--generation-config auto``
+    (:func:`server_default_temperature`); None when it cannot be told (the upstream does not answer, or its base
+    model is no directory on this host)."""
+    try:
+        response = await client.get(f"{base}/models", timeout=timeout_s)
+        root = served_base_root(response.json()) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("upstream's default temperature not known yet", upstream=mask_url(base), error=type(exc).__name__)
+        return None
+    if root is None or not Path(root).is_dir():
+        return None
+    return server_default_temperature(root)

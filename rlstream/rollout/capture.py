@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, TypeVar
 
 from rlstream.rollout.streaming import StreamAccumulator
+from rlstream.schemas.sampling import NEUTRAL_TEMPERATURE
 from rlstream.transport.log import get_logger
 from rlstream.schemas.models import (TOOLS_METADATA_KEY, Message, ToolCall, TrajectoryEvent, TrajectorySource,
                                      Turn)
@@ -114,13 +115,14 @@ def routed_version(model: str) -> int | None:
     return version(model) if version is not None else None
 
 
-def request_temperature(request: dict[str, Any]) -> float:
-    """The sampling temperature a chat request asked for: its ``temperature`` when it is a number, else 1.0 (the
-    OpenAI default; an absent or non-numeric value, such as the client's "not given" marker)."""
+def request_temperature(request: dict[str, Any], default: float = NEUTRAL_TEMPERATURE) -> float:
+    """The sampling temperature of a chat request: its ``temperature`` when it is a number, else ``default``, the
+    server's for a request that names none (an absent or non-numeric value, such as the client's "not given"
+    marker; :func:`rlstream.schemas.sampling.server_default_temperature` for vLLM)."""
     value = request.get("temperature")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    return 1.0
+    return default
 
 
 # --- one recorded trajectory ---------------------------------------------------------------------
@@ -143,6 +145,9 @@ class Recording:
     target_functions: list[str] = field(default_factory=lambda: [WORKFLOW])
     target_model: str | None = None
     calls: list[RecordedCall] = field(default_factory=list)
+    #: the temperature a call that names none was sampled at: the server's default
+    #: (:func:`rlstream.schemas.sampling.server_default_temperature` for vLLM)
+    default_temperature: float = NEUTRAL_TEMPERATURE
     _token: contextvars.Token["Recording | None"] | None = None
     _fn_token: contextvars.Token[tuple[str, ...]] | None = None
 
@@ -397,7 +402,8 @@ def _add_call(recording: Recording, where: tuple[bool, str | None], kwargs: dict
         logprobs = None
     turn = Turn(model=str(kwargs.get("model")), function=function, prompt_token_ids=prompt_ids,
                 completion_token_ids=completion_ids, completion_logprobs=logprobs, trainable=trainable,
-                finish_reason=finish_reason, policy_version=policy_version, temperature=request_temperature(kwargs))
+                finish_reason=finish_reason, policy_version=policy_version,
+                temperature=request_temperature(kwargs, recording.default_temperature))
     recording.add(RecordedCall(
         request_messages=[to_message(m) for m in kwargs.get("messages", [])],
         response_message=to_message(message),

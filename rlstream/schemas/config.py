@@ -259,6 +259,10 @@ class StreamsConfig(Section):
         "after a group is sent, commit its transaction this many seconds later instead of at the next periodic "
         "commit (commit_interval_s), so read_committed readers (the learner) see it sooner; groups sent in the "
         "meantime share that commit. 0 = periodic commits only"))
+    session_commit_delay_s: float = Field(0.005, ge=0, description=(
+        "the same for a session's stitched trajectory (a session ended or went idle): its commit comes this many "
+        "seconds after it is sent, so a session's trajectory is readable (read_committed) within about this plus "
+        "the commit; outputs sent in the meantime share that commit. 0 = periodic commits only"))
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
     standby_replicas: int = Field(0, ge=0, description="Faust standby replicas of each table partition")

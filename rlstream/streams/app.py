@@ -15,6 +15,7 @@ changelogs (streams/exactly_once/state_reset.py) and records are admitted only f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -60,6 +61,38 @@ from rlstream.streams.exactly_once.transactions import (BufferTracker, SourcePar
 
 log = get_logger(__name__)
 SERVICE = "streams"
+
+
+class CommitSoon:
+    """When the next early commit is due: the soonest ``sent + delay`` of the outputs sent since the last one (a
+    delay of 0 asks for none: the periodic commit takes them)."""
+
+    def __init__(self) -> None:
+        self._due: float | None = None
+        self._sooner = asyncio.Event()
+
+    def request(self, delay_s: float) -> None:
+        """An output was sent: commit it within ``delay_s`` (or sooner, for another output's shorter delay)."""
+        if delay_s <= 0:
+            return
+        due = time.monotonic() + delay_s
+        if self._due is None or due < self._due:
+            self._due = due
+            self._sooner.set()
+
+    async def wait(self) -> None:
+        """Return once a requested commit is due; outputs sent from then on ask for the next one."""
+        while True:
+            if self._due is None:
+                await self._sooner.wait()
+            self._sooner.clear()
+            assert self._due is not None
+            remaining = self._due - time.monotonic()
+            if remaining <= 0:
+                self._due = None
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._sooner.wait(), remaining)
 
 
 def ticks_topic_name(cfg: RlstreamConfig) -> str:
@@ -196,7 +229,8 @@ class StreamsApp:
         # outputs join the transaction of the source partition (see streams/exactly_once/transactions.py)
         self.app = SourcePartitionApp(self.cfg.streams.app_id, **settings)
         self.processing_lock = asyncio.Lock()
-        self.group_sent = asyncio.Event()  # a group waits for its transaction's commit (commit_sent_groups)
+        #: a sent group or stitched trajectory waits for its transaction's commit (commit_sent_outputs)
+        self.commit_soon = CommitSoon()
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         # calls (keyed by session id) share the agent, and so the partition transactions, of the other inputs
         self.source = self.app.topic(self.names.trajectories, self.names.rewards, self.names.calls, self.ticks, **raw)
@@ -299,10 +333,9 @@ class StreamsApp:
             self._metrics = MetricsPublisher(producer, self.codec, self.names.metrics, f"{SERVICE}:{self.worker_id}",
                                              self.cfg.run_id, self.cfg.streams.prometheus_port)
 
-        if self.cfg.streams.group_commit_delay_s > 0:
-            @app.task
-            async def commit_sent_groups() -> None:
-                await self.commit_sent_groups(self.cfg.streams.group_commit_delay_s)
+        @app.task
+        async def commit_sent_outputs() -> None:
+            await self.commit_sent_outputs()
 
         @app.timer(self.cfg.streams.tick_interval_s)
         async def tick() -> None:
@@ -339,14 +372,13 @@ class StreamsApp:
             await self.offset_probe.close()
             await self.offset_reader.close()
 
-    async def commit_sent_groups(self, delay_s: float) -> None:
-        """Commit ``delay_s`` after a group was sent, ahead of the periodic commit: a group is readable under
+    async def commit_sent_outputs(self) -> None:
+        """Commit soon after a group (``streams.group_commit_delay_s``) or a stitched trajectory
+        (``streams.session_commit_delay_s``) was sent, ahead of the periodic commit: either is readable under
         read_committed only once the transaction that holds it commits. Faust's public ``Consumer.commit`` does the
         commit, as its own commit timer does; a commit that fails is left to the periodic one."""
         while True:
-            await self.group_sent.wait()
-            await asyncio.sleep(delay_s)
-            self.group_sent.clear()
+            await self.commit_soon.wait()
             if self.app.rebalancing:
                 continue
             try:
@@ -482,6 +514,7 @@ class StreamsApp:
             self.telemetry.count(name, n)
         for trajectory in stitched.trajectories:
             await self.trajectories_out.send(key=trajectory.example_id.encode(), value=self.codec.encode(trajectory))
+            self.commit_soon.request(self.cfg.streams.session_commit_delay_s)  # a session's end waits on no more
         for reward in stitched.rewards:
             await self.rewards_out.send(key=reward.example_id.encode(), value=self.codec.encode(reward))
 
@@ -562,7 +595,7 @@ class StreamsApp:
                                                member.source, group.example_id.encode(), member.payload))
             return
         await self.groups_out.send(key=group.example_id.encode(), value=value)
-        self.group_sent.set()
+        self.commit_soon.request(self.cfg.streams.group_commit_delay_s)
         self.telemetry.count(mn.STREAMS_EVENTS_OUT)
         self.telemetry.count(mn.STREAMS_GROUPS_EMITTED, reason=group.completion.value)
         latency_s = time.time() - finished.last_member_ts
