@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rlstream.gateway.auth import Principal
-from rlstream.gateway.core import Gateway, openai_error, request_session, upstream_failed, upstream_json
+from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
+                                   upstream_json)
 from rlstream.gateway.filtering import TOKEN_IDS, rejects_extensions
 from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
 from rlstream.gateway.relay import read_head, relayed
@@ -299,18 +300,34 @@ class Completions:
         traj, headers = gw.begin(session_id, recorded, follow.prompt_ids, version, task)
         headers = gw.sign(headers, caller, request_session(request), follow.response_id)
 
+        finished = False
+
         def record() -> None:
-            if not follow.chunks:
+            """Capture the call once; :class:`RequestRejected` when Kafka cannot take it."""
+            nonlocal finished
+            if finished or not follow.chunks:
                 return
+            finished = True
             if follow.other_choices:
                 log.warning("a streamed completion with several choices: the first is captured")
             tokens = follow.tokens()
-            with contextlib.suppress(RequestRejected):  # a capture Kafka refuses: logged and counted by the core
-                gw.finish(traj, recorded, {"role": "assistant", "content": "".join(follow.text)},
-                          tokens.prompt_ids, tokens.completion_ids, tokens.logprobs, follow.finish_reason, model,
-                          version)
+            gw.finish(traj, recorded, {"role": "assistant", "content": "".join(follow.text)},
+                      tokens.prompt_ids, tokens.completion_ids, tokens.logprobs, follow.finish_reason, model, version)
+
+        def render(line: str) -> str:
+            # captured before the client hears the end: a capture Kafka refuses ends the stream in error
+            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                try:
+                    record()
+                except RequestRejected as refusal:
+                    return capture_refused_event(refusal) + line + "\n"
+            return follow.render(line)
+
+        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
+            with contextlib.suppress(RequestRejected):
+                record()
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, rendered, follow.render, handed_on, record, headers)
+        return relayed(response, lines, rendered, render, handed_on, record_at_end, headers)

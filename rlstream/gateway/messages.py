@@ -494,14 +494,31 @@ class Messages:
         traj, headers = gw.begin(session_id, chat, acc.prompt_ids, version, task)
         headers = gw.sign(headers, caller, request_session(request), follow.response_id)
 
+        finished = False
+
         def record() -> None:
-            if not acc.chunks:
+            """Capture the call once; :class:`RequestRejected` when Kafka cannot take it."""
+            nonlocal finished
+            if finished or not acc.chunks:
                 return
-            with contextlib.suppress(RequestRejected):  # a capture Kafka refuses: logged and counted by the core
-                gw.finish(traj, chat, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
-                          acc.finish_reason, model, version)
+            finished = True
+            gw.finish(traj, chat, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
+                      acc.finish_reason, model, version)
+
+        def render(line: str) -> str:
+            # captured before the client hears the end: a capture Kafka refuses ends the stream with an error event
+            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                try:
+                    record()
+                except RequestRejected as refusal:
+                    return sse("error", {"error": {"type": ERROR_TYPES[413], "message": refusal.message}})
+            return follow.render(line)
+
+        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
+            with contextlib.suppress(RequestRejected):
+                record()
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, rendered, follow.render, handed_on, record, headers)
+        return relayed(response, lines, rendered, render, handed_on, record_at_end, headers)

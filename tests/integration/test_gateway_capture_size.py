@@ -25,9 +25,21 @@ pytestmark = pytest.mark.integration
 HUGE = "x" * 2_000_000  # 2 MB: twice a Kafka record
 
 
+def completion_upstream(body: dict) -> httpx.Response:
+    """vLLM's streamed Completions answer: 2 MB of text for the prompt ``big``, else ``ok``."""
+    text = HUGE if body["prompt"] == "big" else "ok"
+    chunks = [{"id": "cmpl", "model": "m", "choices": [{"index": 0, "text": text, "prompt_token_ids": [1, 2],
+                                                        "token_ids": [3], "logprobs": {"token_logprobs": [-0.5]}}]},
+              {"id": "cmpl", "model": "m", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+
 def upstream(request: httpx.Request) -> httpx.Response:
     """vLLM's answer: 2 MB of text for a prompt that asks for ``big``, else ``ok``; streamed when asked."""
     body = json.loads(request.content)
+    if request.url.path.endswith("/v1/completions"):
+        return completion_upstream(body)
     text = HUGE if body["messages"][-1]["content"] == "big" else "ok"
     if body.get("stream"):
         chunks = [{"id": "c", "model": "m", "prompt_token_ids": [1, 2],
@@ -53,7 +65,12 @@ async def calls(config: GatewaySettings, publisher: TrajectoryPublisher) -> tupl
                 return await c.post("/v1/chat/completions", json={
                     "model": "m", "messages": [{"role": "user", "content": content}], **extra})
             return {"body": await chat(HUGE), "answer": await chat("big"),
-                    "streamed": await chat("big", stream=True), "small": await chat(USER["content"])}, gateway
+                    "streamed": await chat("big", stream=True), "small": await chat(USER["content"]),
+                    "completion_streamed": await c.post("/v1/completions", json={
+                        "model": "m", "prompt": "big", "stream": True}),
+                    "messages_streamed": await c.post("/v1/messages", json={
+                        "model": "m", "max_tokens": 8, "stream": True,
+                        "messages": [{"role": "user", "content": "big"}]})}, gateway
     finally:
         await gateway.stop()
 
@@ -84,11 +101,19 @@ async def test_a_call_kafka_cannot_take_is_never_answered_2xx(rl_config: Rlstrea
     assert streamed.status_code == 200  # the headers went out with the first event; the end tells the client
     events = [line[5:].strip() for line in streamed.text.splitlines() if line.startswith("data:")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 413
+    completion = answers["completion_streamed"]  # Completions: the same error event before [DONE]
+    events = [line[5:].strip() for line in completion.text.splitlines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 413
+    messages = answers["messages_streamed"]  # Anthropic Messages: an error event instead of message_stop
+    kinds = [line[6:].strip() for line in messages.text.splitlines() if line.startswith("event:")]
+    assert kinds[-1] == "error" and "message_stop" not in kinds
+    assert json.loads(messages.text.strip().splitlines()[-1][5:])["error"]["type"] == "request_too_large"
     assert answers["small"].status_code == 200
     captured = {e.trajectory_id for e in await on_topic(rl_config, created_topics)}
     assert trajectory_id(answers["small"]) in captured  # what was answered 2xx is on the topic
-    assert trajectory_id(streamed) not in captured and len(captured) == 1
-    assert gateway.capture.stats.refused == 2 and gateway.capture.stats.failed == 0
+    assert not {trajectory_id(streamed), trajectory_id(completion), trajectory_id(messages)} & captured
+    assert len(captured) == 1
+    assert gateway.capture.stats.refused == 4 and gateway.capture.stats.failed == 0
 
 
 async def test_control_a_gateway_limit_above_kafkas_answers_200_and_loses_the_call(
@@ -109,4 +134,7 @@ async def test_control_a_gateway_limit_above_kafkas_answers_200_and_loses_the_ca
     captured = {e.trajectory_id for e in await on_topic(rl_config, created_topics)}
     assert trajectory_id(big) not in captured and trajectory_id(gateway_answers["body"]) not in captured
     assert trajectory_id(gateway_answers["small"]) in captured  # the broker itself was working
-    assert gateway.capture.stats.failed == 3  # the producer refused the three 2 MB records after the 200s
+    for streamed in ("streamed", "completion_streamed", "messages_streamed"):  # ended as if captured
+        assert "error" not in gateway_answers[streamed].text and "413" not in gateway_answers[streamed].text
+        assert trajectory_id(gateway_answers[streamed]) not in captured
+    assert gateway.capture.stats.failed == 5  # the producer refused the five 2 MB records after the 200s
