@@ -649,6 +649,12 @@ class GatewayConfig(Section):
                                  "POLICY@N to version N, on the replicas that acknowledged loading it (Redis: the "
                                  "serving pointer and the inference workers' heartbeats); false: requests go as asked")
     policy_version: int = Field(0, ge=0, description="the version recorded when no router (Redis) tells it")
+    default_temperature: float | None = Field(None, ge=0, description="the temperature a request that names none "
+                                              "is recorded at: the upstream's default. None: the base model's "
+                                              "generation_config.json, when the upstream's /v1/models root is a "
+                                              "directory on this host (vLLM's --generation-config auto), else 1.0; "
+                                              "set it for an upstream started with --generation-config vllm or "
+                                              "--override-generation-config")
     serve_unpromoted: bool = Field(False, description="only for a deployment without a promotion gate: while no "
                                    "serving pointer exists, the policy's name goes to the newest version a replica "
                                    "loaded (unevaluated versions answer users); false: answered 503 until the gate "
