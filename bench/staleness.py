@@ -54,7 +54,8 @@ from rlstream.schemas.config import LearnerConfig, LoraConfig  # noqa: E402
 #: ratio is outside [``--mask-low``, ``--importance-cap``] get no loss). ``none``: behaviour logprobs withheld, the
 #: stale rollouts trained as if on-policy (the control that shows what a correction is worth). ``cispo``: the
 #: learner's ``importance_correction="cispo"`` (MiniMax-M1's clipped, detached IS weight; no PPO clip).
-CORRECTIONS = ("tis", "mask", "cispo", "none")
+#: ``sequence``: the learner's ``importance_correction="sequence"`` (GSPO's geometric-mean ratio, one per turn).
+CORRECTIONS = ("tis", "mask", "cispo", "sequence", "none")
 _TRAIN_PROMPT_SEED = 10_000  # training prompts of seed s: toy_dataset(..., seed=_TRAIN_PROMPT_SEED + s)
 _SAMPLING_SEED_STRIDE = 1_000_003  # sampling seed of step t under seed s: s * stride + t
 _EVAL_SAMPLING_SEED = 123
@@ -96,15 +97,16 @@ def train(model_dir: Path, lag: int, seed: int, args: argparse.Namespace) -> Run
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), learning_rate=args.lr,
                         micro_batch_size=args.prompts * args.group_size, total_steps=args.steps, device="cpu",
-                        scale_rewards=TOY_DEFAULTS["learner"]["scale_rewards"], importance_cap=args.importance_cap)
+                        scale_rewards=TOY_DEFAULTS["learner"]["scale_rewards"], importance_cap=args.importance_cap,
+                        num_iterations=args.num_iterations)
     policy = Policy(model=model, tokenizer=tokenizer, device=torch.device("cpu"), dtype=torch.float32, lora=False,
                     base_model=str(model_dir))
     trainer = GRPOTrainerStep(policy, cfg)
     if args.correction == "mask":
         trainer.loss_cfg = dataclasses.replace(trainer.loss_cfg, importance_correction="mask",
                                                importance_mask_low=args.mask_low)
-    elif args.correction == "cispo":
-        trainer.loss_cfg = dataclasses.replace(trainer.loss_cfg, importance_correction="cispo")
+    elif args.correction in ("cispo", "sequence"):
+        trainer.loss_cfg = dataclasses.replace(trainer.loss_cfg, importance_correction=args.correction)
     train_set = toy_dataset(args.steps * args.prompts, seed=_TRAIN_PROMPT_SEED + seed)
     held = toy_dataset(args.heldout, seed=HELDOUT_SEED)
     versions: deque[Any] = deque([copy.deepcopy(model).eval()], maxlen=lag + 1)  # the last lag+1 policies
@@ -145,6 +147,8 @@ def cached_train(model_dir: Path, lag: int, seed: int, args: argparse.Namespace)
     """:func:`train`, read from ``--cache-dir`` when a run of the same settings left its curve there (an on-policy
     run does not depend on ``--correction``, ``--importance-cap`` or ``--mask-low``: its importance weights are 1)."""
     names = ["steps", "prompts", "group_size", "max_tokens", "lr", "eval_every", "eval_samples", "heldout"]
+    if args.num_iterations != 1:  # (runs cached before the flag existed had 1)
+        names.append("num_iterations")
     if lag > 0:
         names += ["correction", "importance_cap"] + (["mask_low"] if args.correction == "mask" else [])
     settings = {name: getattr(args, name) for name in names}
@@ -199,6 +203,9 @@ def main() -> None:
     parser.add_argument("--importance-cap", type=float, default=LearnerConfig.model_fields["importance_cap"].default,
                         help="learner.importance_cap: truncation of the importance weight batch-start / behaviour")
     parser.add_argument("--mask-low", type=float, default=0.5, help="--correction mask: the smallest ratio kept")
+    parser.add_argument("--num-iterations", type=int, default=LearnerConfig.model_fields["num_iterations"].default,
+                        help="learner.num_iterations: optimizer steps per batch, on-policy and stale alike (from the "
+                        "second one the PPO clip acts against the batch-start policy: AReaL's decoupled objective)")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt")
     parser.add_argument("--heldout", type=int, default=24, help="held-out prompts (the main job's set)")
@@ -230,6 +237,7 @@ def main() -> None:
     print(json.dumps({
         "lag": args.lag, "seeds": seeds, "correction": args.correction, "importance_cap": args.importance_cap,
         "mask_low": args.mask_low if args.correction == "mask" else None, "lr": args.lr, "steps": args.steps,
+        "num_iterations": args.num_iterations,
         "samples_per_step": args.prompts * args.group_size,
         "auc_ratio": [round(stale.auc / on.auc, 4) if on.auc else None for on, stale in runs.values()],
         "gain_ratio": [gain_ratio(on, stale) for on, stale in runs.values()],

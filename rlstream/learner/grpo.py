@@ -335,6 +335,42 @@ def masked_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: to
     return torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
 
 
+def sequence_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
+                                mask: torch.Tensor, cap: float) -> torch.Tensor | None:
+    r"""
+    Sequence-level importance weight of each turn against the rollout's sampler: GSPO's length-normalised ratio
+    (Zheng et al. 2025, "Group Sequence Policy Optimization"), the geometric mean of the turn's token ratios,
+    truncated, and shared by every token of the turn.
+
+    $$w_b = \min\left(\exp\left(\frac{1}{|y_b|} \sum_t m_{bt}
+    \left(\log\pi_{\theta_\text{old}}(y_{bt}) - \log\mu(y_{bt})\right)\right), C\right)$$
+
+    A token-level weight follows each token's own drift (high variance when the behaviour policy is several versions
+    old); the sequence weight averages the log-ratios of the turn first. No gradient. Hand-computed: two tokens with
+    $\log\pi_{\theta_\text{old}} - \log\mu = \log 4$ and $0$: weight $\exp(\log 4 / 2) = 2$ on both (token-level:
+    4 capped to $C$, and 1).
+
+    Args:
+        old_logprobs (`torch.Tensor`):
+            $\log \pi_{\theta_\text{old}}$, the batch-start policy, shape `(B, T)`.
+        behaviour_logprobs (`torch.Tensor` or `None`):
+            $\log \mu$, shape `(B, T)`; `None` for on-policy data.
+        mask (`torch.Tensor`):
+            $m$, the turn's completion tokens, shape `(B, T)`.
+        cap (`float`):
+            The truncation $C$.
+
+    Returns:
+        `torch.Tensor` or `None`: weights, shape `(B, T)` (one value per row); `None` when `behaviour_logprobs` is
+        `None`.
+    """
+    if behaviour_logprobs is None:
+        return None
+    m = mask.to(old_logprobs.dtype)
+    mean_log_ratio = ((old_logprobs.detach() - behaviour_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return torch.exp(mean_log_ratio).clamp(max=cap).unsqueeze(-1).expand_as(old_logprobs)
+
+
 def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     r"""
     Probability ratio of each token between the current and the batch-start policy (PPO).
@@ -502,8 +538,9 @@ class LossConfig:
     importance_cap: float = 2.0
     #: ``"truncate"``: :func:`truncated_importance_weights` at ``importance_cap``; ``"mask"``:
     #: :func:`masked_importance_weights` keeping ratios in [``importance_mask_low``, ``importance_cap``];
-    #: ``"cispo"``: :func:`cispo_loss` (no PPO clip; clipped, detached weights against the behaviour policy)
-    importance_correction: Literal["truncate", "mask", "cispo"] = "truncate"
+    #: ``"cispo"``: :func:`cispo_loss` (no PPO clip; clipped, detached weights against the behaviour policy);
+    #: ``"sequence"``: :func:`sequence_importance_weights` at ``importance_cap`` (one weight per turn)
+    importance_correction: Literal["truncate", "mask", "cispo", "sequence"] = "truncate"
     importance_mask_low: float = 0.5
     beta: float = 0.0
     aggregation: LossAggregation = "token_mean"
@@ -527,8 +564,9 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
               total_sequences: float | None = None, trajectory_tokens: torch.Tensor | None = None,
               total_trajectories: float | None = None) -> LossParts:
     r"""
-    The GRPO loss of one (micro-)batch: clipped surrogate x IS weight (truncated, or masked with
-    ``cfg.importance_correction="mask"``) + beta * k3 KL, aggregated.
+    The GRPO loss of one (micro-)batch: clipped surrogate x IS weight (truncated, masked with
+    ``cfg.importance_correction="mask"``, or one per turn with ``"sequence"``; ``"cispo"`` replaces the surrogate
+    with :func:`cispo_loss`) + beta * k3 KL, aggregated.
 
     $$\ell_t = -\min\left(\rho_t A, \operatorname{clip}(\rho_t, 1-\epsilon_\text{low}, 1+\epsilon_\text{high}) A\right) w_t
     + \beta\, k_3, \qquad \mathcal{L} = \operatorname{aggregate}(\ell, m)$$
@@ -565,6 +603,8 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
         if cfg.importance_correction == "mask":
             weights = masked_importance_weights(old, behaviour_logprobs, cfg.importance_mask_low,
                                                 cfg.importance_cap)
+        elif cfg.importance_correction == "sequence":
+            weights = sequence_importance_weights(old, behaviour_logprobs, mask, cfg.importance_cap)
         else:
             weights = truncated_importance_weights(old, behaviour_logprobs, cfg.importance_cap)
         if weights is not None:

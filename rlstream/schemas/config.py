@@ -368,12 +368,14 @@ class LearnerConfig(Section):
                                 "clip-higher)")
     importance_cap: float = Field(2.0, ge=1.0, description="truncated importance sampling: cap of the ratio of "
                                   "the batch-start policy to the rollout's recorded (behaviour) logprobs")
-    importance_correction: Literal["truncate", "mask", "cispo"] = Field(
+    importance_correction: Literal["truncate", "mask", "cispo", "sequence"] = Field(
         "truncate", description="how samples from an older (behaviour) policy are corrected: truncate (truncated "
         "importance sampling, Yao et al. 2025: weight min(pi_old / mu, importance_cap) on PPO's clipped surrogate), "
         "mask (masked importance sampling: tokens whose ratio is outside [importance_mask_low, importance_cap] get no "
         "loss), cispo (MiniMax-M1, 2025: the policy-gradient loss -sg(min(pi / mu, importance_cap)) A log pi, no PPO "
-        "clip, so every token keeps its gradient); docs/off-policy.md")
+        "clip, so every token keeps its gradient), sequence (GSPO, Zheng et al. 2025: one weight per turn, the geometric "
+        "mean of its token ratios pi_old / mu, truncated at importance_cap, on PPO's clipped surrogate); "
+        "docs/off-policy.md")
     importance_mask_low: float = Field(0.5, gt=0, le=1.0, description="mask correction: the lowest ratio kept")
     beta: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference (the base model); 0 = no "
                         "reference model")
