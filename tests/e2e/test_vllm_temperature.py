@@ -38,3 +38,23 @@ def test_behaviour_logprobs_at_the_sampling_temperature_equal_the_learners(vllm:
     assert max_abs_diff(ours, turn.completion_logprobs) < TOLERANCE
     at_one = completion_logprobs(reference, batch, temperature=1.0)[0].tolist()
     assert max_abs_diff(at_one, turn.completion_logprobs) > 100 * TOLERANCE
+
+
+def test_the_servers_base_model_and_default_temperature_are_read_from_its_models_listing(vllm: VllmServer) -> None:
+    """The gateway finds the temperature vLLM samples a request without one at through ``/v1/models``: its base
+    model's ``root`` is the directory vLLM loaded, whose generation config decides the default."""
+    import asyncio
+
+    import httpx
+
+    from rlstream.gateway.upstreams import served_base_root, upstream_default_temperature
+    from rlstream.schemas.sampling import server_default_temperature
+
+    listing = httpx.get(f"{vllm.base_url}/models", timeout=10.0).json()
+    assert served_base_root(listing) == vllm.model_dir
+
+    async def read() -> float | None:
+        async with httpx.AsyncClient() as client:
+            return await upstream_default_temperature(client, vllm.base_url)
+
+    assert asyncio.run(read()) == server_default_temperature(vllm.model_dir)
