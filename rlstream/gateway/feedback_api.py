@@ -16,7 +16,7 @@ from rlstream.gateway.limits import parse_json
 from rlstream.gateway.feedback_tokens import FeedbackGrant
 from rlstream.gateway.feedback_window import CorrectionWindow
 from rlstream.gateway.sessions import KnownTrajectory
-from rlstream.gateway.shared_ids import loads_known
+from rlstream.gateway.shared_ids import TenantMap, loads_known
 from rlstream.schemas.models import CallEvent, CallKind, RewardEvent
 
 
@@ -26,8 +26,9 @@ class FeedbackEndpoint:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-        self.corrections = CorrectionWindow(gateway.config.correction_window_s,
-                                            gateway.config.remembered_trajectories)
+        self.corrections = CorrectionWindow(gateway.config.correction_window_s, TenantMap(
+            "feedback-ids", gateway.config.policy, gateway.config.reward_window_s,
+            gateway.config.remembered_trajectories, gateway.shared_ids.control))
 
     async def serve(self, request: Request) -> Response:
         raw = parse_json(await request.body(), self.gw.config.max_json_depth)
@@ -74,7 +75,7 @@ class FeedbackEndpoint:
             what = (f"trajectory {fb.trajectory_id!r}" if fb.trajectory_id else f"response {fb.response_id!r}"
                     if fb.response_id else f"session {fb.session_id!r}" if fb.session_id else "trajectory")
             return openai_error(404, f"unknown {what}", "not_found")
-        if known.group_id == known.trajectory_id and self.corrections.too_late(
+        if known.group_id == known.trajectory_id and await self.corrections.too_late(
                 tenant, known.trajectory_id, fb.feedback_id, self._captured_at(known, grant)):
             return openai_error(409, f"feedback {fb.feedback_id!r} was already given for this response and its "
                                 f"correction window ({self.corrections.window_s:g} s after the call, "
@@ -88,7 +89,7 @@ class FeedbackEndpoint:
                             feedback_id=fb.feedback_id)
         queued = gw.capture.put(event, tenant)  # within the caller's tenant's share of the queue and spool
         if queued:
-            self.corrections.accepted(tenant, known.trajectory_id, fb.feedback_id)
+            await self.corrections.accepted(tenant, known.trajectory_id, fb.feedback_id)
         return JSONResponse({"trajectory_id": known.trajectory_id, "queued": queued},
                             status_code=202 if queued else 503)
 

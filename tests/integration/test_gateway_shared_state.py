@@ -57,9 +57,9 @@ class Fleet:
     Redis; each in front of the replica it is given."""
 
     def __init__(self, cfg: RlstreamConfig, keys_file: Path, publisher: TrajectoryPublisher, shared: bool,
-                 capacity: int = 10_000) -> None:
+                 capacity: int = 10_000, correction_window_s: float = 600.0) -> None:
         self.cfg, self.keys_file, self.publisher = cfg, keys_file, publisher
-        self.shared, self.capacity = shared, capacity
+        self.shared, self.capacity, self.correction_window_s = shared, capacity, correction_window_s
         self.stack = contextlib.AsyncExitStack()
 
     async def start(self, replica: ReplicaLog) -> str:
@@ -68,7 +68,7 @@ class Fleet:
             self.stack.push_async_callback(control.close)
         gateway = Gateway(GatewaySettings(port=0, policy=self.cfg.policy, served_model=MODEL, run_id=self.cfg.run_id,
                                           upstream_url=replica.url, remembered_trajectories=self.capacity,
-                                          spool=False),
+                                          correction_window_s=self.correction_window_s, spool=False),
                           self.publisher, control=control,
                           access=AccessConfig(api_keys_file=self.keys_file, feedback_secret=SecretStr(SECRET),
                                               reward_range=(-1.0, 1.0)))
@@ -80,14 +80,16 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def fleet(cfg: RlstreamConfig, tmp_path: Path, shared: bool, capacity: int = 10_000) -> AsyncIterator[Fleet]:
+async def fleet(cfg: RlstreamConfig, tmp_path: Path, shared: bool, capacity: int = 10_000,
+                correction_window_s: float = 600.0) -> AsyncIterator[Fleet]:
+    """Gateways whose corrections (LangSmith's update) fall within the correction window unless it is given."""
     keys_file = tmp_path / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     keys_file.chmod(0o600)
     names = TopicNames.from_config(cfg.topics)
     publisher = TrajectoryPublisher.from_config(cfg.kafka, names.trajectories, names.rewards)
     await publisher.start()
-    gateways = Fleet(cfg, keys_file, publisher, shared, capacity)
+    gateways = Fleet(cfg, keys_file, publisher, shared, capacity, correction_window_s)
     try:
         yield gateways
     finally:
@@ -327,3 +329,30 @@ async def test_control_stateful_responses_without_shared_state_are_404_elsewhere
         upstream = await http.post(f"{two.url}/v1/responses", json={"model": MODEL, "input": "second",
                                                                       "previous_response_id": first["id"]})
         assert upstream.status_code == 404
+
+
+async def corrected_on_another_gateway(cfg: RlstreamConfig, tmp_path: Path, shared: bool) -> list[int]:
+    """A single scored with a feedback id on the gateway that served it, then the same id again on the other
+    gateway after the correction window (0.5 s): both answers' statuses."""
+    import asyncio
+
+    async with fleet(cfg, tmp_path, shared=shared, correction_window_s=0.5) as gateways, \
+            canned_replica() as replica, httpx.AsyncClient(timeout=30) as http:
+        urls = [await gateways.start(replica), await gateways.start(replica)]
+        call = await chat(http, urls[0], ACME, "a single")
+        token = {"x-rlstream-feedback-token": call.headers["x-rlstream-feedback-token"]}
+        first = await http.post(f"{urls[0]}/v1/feedback", headers=token, json={"reward": 0.2, "feedback_id": "fb-1"})
+        await asyncio.sleep(1.0)
+        again = await http.post(f"{urls[1]}/v1/feedback", headers=token, json={"reward": 0.9, "feedback_id": "fb-1"})
+        return [first.status_code, again.status_code]
+
+
+async def test_a_late_correction_is_409_on_any_gateway(rl_config: RlstreamConfig, created_topics: Any,
+                                                       tmp_path: Path) -> None:
+    assert await corrected_on_another_gateway(rl_config, tmp_path, shared=True) == [202, 409]
+
+
+async def test_control_feedback_ids_in_one_gateways_memory_take_a_late_correction_elsewhere(
+        rl_config: RlstreamConfig, created_topics: Any, tmp_path: Path) -> None:
+    # the correction would be answered 202 and then dead-lettered by the stream app (correction_after_emit)
+    assert await corrected_on_another_gateway(rl_config, tmp_path, shared=False) == [202, 202]

@@ -69,10 +69,17 @@ def test_otlp_protobuf_records_gzip_and_bounds() -> None:
 
 
 def test_a_correction_after_the_window_is_too_late_a_first_score_never_is() -> None:
-    window = CorrectionWindow(60.0, capacity=10)
-    assert not window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=100.0)  # first use of the id
-    window.accepted("acme", "t1", "fb-1", now=10.0)
-    assert not window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=59.0)
-    assert window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=61.0)
-    assert not window.too_late("globex", "t1", "fb-1", captured_at=0.0, now=61.0)  # per tenant
-    assert not window.too_late("acme", "t1", None, captured_at=0.0, now=61.0)
+    import asyncio
+
+    from rlstream.gateway.shared_ids import TenantMap
+
+    async def scenario() -> None:
+        window = CorrectionWindow(60.0, TenantMap("feedback-ids", "p", ttl_s=3600, capacity=10))
+        assert not await window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=100.0)  # first use of the id
+        await window.accepted("acme", "t1", "fb-1", now=10.0)
+        assert not await window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=59.0)
+        assert await window.too_late("acme", "t1", "fb-1", captured_at=0.0, now=61.0)
+        assert not await window.too_late("globex", "t1", "fb-1", captured_at=0.0, now=61.0)  # per tenant
+        assert not await window.too_late("acme", "t1", None, captured_at=0.0, now=61.0)
+
+    asyncio.run(scenario())
