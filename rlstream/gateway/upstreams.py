@@ -6,6 +6,8 @@ key>``. Only hosts and networks in the allowlist are used; a heartbeat naming an
 per address and counted (``refused``)."""
 from __future__ import annotations
 
+import asyncio
+
 import ipaddress
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -101,10 +103,10 @@ async def upstream_default_temperature(client: httpx.AsyncClient, base: str, tim
     its base model's ``generation_config.json`` as vLLM does with ``--generation-config auto``
     (:func:`server_default_temperature`); None when it cannot be told (the upstream does not answer, or its base
     model is no directory on this host)."""
-    try:
-        response = await client.get(f"{base}/models", timeout=timeout_s)
+    try:  # bounded whatever the transport (a start never waits on an upstream longer)
+        response = await asyncio.wait_for(client.get(f"{base}/models", timeout=timeout_s), timeout_s)
         root = served_base_root(response.json()) if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
         log.info("upstream's default temperature not known yet", upstream=mask_url(base), error=type(exc).__name__)
         return None
     if root is None or not Path(root).is_dir():
