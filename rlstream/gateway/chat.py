@@ -18,7 +18,7 @@ from rlstream.gateway.core import (Gateway, capture_refused_event, json_response
                                    upstream_failed, upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
 from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
-from rlstream.gateway.relay import read_head, relayed
+from rlstream.gateway.relay import first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
 from rlstream.rollout.streaming import StreamAccumulator
@@ -33,10 +33,6 @@ def requested_choices(body: dict[str, Any]) -> int:
     """The ``n`` a chat request asks for (1 when absent or not a positive integer: the upstream judges it)."""
     n = body.get("n")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-
-
-def _first_event(line: str) -> bool:
-    return line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
 
 
 class ChatCompletions:
@@ -148,12 +144,12 @@ class ChatCompletions:
         gw = self.gw
         lines = response.aiter_lines()
         try:  # read up to the first event: its prompt token ids decide the session trajectory
-            head = await read_head(response, lines, _first_event)
+            head = await read_head(response, lines, first_data_event)
         except httpx.HTTPError as exc:
             return upstream_failed(exc, gw.config, "stream failed")
         upstream_s = time.perf_counter() - upstream_started
         first: dict[str, Any] | None = None
-        if head and _first_event(head[-1]):
+        if head and first_data_event(head[-1]):
             with contextlib.suppress(orjson.JSONDecodeError):
                 first = orjson.loads(head[-1][5:])
         first = first if isinstance(first, dict) else {}

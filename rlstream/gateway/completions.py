@@ -24,7 +24,7 @@ from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error,
                                    upstream_json)
 from rlstream.gateway.filtering import TOKEN_IDS, rejects_extensions
 from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
-from rlstream.gateway.relay import read_head, relayed
+from rlstream.gateway.relay import first_data_event, is_done, read_head, relayed
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -219,10 +219,6 @@ def upstream_refusal(response: httpx.Response, raw: bytes, path: str) -> Respons
     return openai_error(response.status_code, f"the upstream answered {response.status_code} to {path}", kind)
 
 
-def _first_event(line: str) -> bool:
-    return line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
-
-
 class Completions:
     """The Completions endpoint of one gateway."""
 
@@ -292,7 +288,7 @@ class Completions:
         lines = response.aiter_lines()
         follow = CompletionStream(asked, model, str(recorded.get("model") or model))
         try:
-            head = await read_head(response, lines, _first_event)
+            head = await read_head(response, lines, first_data_event)
         except httpx.HTTPError as exc:
             return upstream_failed(exc, gw.config, "stream failed")
         rendered = "".join(follow.render(line) for line in head)
@@ -316,7 +312,7 @@ class Completions:
 
         def render(line: str) -> str:
             # captured before the client hears the end: a capture Kafka refuses ends the stream in error
-            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+            if is_done(line):
                 try:
                     record()
                 except RequestRejected as refusal:

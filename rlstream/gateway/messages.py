@@ -29,7 +29,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, request_session, upstream_json
 from rlstream.gateway.filtering import rejects_extensions, upstream_request
 from rlstream.gateway.limits import RequestRejected, check_temperature, parse_json
-from rlstream.gateway.relay import read_head, relayed
+from rlstream.gateway.relay import first_data_event, is_done, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
 from rlstream.rollout.streaming import StreamAccumulator
@@ -400,10 +400,6 @@ class MessagesStream:
         return "".join(out)
 
 
-def _first_event(line: str) -> bool:
-    return line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
-
-
 class Messages:
     """The Anthropic Messages endpoint of one gateway."""
 
@@ -483,7 +479,7 @@ class Messages:
         lines = response.aiter_lines()
         follow = MessagesStream(client_model)
         try:  # up to the first chunk: its prompt token ids decide the session trajectory, its id the message id
-            head = await read_head(response, lines, _first_event)
+            head = await read_head(response, lines, first_data_event)
         except httpx.HTTPError as exc:
             log.warning("upstream stream failed", kind=type(exc).__name__)
             return anthropic_error(502, f"upstream stream failed ({type(exc).__name__})")
@@ -507,7 +503,7 @@ class Messages:
 
         def render(line: str) -> str:
             # captured before the client hears the end: a capture Kafka refuses ends the stream with an error event
-            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+            if is_done(line):
                 try:
                     record()
                 except RequestRejected as refusal:

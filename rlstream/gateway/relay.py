@@ -17,6 +17,16 @@ from starlette.responses import StreamingResponse
 MAX_LINES_PER_WRITE = 16
 
 
+def first_data_event(line: str) -> bool:
+    """Whether ``line`` is a data event with content (not blank, not ``[DONE]``): where a stream's head ends."""
+    return line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
+
+
+def is_done(line: str) -> bool:
+    """Whether ``line`` is the OpenAI streams' closing ``data: [DONE]`` (a call is captured before it is handed on)."""
+    return line.startswith("data:") and line[5:].strip() == "[DONE]"
+
+
 async def read_head(response: httpx.Response, lines: AsyncIterator[str],
                     is_last: Callable[[str], bool]) -> list[str]:
     """The stream's lines up to and including the first that ``is_last`` accepts (all of them when none does).
