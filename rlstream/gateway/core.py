@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import math
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -471,7 +472,8 @@ class Gateway:
                 run_id=self.config.run_id, policy=self.config.policy,
                 policy_version=version if version is not None else traj.policy_version,
                 request_messages=call.request_messages, response_message=call.response_message, turn=call.turn,
-                served_model=call.served_model, gateway_id=self.gateway_id))
+                served_model=call.served_model, gateway_id=self.gateway_id,
+                tools=json.dumps(call.tools, sort_keys=True) if call.tools else None))
             return
         if traj.closed and traj.session_id is not None:
             log.warning("call finished after its session trajectory closed; captured alone",

@@ -27,7 +27,7 @@ from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.schemas.sampling import NEUTRAL_TEMPERATURE
 from rlstream.transport.log import get_logger
 from rlstream.schemas.models import (TOOLS_METADATA_KEY, Message, ToolCall, TrajectoryEvent, TrajectorySource,
-                                     Turn)
+                                     Turn, merged_tools)
 
 log = get_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -268,19 +268,6 @@ def request_tools(request: dict[str, Any]) -> list[dict[str, Any]]:
             tool = tool.model_dump(exclude_none=True)
         if isinstance(tool, dict):
             out.append(json.loads(json.dumps(tool, default=str)))
-    return out
-
-
-def merged_tools(per_call: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The distinct tool schemas of a trajectory's calls, in the order they were first offered."""
-    seen: set[str] = set()
-    out = []
-    for tools in per_call:
-        for tool in tools:
-            key = json.dumps(tool, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                out.append(tool)
     return out
 
 

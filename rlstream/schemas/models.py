@@ -5,10 +5,11 @@ code builds events with types checked, and the codec turns them into bytes.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timezone
 from enum import Enum
-from typing import ClassVar
+from typing import Any, ClassVar, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,6 +85,19 @@ class Turn(WireModel):
 TOOLS_METADATA_KEY = "tools"
 
 
+def merged_tools(per_call: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The distinct tool schemas of a trajectory's calls, in the order they were first offered."""
+    seen: set[str] = set()
+    out = []
+    for tools in per_call:
+        for tool in tools:
+            key = json.dumps(tool, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(tool)
+    return out
+
+
 class TrajectoryEvent(WireModel):
     avro_name: ClassVar[str] = "rlstream.v1.TrajectoryEvent"
     trajectory_id: str = Field(default_factory=new_id)
@@ -147,6 +161,7 @@ class CallEvent(WireModel):
     feedback_id: str | None = None
     created_at: datetime = Field(default_factory=utc_now)
     gateway_id: str = ""
+    tools: str | None = None  # JSON text of the tool schemas (OpenAI's ``tools``) the call offered
 
 
 class SourceOffset(WireModel):

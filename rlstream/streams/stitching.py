@@ -12,12 +12,13 @@ session's first trajectory without asking anyone; feedback by session id is rout
 on the session's latest trajectory."""
 from __future__ import annotations
 
+import json
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.schemas.models import (CallEvent, CallKind, Message, RewardEvent, TrajectoryEvent, TrajectorySource,
-                                     Turn)
+from rlstream.schemas.models import (TOOLS_METADATA_KEY, CallEvent, CallKind, Message, RewardEvent, TrajectoryEvent,
+                                     TrajectorySource, Turn, merged_tools)
 from rlstream.schemas.sessions import MESSAGES, continues, session_trajectory_id, stitched_turns
 from rlstream.transport import metric_names as mn
 
@@ -206,8 +207,20 @@ class Stitcher:
         gateways = sorted({c.gateway_id for c in calls if c.gateway_id})
         if gateways:
             meta["gateways"] = ",".join(gateways)
+        tools = merged_tools(_tool_schemas(c) for c in calls)
+        if tools:
+            meta[TOOLS_METADATA_KEY] = json.dumps(tools, sort_keys=True)
         return TrajectoryEvent(
             trajectory_id=trajectory_id, run_id=first.run_id, example_id=first.task or trajectory_id,
             group_id=trajectory_id, group_size=1, generation_index=0, policy=first.policy,
             policy_version=first.policy_version, source=TrajectorySource.production, messages=messages, turns=turns,
             reward=reward, reward_components=dict(components), metadata=meta, producer_id=self.rules.producer_id)
+
+
+def _tool_schemas(call: CallEvent) -> list[dict[str, Any]]:
+    """The tool schemas a call offered (none when its ``tools`` is absent or not a JSON list of objects)."""
+    try:
+        tools = json.loads(call.tools) if call.tools else []
+    except ValueError:
+        return []
+    return [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []

@@ -11,7 +11,8 @@ import pytest
 
 from rlstream.ops.export import (ImportFormat, ParquetLayout, _schema, argument_json, event_from_row, parquet_row,
                                  parquet_schema, preference_rows, read_parquet_records)
-from rlstream.rollout.capture import RecordedCall, Recording, merged_tools, request_tools
+from rlstream.rollout.capture import RecordedCall, Recording, request_tools
+from rlstream.schemas.models import merged_tools
 from rlstream.schemas.models import TOOLS_METADATA_KEY, Message, ToolCall, TrajectoryEvent, Turn
 from tests.support.factories import make_trajectory
 

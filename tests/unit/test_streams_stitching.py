@@ -76,3 +76,27 @@ def test_feedback_before_during_and_after_the_trajectory() -> None:
     [reward] = late.rewards
     assert (reward.trajectory_id, reward.reward, reward.feedback_id) == (traj.trajectory_id, 1.0, "f1")
     assert stitcher.on_tick(0, now=1300.0).trajectories == [] and "s" not in table  # forgotten after retention
+
+
+def test_a_stitched_trajectory_carries_the_tool_schemas_its_calls_offered() -> None:
+    # the export's tools column comes from this metadata; a call without tools (or with garbage) adds none
+    import json
+
+    from rlstream.schemas.models import TOOLS_METADATA_KEY
+
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    first, second, third = conversation()
+    calls = [first.model_copy(update={"tools": json.dumps([weather])}),
+             second.model_copy(update={"tools": json.dumps([clock, weather])}),
+             third.model_copy(update={"tools": "not json", "end_session": True})]
+    stitcher = Stitcher({}, RULES)  # type: ignore[arg-type]
+    for c in calls[:2]:
+        stitcher.on_call(c, 0, now=1.0)
+    [traj] = stitcher.on_call(calls[2], 0, now=2.0).trajectories
+    assert json.loads(traj.metadata[TOOLS_METADATA_KEY]) == [weather, clock]
+    stitcher = Stitcher({}, RULES)  # type: ignore[arg-type]
+    for c in conversation()[:2]:
+        stitcher.on_call(c, 0, now=1.0)
+    [bare] = stitcher.on_call(conversation()[2].model_copy(update={"end_session": True}), 0, now=2.0).trajectories
+    assert TOOLS_METADATA_KEY not in bare.metadata
