@@ -265,7 +265,8 @@ STREAMS = (STREAMS_EVENTS_IN, STREAMS_EVENTS_OUT, STREAMS_EVENTS_IN_PER_S, STREA
            STREAMS_PAYLOADS_READ_BACK, STREAMS_SESSION_CALLS, STREAMS_SESSION_TRAJECTORIES, STREAMS_SESSION_SPLITS,
            STREAMS_SESSION_SPLITS_LONG, STREAMS_SESSION_RETOKENIZED, STREAMS_SESSIONS_IDLE_CLOSED,
            STREAMS_SESSION_DUPLICATE_CALLS, STREAMS_SESSION_CALLS_INCOMPLETE, STREAMS_SESSION_ENDS_UNKNOWN,
-           STREAMS_TOOL_EPISODES, STREAMS_TOOL_CALL_PARSE_FAILURES, STREAMS_TOOL_EPISODES_WITHOUT_CALL)
+           STREAMS_TOOL_EPISODES, STREAMS_TOOL_CALL_PARSE_FAILURES, STREAMS_TOOL_EPISODES_WITHOUT_CALL,
+           STREAMS_VALIDATION_SKIPPED)
 GATEWAY = (GATEWAY_OVERHEAD_S, GATEWAY_REQUESTS_REJECTED, GATEWAY_SESSIONS_EVICTED, GATEWAY_SESSIONS_SPLIT_LONG)
 GATE = (GATE_DECISIONS, GATE_EVAL_REWARD_MEAN, GATE_FEEDBACK_TO_SERVING_S, GATE_FEEDBACK_TO_SERVING_P50_S,
         GATE_FEEDBACK_TO_SERVING_P90_S, GATE_FEEDBACK_WAITING, GATE_CANARY_ROLLBACK_S, GATE_VERSION_REFUSED,
@@ -493,6 +494,7 @@ SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     _total(STREAMS_SESSION_RETOKENIZED, "rlstream_streams_session_retokenized_total", _WORKER, "Session calls continued by messages while their prompt tokens differ"),
     _total(STREAMS_SESSIONS_IDLE_CLOSED, "rlstream_streams_sessions_idle_closed_total", _WORKER, "Sessions closed for being idle"),
     _total(STREAMS_SESSION_DUPLICATE_CALLS, "rlstream_streams_session_duplicate_calls_total", _WORKER, "Session calls re-sent by a gateway and dropped by call id"),
+    _total(STREAMS_VALIDATION_SKIPPED, "rlstream_streams_validation_skipped_total", _WORKER, "Validation (held-out) trajectories checked and left out of groups"),
     _total(STREAMS_SESSION_CALLS_INCOMPLETE, "rlstream_streams_session_calls_incomplete_total", _WORKER, "Session records without a turn, reply or reward"),
     _total(STREAMS_SESSION_ENDS_UNKNOWN, "rlstream_streams_session_ends_unknown_total", _WORKER, "Session ends for sessions with no open trajectory"),
     _total(STREAMS_TOOL_EPISODES, "rlstream_streams_tool_episodes_total", _WORKER, "Scored tool-task episodes"),
