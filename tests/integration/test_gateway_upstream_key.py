@@ -20,14 +20,16 @@ from tests.chaos.test_gateway_spool import MESSAGES, GatewayProcess
 
 @contextlib.asynccontextmanager
 async def recording_upstream(seen: list[str]) -> AsyncIterator[int]:
-    """A canned chat upstream that appends each request's Authorization header (or "") to ``seen``."""
+    """A canned chat upstream that appends each POST's Authorization header (or "") to ``seen`` (the gateway's GET
+    of ``/v1/models``, where it reads the upstream's default temperature, is answered but not recorded)."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head, _ = await read_message(reader)
                 auth = [line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
                         if line.lower().startswith(b"authorization:")]
-                seen.append(auth[0] if auth else "")
+                if head.startswith(b"POST "):
+                    seen.append(auth[0] if auth else "")
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                              + str(len(CANNED)).encode() + b"\r\n\r\n" + CANNED)
                 await writer.drain()
