@@ -23,8 +23,8 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
                                    upstream_json)
 from rlstream.gateway.filtering import TOKEN_IDS, rejects_extensions
-from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
-from rlstream.gateway.relay import first_data_event, is_done, read_head, relayed
+from rlstream.gateway.limits import check_choices, check_temperature, parse_json
+from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -296,34 +296,19 @@ class Completions:
         traj, headers = gw.begin(session_id, recorded, follow.prompt_ids, version, task)
         headers = gw.sign(headers, caller, request_session(request), follow.response_id)
 
-        finished = False
-
         def record() -> None:
-            """Capture the call once; :class:`RequestRejected` when Kafka cannot take it."""
-            nonlocal finished
-            if finished or not follow.chunks:
+            if not follow.chunks:
                 return
-            finished = True
             if follow.other_choices:
                 log.warning("a streamed completion with several choices: the first is captured")
             tokens = follow.tokens()
             gw.finish(traj, recorded, {"role": "assistant", "content": "".join(follow.text)},
                       tokens.prompt_ids, tokens.completion_ids, tokens.logprobs, follow.finish_reason, model, version)
 
-        def render(line: str) -> str:
-            # captured before the client hears the end: a capture Kafka refuses ends the stream in error
-            if is_done(line):
-                try:
-                    record()
-                except RequestRejected as refusal:
-                    return capture_refused_event(refusal) + line + "\n"
-            return follow.render(line)
-
-        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
-            with contextlib.suppress(RequestRejected):
-                record()
+        stream = CapturedAtDone(record, follow.render,
+                                lambda refusal: capture_refused_event(refusal) + "data: [DONE]\n")
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, rendered, render, handed_on, record_at_end, headers)
+        return relayed(response, lines, rendered, stream.render, handed_on, stream.at_end, headers)

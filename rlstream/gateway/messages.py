@@ -29,7 +29,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, request_session, upstream_json
 from rlstream.gateway.filtering import rejects_extensions, upstream_request
 from rlstream.gateway.limits import RequestRejected, check_temperature, parse_json
-from rlstream.gateway.relay import first_data_event, is_done, read_head, relayed
+from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
 from rlstream.rollout.streaming import StreamAccumulator
@@ -490,31 +490,15 @@ class Messages:
         traj, headers = gw.begin(session_id, chat, acc.prompt_ids, version, task)
         headers = gw.sign(headers, caller, request_session(request), follow.response_id)
 
-        finished = False
-
         def record() -> None:
-            """Capture the call once; :class:`RequestRejected` when Kafka cannot take it."""
-            nonlocal finished
-            if finished or not acc.chunks:
-                return
-            finished = True
-            gw.finish(traj, chat, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
-                      acc.finish_reason, model, version)
+            if acc.chunks:
+                gw.finish(traj, chat, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
+                          acc.finish_reason, model, version)
 
-        def render(line: str) -> str:
-            # captured before the client hears the end: a capture Kafka refuses ends the stream with an error event
-            if is_done(line):
-                try:
-                    record()
-                except RequestRejected as refusal:
-                    return sse("error", {"error": {"type": ERROR_TYPES[413], "message": refusal.message}})
-            return follow.render(line)
-
-        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
-            with contextlib.suppress(RequestRejected):
-                record()
+        stream = CapturedAtDone(record, follow.render, lambda refusal: sse(
+            "error", {"error": {"type": ERROR_TYPES[413], "message": refusal.message}}))
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, rendered, render, handed_on, record_at_end, headers)
+        return relayed(response, lines, rendered, stream.render, handed_on, stream.at_end, headers)

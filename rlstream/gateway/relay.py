@@ -7,10 +7,14 @@ records the call once the stream ends, whichever way it ends.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.responses import StreamingResponse
+
+from rlstream.gateway.limits import RequestRejected
 
 #: A streamed answer's lines are handed on an event at a time (up to its blank line); an upstream that writes long
 #: runs of lines without one is handed on this many lines at a time.
@@ -25,6 +29,37 @@ def first_data_event(line: str) -> bool:
 def is_done(line: str) -> bool:
     """Whether ``line`` is the OpenAI streams' closing ``data: [DONE]`` (a call is captured before it is handed on)."""
     return line.startswith("data:") and line[5:].strip() == "[DONE]"
+
+
+@dataclass
+class CapturedAtDone:
+    """A stream whose call is captured when the upstream's ``data: [DONE]`` arrives, before the client hears the
+    end: ``capture`` runs once and raises :class:`~rlstream.gateway.limits.RequestRejected` for a capture Kafka
+    cannot take, which ``refused(rejection)`` turns into the closing event(s) the client gets instead."""
+
+    capture: Callable[[], None]
+    render_line: Callable[[str], str]
+    refused: Callable[[RequestRejected], str]
+    done: bool = False
+
+    def _capture_once(self) -> None:
+        if not self.done:
+            self.done = True
+            self.capture()
+
+    def render(self, line: str) -> str:
+        """``line`` as the client gets it; at ``[DONE]`` the call is captured first."""
+        if is_done(line):
+            try:
+                self._capture_once()
+            except RequestRejected as refusal:
+                return self.refused(refusal)
+        return self.render_line(line)
+
+    def at_end(self) -> None:
+        """A stream that ended without ``[DONE]``: captured now (a refusal is logged and counted by the core)."""
+        with contextlib.suppress(RequestRejected):
+            self._capture_once()
 
 
 async def read_head(response: httpx.Response, lines: AsyncIterator[str],
