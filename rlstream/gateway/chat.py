@@ -17,8 +17,8 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, json_response, openai_error, request_session,
                                    upstream_failed, upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
-from rlstream.gateway.limits import RequestRejected, check_choices, check_temperature, parse_json
-from rlstream.gateway.relay import first_data_event, read_head, relayed
+from rlstream.gateway.limits import check_choices, check_temperature, parse_json
+from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
 from rlstream.rollout.streaming import StreamAccumulator
@@ -186,13 +186,7 @@ class ChatCompletions:
             if not line.startswith("data:"):
                 return line + "\n"
             data = line[5:].strip()
-            if data == "[DONE]":  # captured before the client hears the end: a capture Kafka refuses ends in error
-                try:
-                    record()
-                except RequestRejected as refusal:
-                    return capture_refused_event(refusal) + line + "\n"
-                return line + "\n"
-            if not data:
+            if not data or data == "[DONE]":
                 return line + "\n"
             try:
                 chunk = orjson.loads(data)
@@ -209,24 +203,17 @@ class ChatCompletions:
                 out["model"] = client_model
             return "data: " + orjson.dumps(out).decode() + "\n"
 
-        recorded = False
-
         def record() -> None:
-            nonlocal recorded
-            if recorded:
-                return
-            recorded = True
             for traj, acc in zip(trajs, accumulators):
                 if acc.chunks:
                     gw.finish(traj, body, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
                               acc.finish_reason, model, version)
 
-        def record_at_end() -> None:  # a stream that ended without [DONE]: the refusal is logged and counted
-            with contextlib.suppress(RequestRejected):
-                record()
+        # captured before the client hears the end: a capture Kafka refuses ends the stream in error
+        stream = CapturedAtDone(record, render, lambda refusal, done: capture_refused_event(refusal) + done + "\n")
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)
 
-        return relayed(response, lines, "".join(render(line) for line in head), render, handed_on, record_at_end,
-                       headers)
+        return relayed(response, lines, "".join(render(line) for line in head), stream.render, handed_on,
+                       stream.at_end, headers)

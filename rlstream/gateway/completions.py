@@ -306,7 +306,7 @@ class Completions:
                       tokens.prompt_ids, tokens.completion_ids, tokens.logprobs, follow.finish_reason, model, version)
 
         stream = CapturedAtDone(record, follow.render,
-                                lambda refusal: capture_refused_event(refusal) + "data: [DONE]\n")
+                                lambda refusal, done: capture_refused_event(refusal) + done + "\n")
 
         async def handed_on() -> None:
             await gw.overhead(ROUTE, True, started, upstream_s)

@@ -495,7 +495,7 @@ class Messages:
                 gw.finish(traj, chat, acc.message(), acc.prompt_ids, acc.completion_ids(), acc.logprobs(),
                           acc.finish_reason, model, version)
 
-        stream = CapturedAtDone(record, follow.render, lambda refusal: sse(
+        stream = CapturedAtDone(record, follow.render, lambda refusal, _done: sse(
             "error", {"error": {"type": ERROR_TYPES[413], "message": refusal.message}}))
 
         async def handed_on() -> None:

@@ -35,11 +35,11 @@ def is_done(line: str) -> bool:
 class CapturedAtDone:
     """A stream whose call is captured when the upstream's ``data: [DONE]`` arrives, before the client hears the
     end: ``capture`` runs once and raises :class:`~rlstream.gateway.limits.RequestRejected` for a capture Kafka
-    cannot take, which ``refused(rejection)`` turns into the closing event(s) the client gets instead."""
+    cannot take, which ``refused(rejection, done_line)`` turns into the closing event(s) the client gets instead."""
 
     capture: Callable[[], None]
     render_line: Callable[[str], str]
-    refused: Callable[[RequestRejected], str]
+    refused: Callable[[RequestRejected, str], str]
     done: bool = False
 
     def _capture_once(self) -> None:
@@ -53,7 +53,7 @@ class CapturedAtDone:
             try:
                 self._capture_once()
             except RequestRejected as refusal:
-                return self.refused(refusal)
+                return self.refused(refusal, line)
         return self.render_line(line)
 
     def at_end(self) -> None:
