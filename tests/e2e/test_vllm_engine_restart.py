@@ -174,6 +174,8 @@ def test_churn_keeps_vllm_up_a_killed_server_is_restarted_and_the_unguarded_rule
             info = (await control.workers(cfg.policy))["w-churn"]
             assert info.get("down"), info
             await wait_until(lambda: routed(serving, cfg.policy, "w-churn"), 700, "the replica back in routing")
+            # the worker can see the new server healthy before the supervisor's start() returns and records it
+            await wait_until(lambda: _true(bool(supervisor.restarts)), 30, "the supervisor's record of the restart")
             assert [r.reason.startswith("process exited") for r in supervisor.restarts] == [True]
             assert supervisor.server.pid != killed and supervisor.server.url == cfg.inference.url
             assert set(held) <= set(await backend.models())  # the versions it held, loaded again
@@ -218,3 +220,7 @@ def test_churn_keeps_vllm_up_a_killed_server_is_restarted_and_the_unguarded_rule
 
 async def _not(check: object) -> bool:
     return not await check  # type: ignore[misc]
+
+
+async def _true(value: bool) -> bool:
+    return value
