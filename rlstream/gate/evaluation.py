@@ -167,7 +167,9 @@ def figures_of(version: int, results: list[SampleResult], seconds: float = 0.0) 
         tool_call_parse_rate=sum(r.tool_calls_parsed for r in results) / calls if calls else 1.0,
         refusal_rate=sum(r.refusal for r in results) / n if n else 0.0,
         answer_length=sum(r.length for r in results) / n if n else 0.0,
-        samples=n, tool_calls=calls, seconds=seconds, results=tuple(results))
+        samples=n, tool_calls=calls, seconds=seconds, results=tuple(results),
+        task_success=(sum(r.success or 0.0 for r in results) / n
+                      if n and all(r.success is not None for r in results) else None))
 
 
 async def evaluate_version(evaluation: EvaluationSet, version: int, base_url: str, model: str,

@@ -72,11 +72,14 @@ class EvalFigures:
     samples: int
     tool_calls: int = 0
     seconds: float = 0.0
+    task_success: float | None = None  # mean task success, where every result carries one
     results: tuple[SampleResult, ...] = ()
 
     def metrics(self) -> dict[str, float]:
-        """The figures as a PromotionDecision carries them (the per-sample results are not figures)."""
-        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "results"}
+        """The figures as a PromotionDecision carries them (the per-sample results are not figures; a figure the
+        task does not report is left out)."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)
+                if f.name != "results" and getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)

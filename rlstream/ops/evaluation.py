@@ -35,6 +35,24 @@ class VersionScore:
 
 #: the held-out figure of the answer's length in words (an answer that grows or collapses shows here)
 ANSWER_WORDS = "answer_words"
+#: the same in tokens, as the promotion gate measures it
+ANSWER_TOKENS = "answer_tokens"
+
+#: the gate's evaluation figures (``PromotionDecision`` metrics) -> the held-out components ``rlstream up`` shows
+GATE_COMPONENTS: dict[str, str] = {"task_success": "success", "tool_call_parse_rate": "tool_call_parsed",
+                                   "answer_length": ANSWER_TOKENS}
+
+
+def score_from_gate(version: int, model: str, metrics: dict[str, float], at: float) -> VersionScore | None:
+    """A version's held-out score from the figures the promotion gate measured for one decision (its
+    ``candidate_metrics`` or ``serving_metrics``): the same held-out prompts, the task's own episode and reward
+    function, so ``rlstream up`` need not evaluate every version a second time. None when the decision carries no
+    evaluation (a failed evaluation, an operator's decision)."""
+    reward, samples = metrics.get("reward_mean"), metrics.get("samples")
+    if reward is None or not samples:
+        return None
+    parts = {name: metrics[figure] for figure, name in GATE_COMPONENTS.items() if figure in metrics}
+    return VersionScore(version, model, float(reward), int(samples), at, parts)
 
 
 def answer_text(output: Any) -> str:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.ops.evaluation import VersionScore
+from rlstream.ops.evaluation import VersionScore, score_from_gate
 from rlstream.schemas.config import RlstreamConfig
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
@@ -19,7 +19,7 @@ log = get_logger(__name__)
 #: reward components shown per version when the task's reward function reports them: (name, label, format)
 HELDOUT_COMPONENT_ROWS: tuple[tuple[str, str, str], ...] = (
     ("success", "task success", ".2f"), ("tool_call_parsed", "tool-call parse rate", ".2f"),
-    ("answer_words", "answer length (words)", ".1f"))
+    ("answer_words", "answer length (words)", ".1f"), ("answer_tokens", "answer length (tokens)", ".1f"))
 
 
 #: decisions that move the serving pointer to their version
@@ -80,6 +80,7 @@ class LiveFigures:
     dlq_count: int = 0
     lags: dict[str, int] = field(default_factory=dict)
     heldout: list[VersionScore] = field(default_factory=list)
+    heldout_from_gate: bool = False  # the held-out scores are the promotion gate's (rlstream up evaluates nothing)
     group_times: list[float] = field(default_factory=list)
     baseline_groups: int = 0  # single responses scored against a keyed baseline (production traffic)
     users: dict[str, str] = field(default_factory=dict)  # the simulated users' figures (production traffic)
@@ -88,6 +89,15 @@ class LiveFigures:
     promotion: PromotionFigures = field(default_factory=lambda: PromotionFigures())
     engine_restarts: list[Any] = field(default_factory=list)  # EngineRestart of every vLLM server restart
     engines_down: dict[str, tuple[str, float]] = field(default_factory=dict)  # server -> (why, since): restarting
+
+    def add_heldout(self, score: VersionScore) -> bool:
+        """Record a version's held-out score unless it has one already (the first measurement stands: the gate
+        re-measures the serving version at every decision); the list stays in version order."""
+        if any(s.version == score.version for s in self.heldout):
+            return False
+        self.heldout.append(score)
+        self.heldout.sort(key=lambda s: s.version)
+        return True
 
     def groups_per_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -244,6 +254,19 @@ class Watcher:
         p.counts[kind] = p.counts.get(kind, 0) + 1
         p.last = (kind, event.version, event.reason)
         p.marks.append((kind, int(event.candidate_metrics.get("canary_version", event.version))))
+        if self.figures.heldout_from_gate:
+            self._scores_from_decision(event)
+
+    def _scores_from_decision(self, event: Any) -> None:
+        at = event.decided_at.timestamp()
+        measured = [(event.version, event.candidate_metrics)]
+        if event.serving_before is not None:
+            measured.append((event.serving_before, event.serving_metrics))
+        for version, metrics in measured:
+            score = score_from_gate(int(version), f"{self.cfg.policy}@{version}", metrics, at)
+            if score is not None and self.figures.add_heldout(score):
+                log.info("held-out reward (the gate's evaluation)", version=score.version,
+                         reward_mean=round(score.reward_mean, 3))
 
     def _on_metric(self, event: Any) -> None:
         if event.run_id != self.cfg.run_id:

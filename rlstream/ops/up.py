@@ -80,7 +80,11 @@ async def _supervise(cfg: RlstreamConfig, opts: UpOptions, sup: Supervisor, vllm
         asyncio.create_task(watcher.follow_topics(stop)),
         asyncio.create_task(watcher.poll_control(stop)),
     ]
-    if heldout:
+    if heldout and opts.gate:
+        # the gate evaluates each candidate, and serving, on these prompts with the task's own episode: its figures
+        # are the curve (evaluating every version again here would double the load on the serving engine)
+        figures.heldout_from_gate = True
+    elif heldout:
         tasks.append(asyncio.create_task(evaluate_versions(cfg, control, f"{vllm_url}/v1", heldout, opts.eval_samples,
                                                            stop, on_score)))
     else:

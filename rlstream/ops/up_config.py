@@ -44,7 +44,11 @@ SMOLLM2_DEFAULTS: dict[str, Any] = {
 #: goal (area >= 0.95 and gain >= 0.90 of on-policy on every seed) with the default learner; lags 2 and 4 measure the
 #: same within the seed spread, and lag 8 is the lowest on two of three seeds (area 0.903 and 0.812 against 0.988
 #: and 0.874 at lag 4), so feedback older than 4 versions is filtered rather than trained.
-PRODUCTION_TRAFFIC_DEFAULTS: dict[str, Any] = {"learner": {"groups_per_step": 32}, "streams": {"max_policy_lag": 4}}
+#: gate.canary_share 0.5: the canary's sequential test needs gate.canary_min_samples (50) rewards per arm, and one
+#: engine's simulated users (8, 70 % of sessions rewarded) give on the order of 10 rewarded sessions a minute on two
+#: cores: at the config's share (0.2) one canary would need about 25 minutes of traffic, at 0.5 about 10.
+PRODUCTION_TRAFFIC_DEFAULTS: dict[str, Any] = {"learner": {"groups_per_step": 32}, "streams": {"max_policy_lag": 4},
+                                               "gate": {"canary_share": 0.5}}
 HELDOUT_SEED = 1_000
 
 

@@ -58,9 +58,10 @@ def _plot_components(ax: Any, figures: LiveFigures) -> None:
             ax.plot([v for v, _ in points], [c for _, c in points], "^-", color=color, alpha=0.8, label=label)
     for (name, value), style in zip(figures.task_baselines.items(), (":", "-.", "--")):
         ax.axhline(value, color="grey", linestyle=style, alpha=0.8, label=f"{name} (held-out)")
-    words = [(s.version, s.components["answer_words"]) for s in figures.heldout if "answer_words" in s.components]
+    unit = next((u for u in ("words", "tokens") if any(f"answer_{u}" in s.components for s in figures.heldout)), None)
+    words = [(s.version, s.components[f"answer_{unit}"]) for s in figures.heldout if f"answer_{unit}" in s.components]
     if words:
         twin = ax.twinx()
         twin.plot([v for v, _ in words], [w for _, w in words], "x:", color="tab:brown", alpha=0.6)
-        twin.set_ylabel("held-out answer length (words, x)", color="tab:brown")
+        twin.set_ylabel(f"held-out answer length ({unit}, x)", color="tab:brown")
         twin.set_ylim(0, max(w for _, w in words) * 1.2 + 1)
