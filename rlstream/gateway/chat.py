@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rlstream.gateway.auth import Principal
-from rlstream.gateway.core import (Gateway, capture_refused_event, json_response, openai_error, request_session,
+from rlstream.gateway.core import (Gateway, capture_refused_event, json_response, request_session,
                                    upstream_failed, upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
-from rlstream.gateway.limits import check_choices, check_temperature, parse_json
+from rlstream.gateway.limits import RequestShape, checked_body
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
@@ -35,6 +35,9 @@ def requested_choices(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+CHAT_REQUEST = RequestShape("a chat completion request", turns="messages", turns_required=True, choices=True)
+
+
 class ChatCompletions:
     """The Chat Completions endpoint of one gateway."""
 
@@ -44,14 +47,7 @@ class ChatCompletions:
     async def serve(self, request: Request) -> Response:
         gw, config = self.gw, self.gw.config
         started = time.perf_counter()
-        body = parse_json(await request.body(), config.max_json_depth)
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return openai_error(400, "a chat completion request is a JSON object with a 'messages' list")
-        if len(body["messages"]) > config.max_messages:
-            return openai_error(400, f"a chat completion request has at most {config.max_messages} messages "
-                                "(gateway.max_messages)")
-        check_choices(body, config.max_choices)
-        check_temperature(body, config.temperature_range)
+        body = checked_body(await request.body(), CHAT_REQUEST, config)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         gw.keys.charge(caller, requested_choices(body) - 1)  # n choices cost n requests
         if not captured:

@@ -23,7 +23,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
                                    upstream_json)
 from rlstream.gateway.filtering import TOKEN_IDS, rejects_extensions
-from rlstream.gateway.limits import check_choices, check_temperature, parse_json
+from rlstream.gateway.limits import RequestShape, checked_body
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.transport.log import get_logger
 
@@ -219,6 +219,9 @@ def upstream_refusal(response: httpx.Response, raw: bytes, path: str) -> Respons
     return openai_error(response.status_code, f"the upstream answered {response.status_code} to {path}", kind)
 
 
+COMPLETION_REQUEST = RequestShape("a completion request", required="prompt", choices=True)
+
+
 class Completions:
     """The Completions endpoint of one gateway."""
 
@@ -228,11 +231,7 @@ class Completions:
     async def serve(self, request: Request) -> Response:
         gw, config = self.gw, self.gw.config
         started = time.perf_counter()
-        body = parse_json(await request.body(), config.max_json_depth)
-        if not isinstance(body, dict) or "prompt" not in body:
-            return openai_error(400, "a completion request is a JSON object with a 'prompt'")
-        check_choices(body, config.max_choices)
-        check_temperature(body, config.temperature_range)
+        body = checked_body(await request.body(), COMPLETION_REQUEST, config)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
         if not captured:
             return await gw.passthrough("/completions", body)

@@ -268,6 +268,40 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
         raise RequestRejected(400, f"request body is not valid JSON: {exc}", reason="bad_json") from None
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """What one endpoint's request body must be, and how its errors name it."""
+
+    name: str  # "a chat completion request"
+    turns: str | None = None  # the key of its list of turns, bounded by gateway.max_messages
+    turns_required: bool = False  # the body must carry that list
+    turn_noun: str = "messages"  # what the turns are called in an error
+    required: str | None = None  # a key the body must have ("prompt")
+    choices: bool = False  # ``n`` is bounded by gateway.max_choices
+
+    def description(self) -> str:
+        with_list = f" with a '{self.turns}' list" if self.turns_required else ""
+        with_key = f" with a '{self.required}'" if self.required else ""
+        return f"{self.name} is a JSON object{with_list}{with_key}"
+
+
+def checked_body(raw: bytes, shape: RequestShape, config: GatewaySettings) -> dict[str, Any]:
+    """``raw`` parsed and held to ``shape`` and the gateway's bounds: JSON depth, the number of turns, ``n`` and
+    ``temperature``. Raises :class:`RequestRejected` (400) otherwise; each endpoint renders it in its API's shape."""
+    body = parse_json(raw, config.max_json_depth)
+    if (not isinstance(body, dict) or (shape.turns_required and not isinstance(body.get(shape.turns or ""), list))
+            or (shape.required is not None and shape.required not in body)):
+        raise RequestRejected(400, shape.description(), reason="bad_request")
+    turns = body.get(shape.turns) if shape.turns else None
+    if isinstance(turns, list) and len(turns) > config.max_messages:
+        raise RequestRejected(400, f"{shape.name} has at most {config.max_messages} {shape.turn_noun} "
+                              "(gateway.max_messages)", reason="too_many_messages")
+    if shape.choices:
+        check_choices(body, config.max_choices)
+    check_temperature(body, config.temperature_range)
+    return body
+
+
 def check_choices(body: dict[str, Any], max_choices: int) -> None:
     """Raise :class:`RequestRejected` (400) for an ``n`` that is not a whole number in ``[1, max_choices]``."""
     n = body.get("n")

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import Gateway, request_session, upstream_json
 from rlstream.gateway.filtering import rejects_extensions, upstream_request
-from rlstream.gateway.limits import RequestRejected, check_temperature, parse_json
+from rlstream.gateway.limits import RequestRejected, RequestShape, checked_body
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
@@ -400,6 +400,9 @@ class MessagesStream:
         return "".join(out)
 
 
+MESSAGES_REQUEST = RequestShape("a Messages request", turns="messages", turns_required=True)
+
+
 class Messages:
     """The Anthropic Messages endpoint of one gateway."""
 
@@ -410,18 +413,13 @@ class Messages:
         try:
             return await self._serve(request)
         except RequestRejected as exc:  # the gateway's own bounds, answered in Anthropic's shape
+            self.gw.limit_stats.count(exc.reason)
             return anthropic_error(exc.status, exc.message)
 
     async def _serve(self, request: Request) -> Response:
         gw, config = self.gw, self.gw.config
         started = time.perf_counter()
-        body = parse_json(await request.body(), config.max_json_depth)
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return anthropic_error(400, "a Messages request is a JSON object with a 'messages' list")
-        if len(body["messages"]) > config.max_messages:
-            return anthropic_error(400, f"a Messages request has at most {config.max_messages} messages "
-                                   "(gateway.max_messages)")
-        check_temperature(body, config.temperature_range)
+        body = checked_body(await request.body(), MESSAGES_REQUEST, config)
         try:
             chat = chat_request(body)
         except ValueError as exc:

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
                                    upstream_json)
-from rlstream.gateway.limits import RequestRejected, check_temperature, parse_json
+from rlstream.gateway.limits import RequestRejected, RequestShape, checked_body
 from rlstream.gateway.relay import read_head, relayed
 from rlstream.gateway.responses_state import ResponsesState, StoredResponses
 from rlstream.transport.log import get_logger
@@ -321,6 +321,9 @@ def event_response_id(line: str) -> str | None:
     return response["id"] if isinstance(response, dict) and isinstance(response.get("id"), str) else None
 
 
+RESPONSES_REQUEST = RequestShape("a Responses request", turns="input", turn_noun="input items")
+
+
 class Responses:
     """``POST /v1/responses`` (also under ``/s/{session_id}``), streamed or not: passed to the upstream (where it has
     the API) and recorded like a chat call, with the exact prompt and completion token ids and logprobs vLLM
@@ -333,13 +336,7 @@ class Responses:
     async def serve(self, request: Request) -> Response:
         gw, config = self.gw, self.gw.config
         started = time.perf_counter()
-        body = parse_json(await request.body(), config.max_json_depth)
-        if not isinstance(body, dict):
-            return openai_error(400, "a Responses request is a JSON object")
-        if isinstance(body.get("input"), list) and len(body["input"]) > config.max_messages:
-            return openai_error(400, f"a Responses request has at most {config.max_messages} input items "
-                                "(gateway.max_messages)")
-        check_temperature(body, config.temperature_range)
+        body = checked_body(await request.body(), RESPONSES_REQUEST, config)
         try:
             messages = request_messages(body)
         except ValueError as exc:

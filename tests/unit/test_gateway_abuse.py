@@ -204,6 +204,37 @@ async def test_max_messages(tmp_path: Path) -> None:
         await close(gateway, c)
 
 
+async def test_every_endpoint_refuses_a_malformed_body_in_its_own_api_shape_and_counts_it(tmp_path: Path) -> None:
+    gateway, c, publisher = await keyed(tmp_path, max_messages=4, max_choices=4)
+    refused = {  # route -> bodies the endpoint must refuse with 400 before anything reaches the upstream
+        "/v1/chat/completions": [[], {"model": "m"}, {"model": "m", "messages": "hi"},
+                                 {"model": "m", "messages": [USER] * 5}, {"model": "m", "messages": [USER], "n": 5},
+                                 {"model": "m", "messages": [USER], "temperature": "hot"}],
+        "/v1/completions": [[], {"model": "m"}, {"model": "m", "prompt": "hi", "n": 0}],
+        "/v1/responses": [[], {"model": "m", "input": [USER] * 5}],
+        "/v1/messages": [[], {"model": "m", "max_tokens": 8}, {"model": "m", "max_tokens": 8, "messages": [USER] * 5},
+                         {"model": "m", "max_tokens": 8, "messages": [USER], "temperature": -1}],
+    }
+    try:
+        for route, bodies in refused.items():
+            for body in bodies:
+                r = await c.post(route, json=body, headers=AUTH)
+                assert r.status_code == 400, (route, body, r.text)
+                error = r.json()
+                if route == "/v1/messages":  # Anthropic's error shape
+                    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+                else:  # OpenAI's
+                    assert error["error"]["code"] == 400 and error["error"]["message"], error
+        assert sum(gateway.limit_stats.rejected.values()) == sum(len(b) for b in refused.values())
+        assert gateway.limit_stats.rejected["bad_request"] == 8 and gateway.limit_stats.rejected["too_many_messages"] == 3
+        assert publisher.sent == []  # nothing captured
+        # control: a well-formed body of each kind goes through
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER] * 4, "n": 4},
+                             headers=AUTH)).status_code == 200
+    finally:
+        await close(gateway, c)
+
+
 async def test_body_and_session_bounds_stay_below_what_kafka_takes(tmp_path: Path) -> None:
     settings = GatewaySettings.resolve(RlstreamConfig(kafka=KafkaConfig(max_message_bytes=1_000_000)))
     assert settings.max_body_bytes == settings.max_session_bytes == 500_000
