@@ -189,7 +189,7 @@ def _parallel_rank(rank: int, world: int, port: int, mode: str, args: argparse.N
         model, tokenizer = build_model(args.model_config, torch.device("cpu"), load_dtype, Path(workdir))
         cfg = LearnerConfig(model="(in memory)", lora=LoraConfig(enabled=args.lora), learning_rate=1e-6,
                             micro_batch_size=args.micro_batch, device=args.device, beta=0.0,
-                            parallelism="fsdp" if sharded else "replicate")
+                            parallelism="fsdp" if sharded else "replicate", num_iterations=1)
         if args.lora:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
@@ -305,8 +305,9 @@ def main() -> None:
     vocab = min(base.config.vocab_size, 1000)
     samples = make_samples(args.batch, args.prompt_len, args.completion_len, vocab)
     tokens = args.batch * args.completion_len
+    # one optimizer step per learner step: the unit TRL's step and the bare loop are measured in
     cfg = LearnerConfig(model="(in memory)", lora=LoraConfig(enabled=args.lora), learning_rate=1e-6,
-                        micro_batch_size=args.batch, device=args.device, beta=0.0)
+                        micro_batch_size=args.batch, device=args.device, beta=0.0, num_iterations=1)
     result: dict[str, Any] = {"model": args.model_config, "device": args.device, "dtype": str(dtype),
                               "batch": args.batch, "prompt_len": args.prompt_len,
                               "completion_len": args.completion_len, "lora": args.lora, "threads": args.threads,

@@ -90,6 +90,7 @@ def train(model_dir: Path, aggregation: str, seed: int, args: argparse.Namespace
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), learning_rate=args.lr,
+                        num_iterations=args.num_iterations,
                         micro_batch_size=4 * args.prompts * args.group_size, total_steps=args.steps, device="cpu",
                         scale_rewards=TOY_DEFAULTS["learner"]["scale_rewards"], loss_aggregation=aggregation)
     policy = Policy(model=model, tokenizer=tokenizer, device=torch.device("cpu"), dtype=torch.float32, lora=False,
@@ -125,6 +126,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=rollout["group_size"])
     parser.add_argument("--max-tokens", type=int, default=rollout["max_tokens"])
     parser.add_argument("--lr", type=float, default=learner["learning_rate"])
+    parser.add_argument("--num-iterations", type=int, default=1,
+                        help="learner.num_iterations (optimizer steps per batch); the recorded runs had 1")
     parser.add_argument("--aggregations", nargs="+", choices=AGGREGATIONS, default=["token_mean", "trajectory_mean"])
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out prompt")
@@ -142,6 +145,7 @@ def main() -> None:
     base = args.aggregations[0]
     print(json.dumps({
         "seeds": seeds, "aggregations": args.aggregations, "steps": args.steps, "lr": args.lr,
+        "num_iterations": args.num_iterations,
         "samples_per_step": args.prompts * args.group_size,
         "auc": {agg: [round(runs[agg][s].auc, 4) for s in seeds] for agg in args.aggregations},
         "final": {agg: [round(runs[agg][s].final, 4) for s in seeds] for agg in args.aggregations},

@@ -205,7 +205,8 @@ def main() -> None:
     parser.add_argument("--mask-low", type=float, default=0.5, help="--correction mask: the smallest ratio kept")
     parser.add_argument("--num-iterations", type=int, default=LearnerConfig.model_fields["num_iterations"].default,
                         help="learner.num_iterations: optimizer steps per batch, on-policy and stale alike (from the "
-                        "second one the PPO clip acts against the batch-start policy: AReaL's decoupled objective)")
+                        "second one the PPO clip acts against the batch-start policy: AReaL's decoupled objective); "
+                        "default the learner's (3); runs recorded without the flag before 2026-11-28 had 1")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt")
     parser.add_argument("--heldout", type=int, default=24, help="held-out prompts (the main job's set)")

@@ -12,7 +12,7 @@ from rlstream.transport.control import Lease, LeaseLost
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
-#: called with (optimizer steps done, steps in the submission)
+#: called with (learner steps done, learner steps in the submission)
 StepProgress = Callable[[int, int], None]
 
 
@@ -88,13 +88,14 @@ class EpochLearner:
                                      self.cfg.learner.lease_ttl_s))
 
     def _train(self, groups: Sequence[TrainingGroup], progress: StepProgress) -> dict[str, float]:
-        """Optimizer steps over ``groups`` in chunks of ``learner.groups_per_step`` (runs in a thread)."""
+        """Learner steps over ``groups`` in chunks of ``learner.groups_per_step``, ``learner.num_iterations``
+        optimizer steps each (runs in a thread)."""
         from rlstream.learner.batch import BatchError, samples_from_trajectory
 
         lcfg, ft = self.cfg.learner, self.cfg.finetuning
         chunks = [groups[i:i + lcfg.groups_per_step] for i in range(0, len(groups), lcfg.groups_per_step)]
         losses: list[float] = []
-        skipped = steps = 0
+        skipped = steps = optimizer_steps = 0
         for n, chunk in enumerate(chunks):
             samples, sampled = [], []
             for index, group in enumerate(chunk):
@@ -114,11 +115,12 @@ class EpochLearner:
                 steps += 1
                 if stats is not None:
                     losses.append(stats.loss)
+                    optimizer_steps += stats.optimizer_steps
                     if stats.trained:  # exact lineage: the groups of applied optimizer steps
                         self.loop.record_trained([(g.partition, g.offset) for g in sampled])
             progress(n + 1, len(chunks))
         return {"loss": sum(losses) / len(losses) if losses else 0.0, "steps": float(steps),
-                "skipped_trajectories": float(skipped)}
+                "optimizer_steps": float(optimizer_steps), "skipped_trajectories": float(skipped)}
 
     async def train_and_publish(self, groups: Sequence[TrainingGroup],
                                 progress: StepProgress = lambda _d, _t: None) -> TrainedVersion:

@@ -15,6 +15,8 @@ References:
   presets (token-level MIS); prime-rl masks off-policy tokens the same way.
 - Truncated importance sampling against the sampler's logprobs: Yao et al. 2025, *Your Efficient RL Framework
   Secretly Brings You Off-Policy RL Training* (the fix TRL applies as ``vllm_importance_sampling_correction``).
+- Decoupled PPO: Fu et al. 2025, *AReaL* (arXiv:2505.24298): the batch-start policy as the proximal policy of the
+  clip and the importance weight proximal / behaviour for stale samples (``truncate`` with ``num_iterations`` > 1).
 - Multi-turn: advantages per trajectory, not per turn (the turn-count bias of agent-lightning#444/#445).
 """
 from __future__ import annotations

@@ -93,8 +93,8 @@ class TrainPublishLoop:
         self.before_step = before_step  # e.g. hand the batch to the other data-parallel ranks
 
     def train(self, samples: list[Sample]) -> StepStats | None:
-        """One optimizer step on ``samples`` (runs in the caller's thread; None when there is no sample). The
-        learner step counts up either way."""
+        """One learner step on ``samples`` (``learner.num_iterations`` optimizer steps; runs in the caller's
+        thread; None when there is no sample). The learner step counts up either way."""
         stats = None
         if samples:
             if self.before_step is not None:

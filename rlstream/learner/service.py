@@ -263,7 +263,7 @@ class Learner:
                 consumer, self.codec, TrajectoryGroup, errors=(CodecError, ValueError),
                 dead_letters=DeadLetterSink(producer, self.codec, self.topics.dlq, SERVICE))
             log.info("learner started", policy=self.cfg.policy, step=state.step, version=state.version,
-                     offsets=state.offsets, holder=self.holder)
+                     offsets=state.offsets, holder=self.holder, num_iterations=self.lcfg.num_iterations)
             while state.step < self.lcfg.total_steps and not self._stop.is_set() and not self.lease_lost:
                 self.training_version = state.version  # what the next step trains on top of (staleness is against it)
                 if not await self._within_bound_of_serving(state, metrics):
@@ -597,7 +597,8 @@ class Learner:
             log.warning("run status not written (Redis unreachable?)", error=str(exc))
         log.info("learner step", step=state.step, groups=n_groups,
                  loss=round(stats.loss, 5) if stats else None, reward_mean=round(stats.reward_mean, 4) if stats else None,
-                 tokens_per_s=round(stats.tokens_per_s, 1) if stats else None)
+                 tokens_per_s=round(stats.tokens_per_s, 1) if stats else None,
+                 optimizer_steps=stats.optimizer_steps if stats else None)
 
     async def _report_serving_distance(self, state: LearnerState, metrics: MetricsPublisher,
                                        control: ControlPlane) -> None:

@@ -86,7 +86,8 @@ class RlstreamTrainingConfig(BaseModel):
     learning_rate: float | None = Field(None, gt=0, description="AdamW learning rate (learner.learning_rate)")
     beta: float | None = Field(None, ge=0, description="weight of the KL to the base model (learner.beta)")
     num_iterations: int | None = Field(None, ge=1, description="optimizer steps per batch (learner.num_iterations)")
-    groups_per_step: int | None = Field(None, ge=1, description="groups in one optimizer step")
+    groups_per_step: int | None = Field(None, ge=1, description="groups in one learner step "
+                                        "(learner.groups_per_step; num_iterations optimizer steps on them)")
     max_grad_norm: float | None = Field(None, gt=0, description="gradient clipping (learner.max_grad_norm)")
 
     def overrides(self) -> list[tuple[str, str]]:

@@ -40,10 +40,12 @@ SMOLLM2_DEFAULTS: dict[str, Any] = {
 #: Production traffic trains single responses against a task-wide baseline: a step of 32 of them (about the samples
 #: of 4 GRPO groups) is less noisy than 8, and versions come slowly enough that most feedback (5-60 s late) is still
 #: within streams.max_policy_lag (measured: 0.34 -> 0.63 in 35 versions, against a dip to 0.20 and 0.48 at 8).
-#: streams.max_policy_lag 4: bench/staleness.py (bench/results/2026-11-27-staleness.md) finds that no lag keeps the
-#: goal (area >= 0.95 and gain >= 0.90 of on-policy on every seed) with the default learner; lags 2 and 4 measure the
-#: same within the seed spread, and lag 8 is the lowest on two of three seeds (area 0.903 and 0.812 against 0.988
-#: and 0.874 at lag 4), so feedback older than 4 versions is filtered rather than trained.
+#: streams.max_policy_lag 4: bench/staleness.py (bench/results/2026-11-27-staleness.md) with the default learner
+#: (learner.num_iterations 3, truncate, cap 2) keeps the goal (area >= 0.95 and gain >= 0.90 of on-policy on every
+#: seed) at lags 2, 4 and 8 over 40 steps (lag 4: 0.963-0.979 / 0.940-0.965), but over the first 20 steps, before the
+#: toy task nears its ceiling, lag 4 is at the line (0.943-0.985 / 0.893-0.971) and lag 8 short of it (0.913-0.940
+#: / 0.830-0.886); at one optimizer step per batch no lag keeps it and lag 8 is the lowest. So 4, not 8: feedback
+#: older than 4 versions is filtered rather than trained.
 #: gate.canary_share 0.5: the canary's sequential test needs gate.canary_min_samples (50) rewards per arm, and one
 #: engine's simulated users (8, 70 % of sessions rewarded) give on the order of 10 rewarded sessions a minute on two
 #: cores: at the config's share (0.2) one canary would need about 25 minutes of traffic, at 0.5 about 10.

@@ -79,6 +79,9 @@ def test_sigkill_between_checkpoints_then_resume_trains_each_group_once(
     assert any(e.get("event") == "checkpoint invalid, trying the previous one" for e in events)
     steps = [e["step"] for e in events if e.get("event") == "learner step"]
     assert steps == [3, 4, 5, 6]
+    # the default learner.num_iterations (3): each learner step logs the optimizer steps it applied
+    assert [e["optimizer_steps"] for e in events if e.get("event") == "learner step"] == [3, 3, 3, 3]
+    assert [e["num_iterations"] for e in events if e.get("event") == "learner started"] == [3]
 
     # lineage: the base weights (version 0, announced once, by the first run) and three trained versions whose
     # trained_on ranges cover every group offset exactly once

@@ -24,8 +24,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_checkpoint_roundtrip_and_corrupt_fallback(model_dir: Path, tmp_path: Path, lora: bool) -> None:
+    # one optimizer step per learner step, so both checkpoints fall inside the warmup (the learning rate differs)
     cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=lora), learning_rate=1e-2, warmup_steps=3,
-                        device="cpu")
+                        device="cpu", num_iterations=1)
     policy = load_policy(cfg)
     trainer = GRPOTrainerStep(policy, cfg)
     store = CheckpointStore(tmp_path / "ck", keep=3)

@@ -69,7 +69,7 @@ def test_a_step_reports_entropy_and_advantage_figures_of_single_responses(model_
 @pytest.mark.parametrize("temperature", [1e-38, 1e-39])
 def test_one_poisoned_row_is_dropped_and_the_step_still_applies(model_dir: Path, temperature: float) -> None:
     """A turn recorded at a near-zero temperature (no behaviour logprobs) makes the gradient non-finite: the row is
-    found, dropped and counted, and the step applies on the other seven."""
+    found, dropped and counted, and the step applies on the other seven (every one of its optimizer steps)."""
     def run(samples: list) -> object:
         torch.manual_seed(0)
         cfg = LearnerConfig(model=str(model_dir), lora=LoraConfig(enabled=False), device="cpu", micro_batch_size=16)
@@ -81,7 +81,7 @@ def test_one_poisoned_row_is_dropped_and_the_step_still_applies(model_dir: Path,
         return samples
 
     stats = run(poisoned())
-    assert stats.optimizer_steps == 1 and stats.nonfinite_skipped == 0
+    assert stats.optimizer_steps == 3 and stats.nonfinite_skipped == 0  # the default's 3, the row left out of each
     assert stats.rows_dropped_nonfinite == 1 and math.isfinite(stats.grad_norm)
     assert stats.figures()["rows_dropped_nonfinite"] == 1.0
 

@@ -32,10 +32,10 @@ def _weights(trainer: GRPOTrainerStep) -> dict[str, torch.Tensor]:
 
 
 def test_num_iterations_steps_against_the_batch_start_policy_and_the_clip_acts(model_dir: Path) -> None:
-    once = _trainer(model_dir).step(random_samples(seed=5))
+    once = _trainer(model_dir, num_iterations=1).step(random_samples(seed=5))
     assert once.optimizer_steps == 1 and once.clip_fraction == 0.0  # one step per batch: ratio 1, no clipping
 
-    trainer = _trainer(model_dir, num_iterations=3)
+    trainer = _trainer(model_dir)  # the default: learner.num_iterations 3
     stats = trainer.step(random_samples(seed=5))
     assert stats.optimizer_steps == 3 and stats.nonfinite_skipped == 0 and stats.trained
     assert stats.clip_fraction > 0  # the policy moved away from the batch-start policy within the batch

@@ -29,7 +29,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Policy:
     policy = load_policy(cfg)
     assert policy.publish_merged
     stats = GRPOTrainerStep(policy, cfg).step(random_samples(seed=3))
-    assert stats.optimizer_steps == 1
+    assert stats.optimizer_steps == cfg.num_iterations == 3
     return policy
 
 
