@@ -19,6 +19,9 @@ side with the ratio sharded / replicated, then one JSON line. Peak memory: on CU
 peak resident set during the steps (``VmHWM``, reset after loading) above the process's resident set before the
 model existed. ``state_mb``: parameters, gradients and optimizer state held by the rank (exact). On CUDA also MFU
 per GPU (sharded: bf16 compute on fp32 master weights; replicated: bf16 weights, as the learner loads them).
+``--model-config wide-120m --prompt-len 16 --completion-len 16``: the training state is nearly all of a rank's
+memory (full fine-tuning of a large model), where sharding's saving shows undiluted by activations, which it does
+not shard.
 """
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     # about 31M parameters: big enough on CPU that training state, not activations, dominates a rank's memory
     "small-30m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # about 123M parameters: with short sequences the training state (16 bytes a parameter in fp32 with AdamW) is
+    # nearly all of a rank's memory, as in full fine-tuning of a larger model: the case sharding is for
+    "wide-120m": dict(vocab_size=16384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
                       tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
@@ -169,7 +177,7 @@ def _parallel_rank(rank: int, world: int, port: int, mode: str, args: argparse.N
 
     import torch.distributed as dist
 
-    from rlstream.learner.distributed import DataParallel
+    from rlstream.learner.distributed import DataParallel, return_freed_host_buffers
     from rlstream.learner.sharded import shard_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -177,6 +185,8 @@ def _parallel_rank(rank: int, world: int, port: int, mode: str, args: argparse.N
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if device.type != "cuda":  # as distributed.from_environment does for a learner on CPU, both modes alike
+        return_freed_host_buffers()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     try:
         sharded = mode == "fsdp"
