@@ -5,7 +5,9 @@ offered load. Realistic events: 8 turns, 512 completion tokens with logprobs eac
 Assembly is timed two ways: while the events are being published (publish -> every group readable: the
 publisher's CPU competes with the worker and the broker on a small machine), and on a backlog, like the raw rate:
 the worker stopped, the events published, the worker started again, timed from its first group of the backlog to
-its last (the ratio against the raw rate uses this one).
+its last (the ratio against the raw rate uses this one). CPU time is measured too (the raw consumer's process, the
+worker's process over the backlog): on a shared machine, where the rates move with the other load, the CPU per
+trajectory of each side and their ratio move much less.
 
     .venv/bin/python bench/streams_throughput.py --groups 400 --group-size 4 [--commit-interval 0.2]
         [--group-commit-delay 0.05] [--latency-groups 200]
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -23,6 +26,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil  # noqa: E402
 from aiokafka import TopicPartition  # noqa: E402
 
 from rlstream.ops.infra import LocalStack  # noqa: E402
@@ -53,16 +57,24 @@ async def read_from_beginning(consumer: Any, topic: str) -> None:
     await consumer.seek_to_beginning(*tps)
 
 
-async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process ``pid`` has used so far (all its threads)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> tuple[float, float]:
+    """Trajectories per second of a plain consumer reading ``n`` records from the start of ``topic``, and the CPU
+    seconds per trajectory its process used."""
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     try:
         await read_from_beginning(consumer, topic)
-        seen, start = 0, time.perf_counter()
+        seen, start, cpu_start = 0, time.perf_counter(), cpu_seconds(os.getpid())
         while seen < n:
             batch = await consumer.getmany(timeout_ms=500)
             seen += sum(len(r) for r in batch.values())
-        return n / (time.perf_counter() - start)
+        return n / (time.perf_counter() - start), (cpu_seconds(os.getpid()) - cpu_start) / n
     finally:
         await consumer.stop()
 
@@ -119,21 +131,22 @@ async def group_latencies(cfg: RlstreamConfig, topic: str, produced_at: dict[str
         await consumer.stop()
 
 
-async def backlog_span(cfg: RlstreamConfig, topic: str, n: int, start_worker: Callable[[], object]) -> float:
-    """Seconds from the first to the last of the ``n`` groups a worker started by ``start_worker`` makes readable
-    (read_committed); the reader is positioned at the topic's end before the worker starts."""
+async def backlog_span(cfg: RlstreamConfig, topic: str, n: int, start_worker: Callable[[], int]) -> tuple[float, float]:
+    """Seconds from the first to the last of the ``n`` groups a worker started by ``start_worker`` (which returns its
+    PID) makes readable (read_committed), and the CPU seconds the worker used in that time; the reader is positioned at
+    the topic's end before the worker starts."""
     consumer = await from_the_end(cfg, topic)
     try:
-        start_worker()
-        seen, first = 0, None
+        pid = start_worker()
+        seen, first, cpu_first = 0, None, 0.0
         while seen < n:
             batch = await consumer.getmany(timeout_ms=100)
             now = time.perf_counter()
             seen += sum(len(r) for r in batch.values())
             if first is None and seen:
-                first = now
+                first, cpu_first = now, cpu_seconds(pid)
         assert first is not None
-        return time.perf_counter() - first
+        return time.perf_counter() - first, cpu_seconds(pid) - cpu_first
     finally:
         await consumer.stop()
 
@@ -202,7 +215,7 @@ def main() -> None:
         n = len(recs)
         size = sum(len(v) for *_, v in recs) / n
         asyncio.run(publish(cfg, recs))
-        raw = asyncio.run(raw_consume_rate(cfg, names.trajectories, n))
+        raw, raw_cpu = asyncio.run(raw_consume_rate(cfg, names.trajectories, n))
         # the assembler will read these from a fresh topic prefix: publish them there after the warm-up
         cfg = cfg.model_copy(update={"topics": cfg.topics.model_copy(update={"prefix": "bench2."})})
         names = TopicNames.from_config(cfg.topics)
@@ -246,11 +259,22 @@ def main() -> None:
 
         worker.stop()
         asyncio.run(publish(cfg, events(cfg, args.groups, args.group_size, "backlog")))
-        span = asyncio.run(backlog_span(cfg, names.groups, args.groups, worker.start))
-        backlog_rate = (args.groups - 1) * args.group_size / span  # the first group's members came before the clock
+
+        def start_worker() -> int:
+            assert worker is not None
+            proc = worker.start().proc
+            assert proc is not None
+            return proc.pid
+
+        span, worker_cpu = asyncio.run(backlog_span(cfg, names.groups, args.groups, start_worker))
+        assembled = (args.groups - 1) * args.group_size  # the first group's members came before the clock
+        backlog_rate = assembled / span
         print(f"faust assembly       : {backlog_rate:10.1f} trajectories/s of a backlog (first -> last group "
               f"readable, {span:.1f}s)")
-        print(f"ratio raw/faust      : {raw / backlog_rate:10.1f}x (assembly/raw {backlog_rate / raw:.3f}; goal >= 0.10)")
+        print(f"CPU per trajectory   : raw consumer {raw_cpu * 1000:.2f} ms, worker over the backlog "
+              f"{worker_cpu / assembled * 1000:.2f} ms (user + system, all threads; "
+              f"raw/worker {raw_cpu * assembled / worker_cpu:.3f})")
+        print(f"ratio raw/faust      : {raw / backlog_rate:10.1f}x (assembly/raw {backlog_rate / raw:.3f}; goal >= 0.25)")
     finally:
         if worker:
             worker.stop()

@@ -6,8 +6,9 @@ input a byte at a time (about 200 ns per item: 2 ms of a 44 KiB record), while t
 there are (``streams.validation`` compares the counts) and keeps the record's bytes as they came. This reader walks the
 same binary encoding (Avro 1.11 specification, "Binary Encoding") and, for every array whose items are ``int``,
 ``long``, ``float`` or ``double``, returns :class:`SkippedNumbers` with the item count: ``float``/``double`` items have
-a fixed size and are stepped over at once; ``int``/``long`` varints are delimited with one numpy scan for the bytes
-without the continuation bit (one at a time in Python where numpy is not installed: the core, SDK-only install). Everything else is decoded as fastavro decodes it (logical types through fastavro's
+a fixed size and are stepped over at once; ``int``/``long`` varints are delimited by counting the bytes without the
+continuation bit with ``bytes.translate``/``bytes.count`` (C loops of the standard library: no numpy, so the core,
+SDK-only install reads them the same way). Everything else is decoded as fastavro decodes it (logical types through fastavro's
 public ``LOGICAL_READERS``), so the result equals ``fastavro.schemaless_reader``'s with each numeric array replaced
 by its count (``tests/unit/test_skim.py`` checks that, and that whatever this reader accepts fastavro accepts too).
 
@@ -26,17 +27,14 @@ from typing import Any
 
 from fastavro.read import LOGICAL_READERS
 
-try:
-    import numpy as np
-except ImportError:  # the core install (the capture SDK) has no numpy and never skims; the streams extra has it
-    np = None  # type: ignore[assignment]
-
 #: a reader of one value: (buffer, position) -> (value, position after it)
 Reader = Callable[[bytes, int], tuple[Any, int]]
 
 _VARINT_MAX_BYTES = {"int": 5, "long": 10}
 _FIXED_SIZE = {"float": 4, "double": 8}
-_SCAN_FROM = 16  # fewer varints than this are delimited in Python (numpy's per-call cost is higher)
+_SCAN_FROM = 16  # fewer varints than this are delimited one at a time (the scan's per-call cost is higher)
+#: ``bytes.translate`` table: 1 for a byte with the continuation bit (a varint goes on), 0 for a varint's last byte
+_CONTINUES = bytes(b >> 7 for b in range(256))
 _DOUBLE = struct.Struct("<d")
 _FLOAT = struct.Struct("<f")
 
@@ -59,6 +57,8 @@ def read_long(buf: bytes, pos: int, max_bytes: int = 10) -> tuple[int, int]:
         raise SkimError("data ends inside a number")
     byte = buf[pos]
     pos += 1
+    if byte < 0x80:  # one byte: most lengths, counts and union indexes
+        return (byte >> 1) ^ -(byte & 1), pos
     value, shift = byte & 0x7F, 7
     while byte & 0x80:
         if pos >= end:
@@ -117,7 +117,11 @@ def _read_bytes(buf: bytes, pos: int) -> tuple[bytes, int]:
 
 
 def _read_string(buf: bytes, pos: int) -> tuple[str, int]:
-    size, pos = _length(buf, pos)
+    byte = buf[pos] if pos < len(buf) else 0x80
+    if byte < 0x80 and not byte & 1 and pos + 1 + (byte >> 1) <= len(buf):  # a short string (one-byte length)
+        size, pos = byte >> 1, pos + 1
+    else:
+        size, pos = _length(buf, pos)
     try:
         return buf[pos:pos + size].decode("utf-8"), pos + size
     except UnicodeDecodeError as exc:
@@ -140,22 +144,51 @@ def _block_count(buf: bytes, pos: int) -> tuple[int, int]:
     return count, pos
 
 
+def _has_run(marks: bytes, end: int, length: int) -> bool:
+    """Whether ``marks[:end]`` (bytes of 0 and 1) holds ``length`` 1s in a row: the marks as one integer, ANDed with
+    itself shifted by whole bytes (runs of 1, 2, 4, ... combined into ``length``), is non-zero only then."""
+    ones = int.from_bytes(marks[:end], "little")
+    result, have, power, span = -1, 0, ones, 1  # power: where runs of `span` start; result: runs of `have`
+    while True:
+        if length & 1:
+            result &= power >> (8 * have)
+            have += span
+            if not result:
+                return False
+        length >>= 1
+        if not length:
+            return True
+        power &= power >> (8 * span)
+        span *= 2
+        if not power:  # no run of `span` (at most the length asked for): token ids of one or two bytes stop here
+            return False
+
+
 def _skip_varints(buf: bytes, pos: int, count: int, max_bytes: int) -> int:
     """The position after ``count`` varints starting at ``pos``."""
-    if count < _SCAN_FROM or np is None:
+    if count < _SCAN_FROM:
         for _ in range(count):
             _, pos = read_long(buf, pos, max_bytes)
         return pos
-    window = np.frombuffer(buf, dtype=np.uint8, count=min(len(buf) - pos, count * max_bytes), offset=pos)
-    ends = (window < 0x80).nonzero()[0]  # the last byte of each varint has no continuation bit
-    if len(ends) < count:
-        raise SkimError(f"data ends inside an array of {count} numbers")
-    last = int(ends[count - 1])
-    # a varint over max_bytes makes the span at least count + max_bytes bytes: only then are the lengths looked at
-    if last + 1 >= count + max_bytes and (
-            int(ends[0]) >= max_bytes or int(np.maximum.reduce(ends[1:count] - ends[:count - 1])) > max_bytes):
+    # 0 marks the last byte of a varint, so the span ends at the count-th 0. Every varint takes a byte: the span is
+    # at least count bytes and, with `found` ends seen in `end` bytes, at least count - found bytes longer. Token ids
+    # take one or two bytes, so twice the count is marked first, the longest possible span only when that is short.
+    marks = buf[pos:pos + 2 * count + max_bytes].translate(_CONTINUES)
+    end = min(count, len(marks))
+    found = marks.count(0, 0, end)
+    while found < count:
+        step = end + count - found
+        if step > len(marks):
+            marks = buf[pos:pos + count * max_bytes].translate(_CONTINUES)
+            if end >= len(marks):
+                raise SkimError(f"data ends inside an array of {count} numbers")
+            step = min(step, len(marks))
+        found += marks.count(0, end, step)
+        end = step
+    # a varint over max_bytes is a run of max_bytes continuation bytes, possible only with that many in the span
+    if end - count >= max_bytes and _has_run(marks, end, max_bytes):
         raise SkimError(f"varint longer than {max_bytes} bytes in an array of numbers")
-    return pos + last + 1
+    return pos + end
 
 
 def _numbers_skipper(item_type: str) -> Reader:
@@ -213,8 +246,14 @@ def _read_index(buf: bytes, pos: int, size: int, what: str) -> tuple[int, int]:
 
 
 def _union_reader(branches: list[Reader]) -> Reader:
+    size = len(branches)
+
     def read(buf: bytes, pos: int) -> tuple[Any, int]:
-        index, pos = _read_index(buf, pos, len(branches), "union branch")
+        byte = buf[pos] if pos < len(buf) else 0x80  # past the end: read_index says so
+        if byte < 2 * size and not byte & 1:  # a one-byte index in range (zigzag: branch i is byte 2i)
+            branch = branches[byte >> 1]
+            return (None, pos + 1) if branch is _read_null else branch(buf, pos + 1)
+        index, pos = _read_index(buf, pos, size, "union branch")
         return branches[index](buf, pos)
     return read
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator, MutableMapping
@@ -48,7 +47,7 @@ from rlstream.streams.policy import PolicyTracker
 from rlstream.streams.stitching import Stitched, Stitcher, StitchRules
 from rlstream.streams.shutdown import DeadlineWorker, StopDeadline, flush_standard_streams
 from rlstream.streams.payloads import OffsetReader, PayloadCache
-from rlstream.streams.staging import StagedWrites, oversized_writes
+from rlstream.streams.staging import StagedWrites, changelog_copy, oversized_writes
 from rlstream.streams.telemetry import Telemetry
 from rlstream.streams.exactly_once.broker_watch import (BROKER_LOST_EXIT_CODE, BrokerConnectionWatch,
                                                        first_bootstrap_address)
@@ -163,14 +162,14 @@ class DetachedValues(MutableMapping[str, Any]):
     written, and a memory store hands out the stored object itself: a state dict changed in place
     by a later record would reach the changelog with that later record's changes, in the earlier
     record's transaction. Copying on read and write keeps every changelog record equal to the
-    value written."""
+    value written; the copies go through the changelog's own JSON serializer (streams/staging.py)."""
 
     def __init__(self, table: Any) -> None:
         self.table = table
 
     @staticmethod
     def _copy(value: Any) -> Any:
-        return None if value is None else json.loads(json.dumps(value))
+        return None if value is None else changelog_copy(value)
 
     def __getitem__(self, key: str) -> Any:
         value = self.table.get(key)

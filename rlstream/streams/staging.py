@@ -8,9 +8,10 @@ only when every one fits, else the input record goes to the dead letters and the
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, MutableMapping
 from typing import Any
+
+from faust.utils import json as faust_json  # the serializer of Faust's "json" codec (orjson when installed)
 
 _DELETED: Any = object()
 
@@ -75,9 +76,20 @@ class StagedWrites(MutableMapping[str, Any]):
         self.changes.clear()
 
 
+def changelog_json(value: Any) -> bytes:
+    """``value`` as a JSON changelog key or value: what Faust's json serializer writes."""
+    data = faust_json.dumps(value)
+    return data if isinstance(data, bytes) else data.encode("utf-8")
+
+
+def changelog_copy(value: Any) -> Any:
+    """A private copy of a JSON table value, equal to what a table recovered from its changelog would hold."""
+    return faust_json.loads(changelog_json(value))
+
+
 def json_size(value: Any) -> int:
-    """Bytes of ``value`` as a JSON changelog key or value (what Faust's json serializer writes)."""
-    return len(json.dumps(value).encode("utf-8"))
+    """Bytes of ``value`` as a JSON changelog key or value."""
+    return len(changelog_json(value))
 
 
 def oversized_writes(staged: StagedWrites, limit: int) -> list[tuple[str, int]]:

@@ -70,7 +70,7 @@ def test_every_event_skims_to_the_full_decode_with_counts(event: Any) -> None:
 
 
 def test_token_arrays_are_counted_on_both_paths() -> None:
-    """Arrays of fewer than 16 varints are delimited in Python, longer ones with numpy: both give the count."""
+    """Arrays of fewer than 16 varints are delimited one at a time, longer ones with one scan: both give the count."""
     for completion in (0, 1, 15, 16, 17, 512):
         event = make_trajectory(turns=3, completion_tokens=completion, prompt_tokens=completion + 3, seed=completion)
         skimmed = CODEC.skim_record(CODEC.encode(event), TrajectoryEvent.avro_name)
@@ -119,7 +119,9 @@ def test_blocks_with_byte_sizes_and_several_blocks() -> None:
 
 @pytest.mark.parametrize("body,problem", [
     (_long(2) + b"\x80\x80\x80\x80\x80\x01" + _long(1) + _long(0), "longer than 5 bytes"),  # int of 6 bytes
-    (_long(20) + b"\x02" * 19 + b"\x80" * 6 + b"\x01" + _long(0), "longer than 5 bytes"),  # the same, numpy path
+    (_long(20) + b"\x02" * 19 + b"\x80" * 6 + b"\x01" + _long(0), "longer than 5 bytes"),  # the same, scanned
+    (_long(20) + b"\x02" * 10 + b"\x80\x80\x80\x80\x01" * 9 + b"\x80" * 5 + b"\x01" + _long(0),
+     "longer than 5 bytes"),  # after nine of 5 bytes: past the bytes first looked at (twice the count)
     (_long(20) + b"\x80" * 120 + _long(0), "ends inside"),  # no varint ends within 20 x 5 bytes
     (_long(3) + b"\x02\x02\x80", "ends inside"),  # truncated in its last number
     (_long(2**40), "cannot fit"),  # a count no data can hold
@@ -188,14 +190,28 @@ def test_the_stream_keeps_every_verdict_of_the_full_decode() -> None:
     assert empty.value.invalid.reason == v.EMPTY_VALUE
 
 
-def test_without_numpy_the_counts_and_errors_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The core install (the SDK) has no numpy: long arrays are then delimited one varint at a time."""
+def test_scanned_and_one_at_a_time_give_the_same_counts_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long arrays of varints are delimited with one scan of their bytes; read one varint at a time they give the same
+    count, and the same error for a varint over its length."""
     from rlstream.schemas import skim as skim_module
 
     payload = CODEC.encode(make_trajectory(turns=2, completion_tokens=300, prompt_tokens=40, seed=9))
-    with_numpy = CODEC.skim_record(payload, TrajectoryEvent.avro_name)
+    scanned = CODEC.skim_record(payload, TrajectoryEvent.avro_name)
     over_long = _long(20) + b"\x02" * 19 + b"\x80" * 6 + b"\x01" + _long(0)
-    monkeypatch.setattr(skim_module, "np", None)
-    assert CODEC.skim_record(payload, TrajectoryEvent.avro_name) == with_numpy
+    monkeypatch.setattr(skim_module, "_SCAN_FROM", 1 << 30)
+    assert CODEC.skim_record(payload, TrajectoryEvent.avro_name) == scanned
     with pytest.raises(SkimError, match="longer than 5 bytes"):
         skim(json.dumps({"type": "array", "items": "int"}), over_long)
+
+
+@pytest.mark.parametrize("items,width", [("int", 5), ("long", 10)])
+def test_varints_of_the_longest_length_are_read(items: str, width: int) -> None:
+    """Varints of exactly the longest length, one after another, are not mistaken for one that is too long: the
+    negative control of the "longer than" errors above."""
+    value = -(2 ** 63) if items == "long" else -(2 ** 31)  # the zigzag encodings of most bytes
+    encoded = _long(value)
+    assert len(encoded) == width
+    body = _long(40) + encoded * 40 + _long(0)
+    assert skim(json.dumps({"type": "array", "items": items}), body) == (SkippedNumbers(40), len(body))
+    full = fastavro.schemaless_reader(io.BytesIO(body), {"type": "array", "items": items}, None)
+    assert full == [value] * 40

@@ -26,3 +26,25 @@ def test_oversized_writes_measure_key_and_value() -> None:
     members["t"] = {"m": "y" * 990}
     assert oversized_writes(members, exact) == []
     assert oversized_writes(members, exact - 1) == [("t", exact)]
+
+
+def test_sizes_and_copies_are_those_of_the_changelog_codec() -> None:
+    """A table value is measured as the bytes Faust's json codec puts on the changelog, and a copy of it equals what a
+    table recovered from that changelog holds (tuples as lists, non-text keys as text), sharing nothing."""
+    from faust.serializers import codecs
+
+    from rlstream.streams.app import DetachedValues
+    from rlstream.streams.staging import changelog_copy
+
+    value = {"m": {"0": [["trajectories", 1, 7], 0.5]}, "ids": ("a", "é"), 3: None}
+    written = codecs.get_codec("json").dumps(value)
+    assert json_size(value) == len(written)
+    assert changelog_copy(value) == codecs.get_codec("json").loads(written) == {
+        "m": {"0": [["trajectories", 1, 7], 0.5]}, "ids": ["a", "é"], "3": None}
+    table: dict[str, object] = {}
+    view = DetachedValues(table)
+    view["g"] = value
+    value["m"]["0"][1] = 1.0  # changed after the write: the table keeps what was written
+    read = view["g"]
+    read["m"]["0"][1] = 2.0  # changed after the read: the table keeps it too
+    assert table["g"]["m"]["0"][1] == 0.5 and view["g"]["m"]["0"][1] == 0.5
