@@ -86,10 +86,14 @@ def group_members(pgid: int) -> list[int]:
 
 
 def _leads_own_group(pid: int) -> bool:
-    """True when ``pid`` leads a process group that is not ours (so signalling the group is safe)."""
+    """True when ``pid`` leads a process group that is not ours (so signalling the group is safe), also when the
+    leader itself is gone and reaped while members of its group live on (a SIGKILLed vLLM API server's engine core:
+    the kernel allocates no pid equal to a live process group's id, so such members are that leader's)."""
     try:
         return os.getpgid(pid) == pid and pid != os.getpgid(0)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        return pid != os.getpgid(0) and bool(group_members(pid))
+    except PermissionError:
         return False
 
 

@@ -106,6 +106,23 @@ def test_stop_pid_stops_the_whole_process_group() -> None:
     assert _wait_gone([child.pid, grandchild], 5) == []
 
 
+def test_stop_pid_stops_the_members_a_killed_and_reaped_leader_left_behind() -> None:
+    # a vLLM API server SIGKILLed (and reaped by its supervisor) leaves its engine process running in its group
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "g = subprocess.Popen(['sleep', '60']); print(g.pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    member = int(leader.stdout.readline())  # type: ignore[union-attr]
+    leader.kill()
+    leader.wait()  # reaped: its pid is free, its group lives on in the member
+    try:
+        assert pid_alive(member) and os.getpgid(member) == leader.pid  # control: the member outlived its leader
+        stop_pid(leader.pid, timeout_s=5)
+        assert _wait_gone([member], 5) == []
+    finally:
+        if pid_alive(member):
+            os.kill(member, signal.SIGKILL)
+
+
 def test_stop_pid_returns_the_exit_code_of_the_child_it_reaps() -> None:
     exits_3 = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
                                 "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); print('ready', flush=True); "
