@@ -405,13 +405,15 @@ class PromotionGate:
                 figures = await evaluate_version(evaluation, version, route.base_url, route.model,
                                                  secret_value(self.cfg.inference.api_key),
                                                  on_request_failure=request_failed)
+                # asked while the hold stands: once released, a serve replica may trim the adapter at once
+                still_loaded = await self._still_loaded(route, version)
         except EvaluationFailed as exc:
             await self.metrics.emit(mn.GATE_EVALUATION_FAILURES, 1.0, step=version,
                                     tags={"policy": self.policy, "role": role})
             log.warning("evaluation failed: no decision, tried again later", version=version, role=role,
                         error=str(exc))
             raise
-        if not await self._still_loaded(route, version):
+        if not still_loaded:
             log.info("version replaced on the replica during its evaluation; figures dropped", version=version)
             return None
         log.info("version evaluated", version=version, role=role, model=route.model,

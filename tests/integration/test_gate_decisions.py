@@ -222,3 +222,44 @@ def test_an_anchor_no_replica_holds_is_judged_on_its_latest_measurement(
     assert scripted.calls[:4] == [2, 1, 4, 2]  # v1 not measured for the second decision
     assert [(d.version, d.decision) for d in after_restart] == [(4, DecisionKind.promote)]  # the control
     assert after_restart[0].candidate_metrics["anchor_version"] == 2
+
+
+def test_a_candidate_trimmed_the_moment_its_hold_ends_keeps_its_figures(
+        rl_config: RlstreamConfig, created_topics: TopicNames, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a serve replica keeps inference.keep_adapters LoRA versions: one it held for the gate goes as soon as the hold
+    # ends, so whether the version stayed loaded through the evaluation is asked while the hold stands
+    import contextlib
+
+    base = gate_config(rl_config)
+    monkeypatch.setattr(gate_service, "evaluate_version", ScriptedEvaluation())
+
+    async def scenario(trim_before_release: bool) -> EvalFigures | None:
+        cfg = base.model_copy(update={"policy": f"{base.policy}-{int(trim_before_release)}"})
+        control = ControlPlane(str(cfg.redis.url))
+        serving = await setup_fleet(cfg, control)
+        gate = await start_gate(cfg, control)
+        held = gate.serving.held_for_evaluation
+
+        @contextlib.asynccontextmanager
+        async def trimmed_at_release(policy: str, worker_id: str, version: int, ttl_s: float):  # type: ignore[no-untyped-def]
+            async with held(policy, worker_id, version, ttl_s):
+                if trim_before_release:  # control: replaced while held (a full reload), figures dropped
+                    await trim(version)
+                yield
+            await trim(version)  # what the sync worker does once the hold is gone
+
+        async def trim(version: int) -> None:
+            await serving.record_replica(cfg.policy, ReplicaAck(
+                "w0", 4, f"{cfg.policy}-v4", url="http://127.0.0.1:9",
+                loaded={v: f"{cfg.policy}-v{v}" for v in LOSS if v != version}), 120.0)
+
+        monkeypatch.setattr(gate.serving, "held_for_evaluation", trimmed_at_release)
+        try:
+            return await gate.measure(2, gate.evaluation, "candidate")
+        finally:
+            await gate._stop()
+            await control.close()
+
+    measured = asyncio.run(scenario(trim_before_release=False))
+    assert measured is not None and measured.version == 2
+    assert asyncio.run(scenario(trim_before_release=True)) is None
