@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rlstream.gate.rules import SampleAnswer, SampleResult
+from rlstream.gate.rules import SUCCESS_COMPONENT, SampleAnswer, SampleResult
 from rlstream.schemas.models import Message, ToolCall
 from rlstream.transport.log import get_logger
 
@@ -142,7 +142,9 @@ def score_answer(request: EpisodeRequest, output: Any, answer: str, length: int,
     return SampleResult(key=request.key, reward=reward,
                         parses=bool(request.answer_pattern.search(answer)) or tool_calls > 0,
                         refusal=any(p.search(answer) for p in request.refusal_patterns), length=length,
-                        tool_calls=tool_calls, tool_calls_parsed=parsed_calls, answer=transcript)
+                        tool_calls=tool_calls, tool_calls_parsed=parsed_calls,
+                        success=components.get(SUCCESS_COMPONENT),
+                        answer=transcript)
 
 
 async def single_completion(request: EpisodeRequest) -> SampleResult:

@@ -40,6 +40,10 @@ class SampleAnswer:
     seed: int | None = None
 
 
+#: the reward component that reports task success (the gate tests it like the reward, where every result has it)
+SUCCESS_COMPONENT = "success"
+
+
 @dataclass(frozen=True)
 class SampleResult:
     """One held-out (example, sample) episode of one version: the unit the paired tests compare.

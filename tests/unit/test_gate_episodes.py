@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from rlstream.gate.episodes import single_completion
+from rlstream.gate.rules import DecisionRule, judge
 from rlstream.gate.evaluation import (EvaluationFailed, EvaluationSet, EvaluationSetError, evaluate_version,
                                       load_episode, seed_of)
 from rlstream.gate.service import evaluation_set
@@ -67,6 +68,9 @@ async def test_a_policy_that_calls_the_tool_beats_one_that_guesses_through_the_a
     assert caller.reward_mean == pytest.approx(1.0) and caller.samples == len(HELDOUT) * 2
     assert 0.0 < guess.reward_mean <= 0.5  # some guesses are right (0.5 each), none calls the tool
     assert caller.tool_calls == caller.samples and caller.tool_call_parse_rate == 1.0 and guess.tool_calls == 0
+    # task success comes from the reward function's success component, so the gate tests it and reports it
+    assert caller.task_success == 1.0 and guess.task_success == 0.0
+    assert judge(caller, guess, DecisionRule()).test("task_success", "serving") is not None
     # one result per (example, sample), paired by key; every model call of a sample carries its seed
     assert sorted(r.key for r in caller.results) == sorted(r.key for r in guess.results) == sorted(
         f"{e['id']}#{s}" for e in HELDOUT for s in range(2))
