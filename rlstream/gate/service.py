@@ -345,10 +345,11 @@ class PromotionGate:
                     trajectory_id=trajectory_id)
         await self.metrics.emit(mn.GATE_INVALID_REWARDS, 1.0, tags={"policy": self.policy, "reason": invalid.reason})
 
-    async def _observe_serving(self) -> None:
-        """Measure feedback-to-serving when the serving pointer reached a newer version."""
+    async def _observe_serving(self, moved: bool = False) -> None:
+        """Measure feedback-to-serving when the serving pointer reached a newer version (read at most every
+        ``POLL_S``, and always right after the gate moved it: an evaluation may follow, and it reads nothing)."""
         now = time.monotonic()
-        if now - self._serving_read_at < POLL_S:
+        if now - self._serving_read_at < POLL_S and not moved:
             return
         self._serving_read_at = now
         pointer = await self.serving.serving(self.policy)
@@ -633,7 +634,7 @@ class PromotionGate:
                 await self._move_anchor(int(evidence[ANCHOR_KEY]))
                 if self.anchor == candidate:
                     self.anchor_figures = candidate_figures
-            await self._observe_serving()
+            await self._observe_serving(moved=True)
         else:
             await self.record(DecisionKind.reject, candidate, f"rejected: serving could not move: {outcome.reason}",
                               serving_version, candidate_figures, serving_figures,
@@ -840,7 +841,7 @@ class PromotionGate:
             anchor = canary.candidate_metrics.get(ANCHOR_KEY)
             if anchor is not None and int(anchor) != self.anchor:
                 await self._move_anchor(int(anchor))
-            await self._observe_serving()
+            await self._observe_serving(moved=True)
         else:
             await self._record_canary(DecisionKind.reject, canary.version, f"canary ended, serving could not move: "
                                       f"{outcome.reason}", canary.serving, token, canary, online)

@@ -157,6 +157,8 @@ def test_as_good_canary_finishes_its_promotion(rl_config: RlstreamConfig, create
     gate, _ = asyncio.run(run_canary(cfg, created_topics, canary_p=0.5, serving_p=0.5, per_arm=300))
     last = gate.decisions[-1]
     assert last.decision == DecisionKind.finish_canary and last.version == 2, last.reason
+    # the move is measured at once (feedback-to-serving), not at a later read an evaluation may hold off for minutes
+    assert gate.clock.served_version == 2
     pointer = asyncio.run(_pointer(cfg))
     assert pointer is not None and pointer.version == 2 and pointer.canary_version is None
     recorded = asyncio.run(decisions(cfg, created_topics))
