@@ -38,9 +38,10 @@ ANSWER_WORDS = "answer_words"
 #: the same in tokens, as the promotion gate measures it
 ANSWER_TOKENS = "answer_tokens"
 
-#: the gate's evaluation figures (``PromotionDecision`` metrics) -> the held-out components ``rlstream up`` shows
-GATE_COMPONENTS: dict[str, str] = {"task_success": "success", "tool_call_parse_rate": "tool_call_parsed",
-                                   "answer_length": ANSWER_TOKENS}
+#: the gate's evaluation figures (``PromotionDecision`` metrics) -> the held-out components ``rlstream up`` shows.
+#: Not the gate's tool_call_parse_rate: it counts the calls the server parsed out of those made (nearly always 1),
+#: where the component tool_call_parsed is the share of episodes whose first call parsed.
+GATE_COMPONENTS: dict[str, str] = {"task_success": "success", "answer_length": ANSWER_TOKENS}
 
 
 def score_from_gate(version: int, model: str, metrics: dict[str, float], at: float) -> VersionScore | None:

@@ -34,8 +34,7 @@ def test_a_decision_without_an_evaluation_gives_no_score() -> None:
     assert score_from_gate(2, "toy@2", {"reward_mean": 0.0, "samples": 0.0}, 0.0) is None
     score = score_from_gate(2, "toy@2", {"reward_mean": 0.4, "samples": 48.0, "task_success": 0.25,
                                          "tool_call_parse_rate": 0.9, "answer_length": 7.0, "seconds": 3.0}, 1.0)
-    assert score == VersionScore(2, "toy@2", 0.4, 48, 1.0,
-                                 {"success": 0.25, "tool_call_parsed": 0.9, "answer_tokens": 7.0})
+    assert score == VersionScore(2, "toy@2", 0.4, 48, 1.0, {"success": 0.25, "answer_tokens": 7.0})
 
 
 def test_the_watcher_scores_both_sides_of_each_decision_once_in_version_order() -> None:
