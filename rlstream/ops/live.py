@@ -263,7 +263,9 @@ class Watcher:
         if event.serving_before is not None:
             measured.append((event.serving_before, event.serving_metrics))
         for version, metrics in measured:
-            score = score_from_gate(int(version), f"{self.cfg.policy}@{version}", metrics, at)
+            # the figures name the version they measured (a rollback's decision carries the canary's figures)
+            version = int(metrics.get("version", version))
+            score = score_from_gate(version, f"{self.cfg.policy}@{version}", metrics, at)
             if score is not None and self.figures.add_heldout(score):
                 log.info("held-out reward (the gate's evaluation)", version=score.version,
                          reward_mean=round(score.reward_mean, 3))

@@ -55,7 +55,11 @@ def test_the_watcher_scores_both_sides_of_each_decision_once_in_version_order() 
     watcher._on_decision(PromotionDecision(policy="toy", version=5, decision=DecisionKind.reject,
                                            reason="rejected: evaluation failed"))  # no figures: no score
     watcher._on_decision(decision(9, DecisionKind.promote, 0, 0.9, 0.2).model_copy(update={"policy": "other"}))
-    assert [(s.version, s.reward_mean) for s in figures.heldout] == [(0, 0.2), (3, 0.5), (4, 0.3)]
+    # a rollback to v1 carries the rolled-back canary's (v6) offline figures: they are v6's, not v1's
+    rollback = decision(1, DecisionKind.rollback, None, 0.6, None)
+    rollback.candidate_metrics["version"] = 6.0
+    watcher._on_decision(rollback)
+    assert [(s.version, s.reward_mean) for s in figures.heldout] == [(0, 0.2), (3, 0.5), (4, 0.3), (6, 0.6)]
 
     # control: without the flag (rlstream up evaluates itself) decisions add no score
     own = LiveFigures()
