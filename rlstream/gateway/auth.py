@@ -64,8 +64,9 @@ class ApiKeySpec(BaseModel):
 
     key: SecretStr = Field(description="the bearer key (a secret: never logged)")
     name: str | None = Field(None, max_length=128, description="a label for logs (the key itself never is)")
-    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN, description="whose traffic this key is: sessions, "
-                        "trajectories and feedback are scoped to it")
+    tenant: str = Field(pattern=TENANT_PATTERN, description="whose traffic this key is: sessions, trajectories and "
+                        "feedback are scoped to it (required: an entry without one would share the operator's "
+                        "tenant, 'default', and with it every trajectory and session of the --api-key keys)")
     scopes: list[Scope] = Field(default_factory=lambda: ["inference", "feedback"],
                                 description="inference, feedback, admin, evaluate (policy@N for a version that "
                                 "neither serves nor is the canary)")
@@ -228,8 +229,8 @@ class KeyStore:
         self.keys_file = keys_file
         self.reload_check_s = reload_check_s
         every_scope: list[Scope] = ["inference", "feedback", "admin", "evaluate"]
-        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", scopes=every_scope, tasks=[ANY_TASK],
-                                   models=[ANY_MODEL])
+        self._inline = [ApiKeySpec(key=SecretStr(k), name=f"cli-key-{i}", tenant=DEFAULT_TENANT, scopes=every_scope,
+                                   tasks=[ANY_TASK], models=[ANY_MODEL])
                         for i, k in enumerate(inline_keys)]
         self._by_digest: dict[bytes, Principal] = {}
         self._file_stamp: tuple[int, int, int] | None = None  # mtime, size, mode

@@ -31,7 +31,8 @@ def test_non_loopback_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_data_paths_need_the_admin_scope(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys.yaml"
-    keys_file.write_text(f"keys:\n- key: {ADMIN}\n  scopes: [admin]\n- key: {READER}\n  scopes: [inference]\n")
+    keys_file.write_text(f"keys:\n- key: {ADMIN}\n  tenant: ops\n  scopes: [admin]\n"
+                         f"- key: {READER}\n  tenant: ops\n  scopes: [inference]\n")
     keys_file.chmod(0o600)
     web = client(KeyStore(keys_file=keys_file))
     assert web.get("/").status_code == 200 and "rlstream console" in web.get("/").text  # the page: no data

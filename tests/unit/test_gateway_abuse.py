@@ -9,11 +9,11 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 import rlstream.gateway.limits as limits
 from rlstream.gateway.app import Gateway, create_app
-from rlstream.gateway.auth import AccessConfig, KeysFileExposed, KeyStore
+from rlstream.gateway.auth import DEFAULT_TENANT, AccessConfig, KeysFileExposed, KeyStore
 from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.streaming import StreamAccumulator
 from rlstream.schemas.config import GatewayConfig, KafkaConfig, RlstreamConfig
@@ -291,6 +291,22 @@ def test_a_keys_file_that_goes_bad_refuses_its_keys(tmp_path: Path, damage: str)
     write_keys(path)
     store.maybe_reload(now=2e9)
     assert store.authenticate(KEY) is not None
+
+
+def test_a_keys_file_entry_without_a_tenant_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": KEY}]}))
+    path.chmod(0o600)
+    with pytest.raises(ValidationError, match=r"keys\.0\.tenant"):  # at start: the start stops
+        KeyStore(["inline-operator-key-0123"], keys_file=path)
+    store = KeyStore(["inline-operator-key-0123"], keys_file=write_keys(path))
+    acme = store.authenticate(KEY)
+    assert acme is not None and acme.tenant == "acme"  # control: the same key with its tenant
+    path.write_text(json.dumps({"keys": [{"key": KEY}]}))  # an edit drops the tenant: the file fails closed
+    store.maybe_reload(now=1e9)
+    assert store.authenticate(KEY) is None and store.reload_errors == 1
+    operator = store.authenticate("inline-operator-key-0123")
+    assert operator is not None and operator.tenant == DEFAULT_TENANT  # the operator's tenant stays its own
 
 
 async def test_token_holders_are_rate_limited(tmp_path: Path) -> None:
