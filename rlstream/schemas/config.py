@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import types
 from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -469,6 +470,20 @@ class RolloutConfig(Section):
     prometheus_port: int | None = Field(None, description="serve the runner's metrics to Prometheus on this port")
 
 
+#: the last part of the control plane's one-part keys (``rlstream:{policy}:latest``, ...): a sync worker with one of
+#: these ids would heartbeat under a key another service's Redis user may write (docs/security.md)
+RESERVED_WORKER_IDS = frozenset({"latest", "learner", "announcements", "status", "serving", "canary"})
+#: a sync worker's id: no ``:``, so that no other service's key pattern (``rlstream:*:status``,
+#: ``rlstream:*:session:*``, ...) also matches its heartbeat key
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def valid_worker_id(worker_id: str) -> bool:
+    """True for an id a sync worker may heartbeat under (:data:`WORKER_ID_PATTERN`, none of
+    :data:`RESERVED_WORKER_IDS`)."""
+    return re.fullmatch(WORKER_ID_PATTERN, worker_id) is not None and worker_id not in RESERVED_WORKER_IDS
+
+
 class InferenceConfig(Section):
     """The inference sync worker (``rlstream inference sync``) and the vLLM launcher."""
 
@@ -480,7 +495,9 @@ class InferenceConfig(Section):
                                    "Authorization: Bearer (a secret: masked in every output; env form "
                                    "RLSTREAM_INFERENCE__API_KEY)")
     served_model: str = Field("policy", description="the base model name the server was started with")
-    worker_id: str = Field("worker-0", description="this sync worker's id (its Redis heartbeat key)")
+    worker_id: str = Field("worker-0", pattern=WORKER_ID_PATTERN, description="this sync worker's id (its Redis "
+                           "heartbeat key; letters, digits, '.', '_', '-', none of "
+                           f"{', '.join(sorted(RESERVED_WORKER_IDS))})")
     keep_adapters: int = Field(2, ge=1, description="LoRA versions kept loaded (older ones are unloaded)")
     trim_grace_s: float = Field(900.0, ge=0, description="an unloaded LoRA version's staged files are deleted only "
                                 "once the server no longer lists its adapter and this long after it was unloaded: a "
@@ -536,6 +553,13 @@ class InferenceConfig(Section):
         "serving pointer asks for (pending first, else the newest of serving and canary), the base weights while "
         "there is no pointer, so a candidate the gate evaluates on an evaluate replica never answers production "
         "requests. LoRA versions load under their own names either way")
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id_not_reserved(cls, value: str) -> str:
+        if value in RESERVED_WORKER_IDS:
+            raise ValueError(f"{value!r} is the last part of another control-plane key: pick another worker_id")
+        return value
 
 
 class GateConfig(Section):

@@ -18,6 +18,7 @@ from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArg
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlstream.schemas.config import valid_worker_id
 from rlstream.schemas.masking import mask_url
 from rlstream.transport.log import get_logger
 
@@ -181,6 +182,7 @@ class ControlPlane:
         self.redis: aioredis.Redis = aioredis.from_url(url, decode_responses=True, socket_timeout=5.0)
         self._tenant_put_script = self.redis.register_script(_TENANT_PUT_LUA)
         self._tenant_get_script = self.redis.register_script(_TENANT_GET_LUA)
+        self._ignored_workers: set[str] = set()  # heartbeat keys left out (logged once each)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -340,12 +342,21 @@ class ControlPlane:
         await self._retry("heartbeat_worker", call)
 
     async def workers(self, policy: str) -> dict[str, dict[str, str]]:
+        """The sync workers' heartbeats: worker id -> its hash. A key under the heartbeat prefix whose id no sync
+        worker may take (:func:`valid_worker_id`) is left out: another service's Redis user may write it through a
+        pattern of its own (``rlstream:*:status``), and only the sync workers' user writes heartbeats."""
         prefix = worker_key(policy, "")
 
         async def call() -> dict[str, dict[str, str]]:
             out = {}
             async for key in self.redis.scan_iter(match=prefix + "*"):
-                out[key[len(prefix):]] = await self.redis.hgetall(key)
+                worker_id = key[len(prefix):]
+                if not valid_worker_id(worker_id):
+                    if worker_id not in self._ignored_workers and len(self._ignored_workers) < 1000:
+                        self._ignored_workers.add(worker_id)
+                        log.warning("heartbeat key under an id no sync worker may take: ignored", key=key[:200])
+                    continue
+                out[worker_id] = await self.redis.hgetall(key)
             return out
 
         return await self._retry("workers", call)

@@ -586,6 +586,7 @@ class ServingControl:
 
         async def call() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zremrangebyscore(key, "-inf", time.time())  # the holders prune: the replicas only read
                 pipe.zadd(key, {member: time.time() + ttl})
                 pipe.expire(key, ttl, gt=True)
                 pipe.expire(key, ttl, nx=True)
@@ -611,14 +612,12 @@ class ServingControl:
 
     async def evaluation_holds(self, policy: str, worker_id: str) -> set[int]:
         """The versions held on ``worker_id`` for evaluations now (expired holds and members that are not
-        ``<version>|<holder>`` are ignored)."""
+        ``<version>|<holder>`` are ignored). Only reads: a sync worker's Redis user may write its heartbeat alone
+        (docs/security.md)."""
         key = evaluation_hold_key(policy, worker_id)
 
         async def call() -> list[Any]:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.zremrangebyscore(key, "-inf", time.time())
-                pipe.zrangebyscore(key, time.time(), "+inf")
-                return list((await pipe.execute())[1])
+            return list(await self.redis.zrangebyscore(key, time.time(), "+inf"))
         try:
             members = await self.control._retry("evaluation_holds", call)
         except redis_errors.ResponseError:  # not a sorted set: written by something else, holds nothing
