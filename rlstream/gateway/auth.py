@@ -233,6 +233,7 @@ class KeyStore:
                                    tasks=[ANY_TASK], models=[ANY_MODEL])
                         for i, k in enumerate(inline_keys)]
         self._by_digest: dict[bytes, Principal] = {}
+        self._by_key_id: dict[str, Principal] = {}
         self._file_stamp: tuple[int, int, int] | None = None  # mtime, size, mode
         self._checked = 0.0
         self._lock = threading.Lock()
@@ -281,6 +282,7 @@ class KeyStore:
             remember_secret(key)
             table[hashlib.sha256(key.encode()).digest()] = Principal.from_spec(spec)
         self._by_digest = table
+        self._by_key_id = {principal.key_id: principal for principal in table.values()}
 
     def maybe_reload(self, now: float | None = None) -> bool:
         """Re-read the keys file when it changed; True when the keys were replaced."""
@@ -304,11 +306,13 @@ class KeyStore:
         log.info("API keys file reloaded", path=str(self.keys_file), keys=len(self._by_digest))
         return True
 
-    def knows(self, key_id: str) -> bool:
-        """True while a key with this id (:func:`fingerprint`) is configured (after a reload of the keys file, a
-        removed key is not)."""
+    def may_reward(self, key_id: str, tenant: str) -> bool:
+        """True while the key with this id (:func:`fingerprint`) is configured, in ``tenant``, with the ``feedback``
+        scope: a feedback token it caused dies once the key is removed, moved to another tenant or loses the scope
+        (after a reload of the keys file)."""
         self.maybe_reload()
-        return any(p.key_id == key_id for p in self._by_digest.values())
+        principal = self._by_key_id.get(key_id)
+        return principal is not None and principal.tenant == tenant and "feedback" in principal.scopes
 
     def authenticate(self, key: str) -> Principal | None:
         """The principal of ``key``, or None for an unknown key."""

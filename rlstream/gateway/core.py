@@ -541,14 +541,15 @@ class Gateway:
 
     def grant(self, token: str, request: Request | None = None) -> FeedbackGrant:
         """What a feedback token allows; :class:`AuthRefusal` (401) for a token that is forged, expired, or whose
-        key (the one that caused it) is no longer configured. With ``request``, the request is counted once against
+        key (the one that caused it) is no longer configured in the token's tenant with the feedback scope. With ``request``, the request is counted once against
         ``token_rpm`` of the key that caused the token (429 beyond)."""
         try:
             grant = self.signer.verify(token)
         except FeedbackTokenError as exc:
             raise unauthorized(str(exc), "feedback_token_expired" if exc.expired else "invalid_feedback_token")
-        if grant.key_id and self.keys.enabled and not self.keys.knows(grant.key_id):
-            raise unauthorized("feedback token not valid (its API key was revoked)", "feedback_token_revoked")
+        if grant.key_id and self.keys.enabled and not self.keys.may_reward(grant.key_id, grant.tenant):
+            raise unauthorized("feedback token not valid (its API key was revoked or may no longer give feedback)",
+                               "feedback_token_revoked")
         if request is not None and not request.scope.get(TOKEN_COUNTED_KEY):
             request.scope[TOKEN_COUNTED_KEY] = True
             wait = self.token_rate.take(grant.key_id)

@@ -187,6 +187,22 @@ async def test_a_token_dies_with_the_key_that_caused_it(harness: Harness) -> Non
                                  headers={"x-rlstream-feedback-token": kept})).status_code == 202
 
 
+@pytest.mark.parametrize("change", ["scope", "tenant"])
+async def test_a_token_dies_when_its_key_may_no_longer_reward_its_tenant(harness: Harness, change: str) -> None:
+    token = (await harness.chat(ACME)).headers["x-rlstream-feedback-token"]
+    kept = (await harness.chat(ACME_2)).headers["x-rlstream-feedback-token"]
+    changed = {"key": ACME, "tenant": "acme", "scopes": ["inference"]} if change == "scope" else {
+        "key": ACME, "tenant": "initech"}
+    entries = [changed if e["key"] == ACME else e for e in keys()["keys"]]
+    harness.keys_file.write_text(json.dumps({"keys": entries}))  # the key stays, without the grant
+    assert harness.gw.keys.authenticate(ACME) is not None  # not revoked
+    answer = await harness.c.post("/v1/feedback", json={"reward": 1.0}, headers={"x-rlstream-feedback-token": token})
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "feedback_token_revoked"
+    # control: the token of a key of the same tenant that kept the feedback scope is accepted after the same reload
+    assert (await harness.c.post("/v1/feedback", json={"reward": 1.0},
+                                 headers={"x-rlstream-feedback-token": kept})).status_code == 202
+
+
 def test_rotation_both_secrets_verify_only_the_current_signs() -> None:
     old, new = "o" * 32, "n" * 32
     before = FeedbackSigner(old, 60).issue("acme", "trajectory", "t-1", key_id="k")
