@@ -16,8 +16,10 @@ from rlstream.gateway.app import Gateway, create_app
 from rlstream.gateway.auth import AccessConfig, AuthRefusal, KeyStore, Principal
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.feedback_tokens import FeedbackSigner, FeedbackTokenError
+from rlstream.gateway.service import GatewayOptions, prepare_gateway
 from rlstream.gateway.sessions import SessionStore
 from rlstream.gateway.upstreams import UpstreamAllowlist
+from rlstream.schemas.config import RlstreamConfig
 from tests.unit.test_gateway_sessions import FakePublisher
 
 pytestmark = pytest.mark.unit
@@ -215,6 +217,45 @@ def test_rotation_both_secrets_verify_only_the_current_signs() -> None:
     # control: once the previous secret is dropped, its tokens are refused
     with pytest.raises(FeedbackTokenError):
         FeedbackSigner(new, 60).verify(before)
+
+
+async def test_a_rotating_gateway_takes_the_tokens_of_the_previous_secret(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotation through the configuration (gateway.feedback_secret, gateway.feedback_secret_previous): a gateway
+    signing with the new secret accepts what one with the old secret issued; without the previous secret it does
+    not (the control)."""
+    monkeypatch.delenv("RLSTREAM_GATEWAY_API_KEYS", raising=False)
+    monkeypatch.delenv("RLSTREAM_GATEWAY_FEEDBACK_SECRET", raising=False)
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps(keys()))
+    keys_file.chmod(0o600)
+    old, new = "o" * 32, "n" * 32
+
+    async def post(secret: str, previous: str | None, path: str, headers: dict[str, str],
+                   body: dict[str, Any]) -> httpx.Response:
+        cfg = RlstreamConfig.model_validate({"policy": "m", "gateway": {
+            "spool": False, "session_stitching": "gateway", "api_keys_file": str(keys_file),
+            "feedback_secret": secret, "feedback_secret_previous": previous}})
+        prepared = prepare_gateway(cfg, GatewayOptions())
+        gateway = Gateway(prepared.gw, FakePublisher(), access=prepared.access,
+                          client=httpx.AsyncClient(transport=httpx.MockTransport(upstream())))
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)),
+                                         base_url="http://gw") as c:
+                return await c.post(path, json=body, headers=headers)
+        finally:
+            await gateway.stop()
+
+    issued = await post(old, None, "/v1/chat/completions", bearer(ACME), CHAT)
+    token = {"x-rlstream-feedback-token": issued.headers["x-rlstream-feedback-token"]}
+    assert (await post(new, old, "/v1/feedback", token, {"reward": 1.0})).status_code == 202
+    refused = await post(new, None, "/v1/feedback", token, {"reward": 1.0})  # control: the old secret dropped
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_feedback_token"
+    fresh = await post(new, old, "/v1/chat/completions", bearer(ACME), CHAT)  # signed with the new secret only
+    fresh_token = {"x-rlstream-feedback-token": fresh.headers["x-rlstream-feedback-token"]}
+    assert (await post(new, None, "/v1/feedback", fresh_token, {"reward": 1.0})).status_code == 202
+    assert (await post(old, None, "/v1/feedback", fresh_token, {"reward": 1.0})).status_code == 401
 
 
 # --- LangSmith's feedback ids -----------------------------------------------------------------------------------
