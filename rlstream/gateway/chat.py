@@ -17,7 +17,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, json_response, request_session,
                                    upstream_failed, upstream_json)
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
-from rlstream.gateway.limits import RequestShape, checked_body
+from rlstream.gateway.limits import RequestShape, checked_body, requested_choices
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
@@ -27,12 +27,6 @@ from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
 ROUTE = "chat_completions"
-
-
-def requested_choices(body: dict[str, Any]) -> int:
-    """The ``n`` a chat request asks for (1 when absent or not a positive integer: the upstream judges it)."""
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
 CHAT_REQUEST = RequestShape("a chat completion request", turns="messages", turns_required=True, choices=True)

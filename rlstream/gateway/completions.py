@@ -23,7 +23,7 @@ from rlstream.gateway.auth import Principal
 from rlstream.gateway.core import (Gateway, capture_refused_event, openai_error, request_session, upstream_failed,
                                    upstream_json)
 from rlstream.gateway.filtering import TOKEN_IDS, rejects_extensions
-from rlstream.gateway.limits import RequestShape, checked_body
+from rlstream.gateway.limits import RequestShape, checked_body, prompt_count, requested_choices
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
 from rlstream.transport.log import get_logger
 
@@ -219,7 +219,7 @@ def upstream_refusal(response: httpx.Response, raw: bytes, path: str) -> Respons
     return openai_error(response.status_code, f"the upstream answered {response.status_code} to {path}", kind)
 
 
-COMPLETION_REQUEST = RequestShape("a completion request", required="prompt", choices=True)
+COMPLETION_REQUEST = RequestShape("a completion request", required="prompt", choices=True, prompts=True)
 
 
 class Completions:
@@ -233,6 +233,7 @@ class Completions:
         started = time.perf_counter()
         body = checked_body(await request.body(), COMPLETION_REQUEST, config)
         caller, task, session_id, captured = gw.admit(request, str(body.get("model", "")))
+        gw.keys.charge(caller, requested_choices(body) * prompt_count(body) - 1)  # each choice of each prompt
         if not captured:
             return await gw.passthrough("/completions", body)
         routed = await gw.routed(str(body.get("model", "")), session_id, caller, body.get("user"))

@@ -278,6 +278,7 @@ class RequestShape:
     turn_noun: str = "messages"  # what the turns are called in an error
     required: str | None = None  # a key the body must have ("prompt")
     choices: bool = False  # ``n`` is bounded by gateway.max_choices
+    prompts: bool = False  # a list of prompts multiplies the choices (Completions): n x prompts is bounded too
 
     def description(self) -> str:
         with_list = f" with a '{self.turns}' list" if self.turns_required else ""
@@ -297,19 +298,38 @@ def checked_body(raw: bytes, shape: RequestShape, config: GatewaySettings) -> di
         raise RequestRejected(400, f"{shape.name} has at most {config.max_messages} {shape.turn_noun} "
                               "(gateway.max_messages)", reason="too_many_messages")
     if shape.choices:
-        check_choices(body, config.max_choices)
+        check_choices(body, config.max_choices, prompt_count(body) if shape.prompts else 1)
     check_temperature(body, config.temperature_range)
     return body
 
 
-def check_choices(body: dict[str, Any], max_choices: int) -> None:
-    """Raise :class:`RequestRejected` (400) for an ``n`` that is not a whole number in ``[1, max_choices]``."""
+def check_choices(body: dict[str, Any], max_choices: int, prompts: int = 1) -> None:
+    """Raise :class:`RequestRejected` (400) for an ``n`` that is not a whole number in ``[1, max_choices]``, or for
+    ``n`` x ``prompts`` (a Completions list of prompts) above ``max_choices``. A whole float (``8.0``) is replaced
+    by its integer in ``body``, as vLLM reads it, so that every later count (the rate limit's, a stream's choices)
+    sees the choices the upstream makes."""
     n = body.get("n")
-    if n is None:
-        return
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or not 1 <= n <= max_choices:
-        raise RequestRejected(400, f"n must be a whole number from 1 to {max_choices} (the largest group the "
-                              "trainer accepts)", reason="bad_n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or not 1 <= n <= max_choices:
+            raise RequestRejected(400, f"n must be a whole number from 1 to {max_choices} (the largest group the "
+                                  "trainer accepts)", reason="bad_n")
+        body["n"] = int(n)
+    if prompts > 1 and requested_choices(body) * prompts > max_choices:
+        raise RequestRejected(400, f"n x prompts asks for {requested_choices(body) * prompts} choices, at most "
+                              f"{max_choices} (the largest group the trainer accepts)", reason="bad_n")
+
+
+def requested_choices(body: dict[str, Any]) -> int:
+    """The ``n`` a request asks for (1 when absent or not a positive integer: the upstream judges it)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a Completions request carries: one per item of a list of texts or of token-id lists; one
+    for a text or a single token-id list."""
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 def check_temperature(body: dict[str, Any], allowed: tuple[float, float]) -> None:

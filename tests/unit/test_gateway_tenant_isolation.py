@@ -47,6 +47,11 @@ def upstream() -> Any:
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         n = body.get("n") if isinstance(body.get("n"), int) else 1
+        if request.url.path.endswith("/v1/completions"):  # a choice per prompt and n
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            return httpx.Response(200, json={"id": f"cmpl-{next(counter)}", "model": body.get("model"), "choices": [
+                {"index": i, "text": "ok", "finish_reason": "stop", "prompt_token_ids": [1, 2], "token_ids": [3],
+                 "logprobs": {"token_logprobs": [-0.25], "tokens": ["ok"]}} for i in range(n * len(prompts))]})
         return httpx.Response(200, json={
             "id": f"chatcmpl-{next(counter)}", "model": body.get("model"), "prompt_token_ids": [1, 2],
             "choices": [{"index": i, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
@@ -144,6 +149,37 @@ async def test_n_counts_against_the_rate_limit(harness: Harness) -> None:
     refused = await harness.c.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=bearer(GLOBEX_RPM))
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert "counts as 2" in refused.json()["error"]["message"]
+
+
+async def test_n_as_a_whole_float_counts_as_its_integer(harness: Harness) -> None:
+    # 8.0 is 8 choices for vLLM: it costs 8 of the key's 10 a minute, as n=8 does
+    await harness.chat(GLOBEX_RPM, n=8.0)
+    await harness.chat(GLOBEX_RPM)  # the 9th
+    refused = await harness.c.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=bearer(GLOBEX_RPM))
+    assert refused.status_code == 429 and "counts as 2" in refused.json()["error"]["message"]
+
+
+async def test_completions_count_each_choice_of_each_prompt_against_the_rate_limit(harness: Harness) -> None:
+    completion = {"model": "m", "prompt": ["a", "b"], "n": 4}  # 8 choices
+    answer = await harness.c.post("/v1/completions", json=completion, headers=bearer(GLOBEX_RPM))
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 8
+    # control: one prompt with n=1 still fits (the 9th of 10); two prompts do not
+    single = await harness.c.post("/v1/completions", json={"model": "m", "prompt": "a"}, headers=bearer(GLOBEX_RPM))
+    assert single.status_code == 200
+    refused = await harness.c.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]},
+                                   headers=bearer(GLOBEX_RPM))
+    assert refused.status_code == 429 and "counts as 2" in refused.json()["error"]["message"]
+
+
+async def test_completions_past_max_choices_in_all_are_refused_before_the_upstream(harness: Harness) -> None:
+    limit = harness.gw.config.max_choices
+    many = {"model": "m", "prompt": ["a"] * (limit // 2 + 1), "n": 2}  # n alone is allowed; n x prompts is not
+    refused = await harness.c.post("/v1/completions", json=many, headers=bearer(ACME))
+    assert refused.status_code == 400 and f"at most {limit}" in refused.json()["error"]["message"]
+    assert harness.gw.limit_stats.rejected.get("bad_n") == 1
+    # control: the same prompts with n=1 fit (within max_choices) and are answered
+    fits = await harness.c.post("/v1/completions", json={**many, "n": 1}, headers=bearer(ACME))
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == limit // 2 + 1
 
 
 def test_charge_counts_n_minus_one_on_top_of_the_request() -> None:
