@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 import pytest
+import yaml
 from pydantic import SecretStr, ValidationError
 
 import rlstream.gateway.limits as limits
@@ -272,6 +273,17 @@ def test_an_exposed_keys_file_stops_the_start(tmp_path: Path) -> None:
     with pytest.raises(KeysFileExposed):
         KeyStore(keys_file=write_keys(tmp_path / "keys.json", 0o640))
     assert KeyStore(keys_file=write_keys(tmp_path / "keys.json")).authenticate(KEY) is not None  # control: 0600
+
+
+@pytest.mark.parametrize("damage", ["missing", "invalid"])
+def test_a_missing_or_invalid_keys_file_stops_the_start(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "keys.json"
+    if damage == "invalid":
+        path.write_text("keys: [ {key: ")
+        path.chmod(0o600)
+    with pytest.raises((FileNotFoundError, yaml.YAMLError)):  # the start stops: no gateway without its keys
+        KeyStore(["inline-operator-key-0123"], keys_file=path)
+    assert KeyStore(keys_file=write_keys(path)).authenticate(KEY) is not None  # control: the file fixed
 
 
 @pytest.mark.parametrize("damage", ["missing", "invalid", "exposed"])
