@@ -17,7 +17,7 @@ from rlstream.gateway.auth import AccessConfig
 from rlstream.gateway.config import GatewaySettings
 from rlstream.gateway.queue import CaptureQueue
 from rlstream.gateway.spool import Spool, SpoolRecord, encode_record
-from rlstream.schemas.models import TrajectoryEvent
+from rlstream.schemas.models import RewardEvent, TrajectoryEvent
 from tests.unit.test_gateway_sessions import USER
 from tests.unit.test_gateway_spool import FlakyPublisher, wait_until
 from tests.unit.test_gateway_tenant_isolation import upstream
@@ -142,3 +142,42 @@ async def test_a_tenants_flood_of_n_choices_leaves_room_for_another_tenants_call
         assert victim_id not in captured
     else:
         assert victim_id in captured and gateway.capture.stats.over_share > 0
+
+
+@SHARES
+async def test_a_tenants_flood_of_rewards_leaves_room_for_another_tenants_reward(tmp_path: Path,
+                                                                                  share: float) -> None:
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({"keys": [{"key": FLOODER, "tenant": "flooder"},
+                                              {"key": VICTIM, "tenant": "victim"}]}))
+    keys_file.chmod(0o600)
+    kafka = StalledKafka()
+    gateway = Gateway(GatewaySettings(policy="m", served_model="m", queue_size=20, capture_tenant_share=share),
+                      kafka, client=httpx.AsyncClient(transport=httpx.MockTransport(upstream())),
+                      access=AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr("s" * 32)))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            async def reward(key: str) -> str:
+                answer = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER]},
+                                      headers={"authorization": f"Bearer {key}"})
+                return str(answer.headers["x-rlstream-trajectory-id"])
+
+            flooded = await reward(FLOODER)
+            for _ in range(80):  # rewards while Kafka takes none: more than the queue and one batch hold
+                await c.post("/v1/feedback", json={"trajectory_id": flooded, "reward": 1.0},
+                             headers={"authorization": f"Bearer {FLOODER}"})
+            victim_tid = await reward(VICTIM)
+            mine = await c.post("/v1/feedback", json={"trajectory_id": victim_tid, "reward": 0.5},
+                                headers={"authorization": f"Bearer {VICTIM}"})
+            assert gateway.capture.stats.dropped_full > 0  # the flood was bounded either way
+            kafka.gate.set()
+            await wait_until(lambda: gateway.capture.queue.empty()
+                             and gateway.capture.stats.acknowledged == gateway.capture.stats.queued)
+    finally:
+        await gateway.stop()
+    rewarded = {e.trajectory_id for e in kafka.sent if isinstance(e, RewardEvent)}
+    if share == 1.0:  # the control: one shared queue, full of the flooder's rewards, dropped the victim's
+        assert victim_tid not in rewarded and mine.status_code == 503
+    else:
+        assert victim_tid in rewarded and mine.status_code == 202 and mine.json()["queued"] is True
