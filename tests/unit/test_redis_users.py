@@ -3,6 +3,7 @@ own user, every user reads, and only the sync workers' user writes a heartbeat t
 user may write through a pattern of its own that also starts like a heartbeat is not a replica)."""
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.exceptions
+import yaml
 
 from rlstream.schemas.config import InferenceConfig
 from rlstream.transport.control import ControlPlane, worker_key
@@ -29,6 +31,15 @@ def documented_users() -> dict[str, str]:
     section = (ROOT / "docs" / "security.md").read_text().split("## Redis users", 1)[1]
     block = section.split("```", 2)[1]
     return {line.split()[1]: line for line in block.splitlines() if line.startswith("user ")}
+
+
+def test_the_compose_files_users_are_the_documented_ones() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    lines = compose["configs"]["redis-acl"]["content"].splitlines()
+    users = {line.split()[1]: re.sub(r">\$\{[^}]*\}", ">PASSWORD", line) for line in lines if line.startswith("user ")}
+    documented = documented_users()
+    assert {"default", "sync", "learner", "streams", "rollout", "admin"} <= set(users)  # the services compose runs
+    assert {user: documented.get(user) for user in users} == users
 
 
 def free_port() -> int:
