@@ -280,6 +280,7 @@ OPERATOR_ERRORS = {
     "rlstream.learner.reporting": ("ReportingError",),
     "rlstream.transport.topic_reader": ("TopicMissingError",),
     "rlstream.ops.plot": ("NoMetricsError",),
+    "rlstream.ops.toy": ("ModelAssetMissing",),
 }
 USAGE_ERRORS = {"rlstream.ops.replay": ("ReplayError",), "rlstream.rollout.loading": ("UserCodeError", "DatasetError"),
                 "rlstream.ops.console.app": ("ConsoleStartError",)}

@@ -13,7 +13,7 @@ def console_command(
     config: Optional[Path] = ConfigOption,
     override: Optional[list[str]] = OverrideOption,
     host: str = typer.Option("127.0.0.1", help="address to bind; any but loopback needs an admin key"),
-    port: int = typer.Option(8790, help="port to serve (0 = a free port)"),
+    port: int = typer.Option(8790, min=0, max=65535, help="port to serve (0 = a free port)"),
     api_key: Optional[list[str]] = typer.Option(None, "--api-key", help="a key readers send (Authorization: Bearer "
                                                 "KEY); repeatable; also RLSTREAM_GATEWAY_API_KEYS (comma separated)"),
     api_keys_file: Optional[Path] = typer.Option(None, help="the gateway's YAML or JSON keys file: keys with the "

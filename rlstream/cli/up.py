@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from rlstream.cli.common import ConfigOption, OverrideOption, err_console, pairs
+from rlstream.cli.common import ConfigOption, OverrideOption, pairs
 
 
 class ToyModel(str, Enum):
@@ -81,11 +81,8 @@ def up(
     Without --config it trains a tiny local model on the built-in toy task; --config FILE runs your own
     workflow, reward function and model (rollout.workflow, rollout.reward_function, learner.model).
     """
-    from rlstream.ops.infra import InfraError
-    from rlstream.ops.toy import ModelAssetMissing
     from rlstream.ops.up import run_up
     from rlstream.ops.up_config import UpOptions
-    from rlstream.schemas.config import ConfigError
 
     overrides = pairs(override) + ([("learner.device", device)] if device else [])
     opts = UpOptions(config=config, overrides=overrides, duration_s=duration, until_version=until_version,
@@ -95,8 +92,4 @@ def up(
                      task=task.value,
                      feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate,
                      tool_call_parser=tool_call_parser, dry_run=dry_run)
-    try:
-        run_up(opts)
-    except (InfraError, ConfigError, ModelAssetMissing) as exc:
-        err_console.print(str(exc), markup=False, highlight=False)
-        raise typer.Exit(code=1) from None
+    run_up(opts)  # its errors are answered in one line by the CLI's handler (a config or parser problem: code 2)

@@ -104,6 +104,36 @@ def test_export_to_an_unwritable_place_names_the_file_not_kafka() -> None:
     assert "Kafka" not in line
 
 
+def test_up_with_an_invalid_config_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  nosuch: 1\n  lr: abc\n")
+    line = assert_one_line(["up", "--dry-run", "-c", str(bad), "--runs-dir", str(tmp_path / "runs")], 2,
+                           "invalid configuration (2 problems)", "learner.nosuch", "learner.lr")
+    assert line.startswith("error: ")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_console_on_an_address_it_cannot_listen_on_is_one_line() -> None:
+    """A port in use or a host that is not this machine's: one line naming the address and --port / --host, before
+    the page's address is printed; control: the same port binds once it is free."""
+    import socket
+
+    from rlstream.ops.console.app import listening_socket
+
+    blocker = socket.create_server(("127.0.0.1", 0))
+    port = blocker.getsockname()[1]
+    try:
+        exit_code, lines, output = answer(["console", "--port", str(port), *CLOSED])
+        assert exit_code == 2 and len(lines) == 1, output
+        assert lines[0].startswith(f"error: cannot listen on 127.0.0.1:{port}") and "--port" in lines[0]
+        assert "console http" not in output and "Traceback" not in output
+    finally:
+        blocker.close()
+    listening_socket("127.0.0.1", port).close()
+    assert_one_line(["console", "--host", "nosuch.invalid", "--api-key", "k" * 32, *CLOSED], 2,
+                    "cannot listen on nosuch.invalid:8790", "--host")
+
+
 def test_an_empty_export_range_is_a_usage_error_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "x.parquet"
     assert_one_line(["export", "--out", str(out), "--from", "5", "--to", "2", *CLOSED], 2,

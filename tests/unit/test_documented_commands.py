@@ -237,8 +237,8 @@ def test_every_documented_up_line_passes_its_dry_run(text: str, documented_up: A
 ])
 def test_a_parser_vllm_would_refuse_fails_the_dry_run(args: list[str], parser: str, documented_up: Any) -> None:
     """Negative control: the same run with a parser vLLM refuses for this model ends the dry run with one line
-    naming the parser and --tool-call-parser."""
+    naming the parser and --tool-call-parser (a usage error: code 2)."""
     result = documented_up(args, set())
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert parser in result.output and "--tool-call-parser" in result.output and "Traceback" not in result.output
     assert "nothing started" not in result.output

@@ -116,10 +116,15 @@ def test_auto_gives_smollm2_a_parser_vllm_starts_with(smollm2_tokenizer: Path) -
 
 
 def test_cli_dry_run_answers_a_wrong_parser_in_one_line(smollm2_tokenizer: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["up", "--dry-run", "--model", str(smollm2_tokenizer), "--tool-call-parser",
-                                      "llama3_json", "--runs-dir", str(tmp_path / "runs")])
-    assert result.exit_code == 1
-    assert "llama3_json" in result.output and "--tool-call-parser" in result.output
+    """A parser the model's tokenizer cannot serve is a usage error: one stderr line (not wrapped, however long),
+    exit code 2, naming the parser and --tool-call-parser."""
+    result = CliRunner().invoke(app, ["--log-format", "json", "up", "--dry-run", "--model", str(smollm2_tokenizer),
+                                      "--tool-call-parser", "llama3_json", "--runs-dir", str(tmp_path / "runs")],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("{")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "'llama3_json'" in lines[0] and "choose another parser with --tool-call-parser" in lines[0]
     assert "Traceback" not in result.output
     ok = CliRunner().invoke(app, ["up", "--dry-run", "--model", str(smollm2_tokenizer), "--runs-dir",
                                   str(tmp_path / "runs")])
@@ -180,4 +185,4 @@ def test_the_tool_agent_task_runs_on_smollm2_unless_another_model_is_named(tmp_p
     assert f"{tmp_path / 'runs' / 'models' / 'smollm2'}" in result.output
     assert "--tool-call-parser hermes" in result.output  # the task's chat template writes <tool_call>{json}
     refused = CliRunner().invoke(app, ["up", "--dry-run", "--task", "tool-agent", "--model", "tiny", *runs])
-    assert refused.exit_code == 1 and "pretrained instruct model" in refused.output
+    assert refused.exit_code == 2 and "pretrained instruct model" in refused.output  # a usage error

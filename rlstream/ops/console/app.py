@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping
@@ -140,17 +141,37 @@ def console_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/"
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: a free port), the one the console serves on; :class:`ConsoleStartError`
+    naming the address and what to change when it cannot be bound (in use, not this machine's, not permitted)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        raise ConsoleStartError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}: "
+                                "give --host an address of this machine") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConsoleStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}: choose another --port "
+                                "(0 picks a free one) or --host") from None
+    return sock
+
+
 def run_console(cfg: RlstreamConfig, options: ConsoleOptions, say: Callable[[str], None] = print) -> None:
-    """Serve the console until SIGINT/SIGTERM; :class:`ConsoleStartError` before serving when it cannot start."""
+    """Serve the console until SIGINT/SIGTERM; :class:`ConsoleStartError` before serving when it cannot start
+    (no key off loopback, unusable keys, an address it cannot listen on)."""
     import uvicorn
 
-    from rlstream.ops.ports import free_port
-
     keys = key_store(options)
-    port = options.port or free_port()
+    sock = listening_socket(options.host, options.port)
+    port = sock.getsockname()[1]
     app = build_app(cfg, keys)
     say(f"console {console_url(options.host, port)} (policy {cfg.policy}, run {cfg.run_id}; read-only"
         + (", admin key required)" if keys.enabled else ", loopback only, no key)"))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=port, log_level="warning",
                                           access_log=False, lifespan="on"))
-    server.run()
+    server.run(sockets=[sock])
