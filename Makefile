@@ -1,6 +1,9 @@
 # The two set-up commands of the README: `make up` (main job) and `make test` (the tests).
 .PHONY: up test bootstrap test-fast bench
 
+# What tests keep for a person to look at (the console's screenshot: tests/integration/test_console_browser.py)
+export RLSTREAM_ARTIFACTS_DIR ?= $(CURDIR)/test-artifacts
+
 bootstrap:
 	bash scripts/bootstrap.sh
 
