@@ -126,8 +126,11 @@ def _start_vllm_servers(sup: Supervisor, model_dir: Path, served: str, run_dir: 
     """Start one vLLM server per name in ``ports`` at once (each start is mostly waiting on its own process) and
     hand every started one to the supervisor, also when another failed to start (then its error is raised). Each
     comes with its (not yet started) :class:`VllmSupervisor`, which starts it again the same way when it dies."""
-    from rlstream.ops.vllm import VllmSupervisor, start_vllm_server
+    from rlstream.ops.vllm import VllmSupervisor, resolve_tool_call_parser, start_vllm_server
 
+    parser = resolve_tool_call_parser(model_dir, tool_call_parser, extra_args)
+    for name, port in ports.items():  # the files up --dry-run writes (config/NAME.yaml), here for the record
+        write_vllm_config(run_dir / "config" / f"{name}.yaml", model_dir, served, port, parser, extra_args)
     how = {name: partial(start_vllm_server, model_dir, served_model_name=served, port=port, workdir=run_dir / name,
                          api_key=api_key, extra_args=extra_args, tool_call_parser=tool_call_parser)
            for name, port in ports.items()}
@@ -256,20 +259,27 @@ def plan_console(cfg: RlstreamConfig, run_dir: Path, port: int) -> PlannedProces
     return PlannedProcess("console", tuple(rlstream_command("console", "--port", str(port), "-c", str(path))), path)
 
 
+def write_vllm_config(path: Path, model_dir: Path, served: str, port: int, parser: str | None,
+                      extra_args: list[str]) -> Path:
+    """``path``: a vLLM server's main options (model, served name, port, resolved tool-call parser, extra options),
+    the same file in a dry run and a real run."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"model": str(model_dir), "served_model_name": served, "port": port,
+                                    "tool_call_parser": parser, "extra_args": list(extra_args)}, sort_keys=False))
+    return path
+
+
 def plan_vllm(name: str, model_dir: Path, served: str, port: int, extra_args: list[str], tool_call_parser: str,
               config_dir: Path, tokenizer: ModelSource | None = None) -> PlannedProcess:
     """A vLLM server of the run: its main options (``start_vllm_server`` adds the engine's fixed ones) written to
     ``config_dir/NAME.yaml``; the tool-call parser checked against ``tokenizer`` (default: ``model_dir``'s)."""
-    import yaml
-
     from rlstream.ops.vllm import resolve_tool_call_parser, tool_call_args
 
     checked = model_dir if tokenizer is None else tokenizer
     parser = resolve_tool_call_parser(checked, tool_call_parser, extra_args)
-    config_dir.mkdir(parents=True, exist_ok=True)
-    path = config_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"model": str(model_dir), "served_model_name": served, "port": port,
-                                    "tool_call_parser": parser, "extra_args": list(extra_args)}, sort_keys=False))
+    path = write_vllm_config(config_dir / f"{name}.yaml", model_dir, served, port, parser, extra_args)
     argv = ("vllm", "serve", str(model_dir), "--served-model-name", served, "--port", str(port),
             *tool_call_args(checked, tool_call_parser, extra_args), *extra_args)
     return PlannedProcess(name, argv, path)

@@ -122,6 +122,10 @@ def test_up_hands_its_tool_call_parser_to_every_vllm_server_it_starts(monkeypatc
                            tool_call_parser="llama3_json")
     assert {name: kw["tool_call_parser"] for name, kw in started.items()} == {"vllm": "llama3_json",
                                                                             "vllm-eval": "llama3_json"}
+    # each server's options are in the file up --dry-run writes for it, the same file (config/NAME.yaml)
+    planned = up.plan_vllm("vllm", tmp_path, "policy", 1, [], "llama3_json", tmp_path / "dry" / "config")
+    assert (tmp_path / "config" / "vllm.yaml").read_text() == planned.config_file.read_text()
+    assert "tool_call_parser: llama3_json" in (tmp_path / "config" / "vllm-eval.yaml").read_text()
 
 
 async def models(request: Request) -> JSONResponse:
