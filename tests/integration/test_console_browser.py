@@ -1,25 +1,30 @@
 """``rlstream console`` in a real browser: Debian's chromium, driven by Playwright, opens the console of a stack whose
 topics hold real trajectories, groups, gate decisions, feedback and dead letters (written by the project's own
-publishers and decision writers on the session's broker and Redis), and checks what a person sees. The screenshot is
-kept under the test's tmp dir (and copied to ``$RLSTREAM_ARTIFACTS_DIR`` when set; docs/console.png is one)."""
+publishers and decision writers on the session's broker and Redis), and checks what a person sees; a second test opens
+it on a stack where the promotion gate itself decided (a promotion and a rejection) on answers the tool agent's
+episode produced. The screenshots are kept under the test's tmp dir (and copied to ``$RLSTREAM_ARTIFACTS_DIR`` when
+set; docs/console.png is one)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
 
-from rlstream.gate.evaluation import figures_of
+from rlstream.gate.evaluation import EvaluationSet, figures_of
 from rlstream.gate.rules import DecisionRule, SampleResult, judge
+from rlstream.gate.service import PromotionGate
 from rlstream.gateway.auth import KeyStore
 from rlstream.ops.console.app import build_app, console_url
 from rlstream.ops.ports import LOOPBACK, free_port
+from rlstream.ops.tool_task import gate_episode, tool_reward
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.codec import codec_for
 from rlstream.schemas.config import RlstreamConfig
@@ -29,10 +34,13 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.deadletter import DeadLetterSink
 from rlstream.transport.kafka import make_producer
+from rlstream.transport.control import ControlPlane
 from rlstream.transport.metrics import MetricsPublisher
-from rlstream.transport.serving import publish_decision
+from rlstream.transport.serving import ReplicaAck, ServingControl, publish_decision
 from rlstream.transport.topic_reader import SourceRecord
+from tests.support.scripted_upstream import Reply, scripted_upstream
 from tests.support.version_helpers import announce_versions
+from tests.unit.test_gate_episodes import HELDOUT, guesser, tool_caller
 
 pytestmark = pytest.mark.integration
 
@@ -114,81 +122,160 @@ async def seed_stack(cfg: RlstreamConfig) -> None:
         await producer.stop()
 
 
-@pytest.fixture
-def console(rl_config: RlstreamConfig, created_topics: TopicNames) -> Iterator[str]:
-    """The console of the seeded stack, served by uvicorn on a free loopback port."""
+@contextlib.contextmanager
+def served_console(cfg: RlstreamConfig, ready: Callable[[dict[str, Any]], bool]) -> Iterator[str]:
+    """The console of ``cfg``'s stack, served by uvicorn on a free loopback port, once its state is ``ready``."""
     import uvicorn
 
-    asyncio.run(seed_stack(rl_config))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(rl_config, KeyStore()), host=LOOPBACK, port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(cfg, KeyStore()), host=LOOPBACK, port=port,
                                            log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = console_url(LOOPBACK, port)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the feed has read the seeded topics
-        try:
-            state = httpx.get(url + "api/state", timeout=2).json()
-            if len(state["versions"]) == 4 and state["dlq"]["total"] == 1 and len(state["decisions"]) == 3:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        raise AssertionError("the console did not read the seeded topics in 60 s")
     try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the feed has read the topics
+            try:
+                if ready(httpx.get(url + "api/state", timeout=2).json()):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the console did not read the stack's topics in 60 s")
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=15)
 
 
-def test_console_shows_versions_trajectories_and_decisions(console: str, tmp_path: Path) -> None:
-    from playwright.sync_api import expect, sync_playwright
+@contextlib.contextmanager
+def chromium_page(url: str) -> Iterator[Any]:
+    """``url`` open in Debian's chromium (Playwright), once the page has drawn the console's state."""
+    from playwright.sync_api import sync_playwright
 
     assert CHROMIUM.exists(), "Debian's chromium is installed by scripts/bootstrap.sh"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(console)
+            page.goto(url)
             page.wait_for_selector("body[data-loaded=true]", timeout=30_000)
-            # a version row per promoted version, and the rejected candidate with the gate's reason and figures
-            for version in (1, 2):
-                expect(page.locator(f'#versions tr[data-version="{version}"]')).to_have_attribute(
-                    "data-status", "promoted")
-            rejected = page.locator('#versions tr[data-version="3"]')
-            expect(rejected).to_have_attribute("data-status", "rejected")
-            reason = rejected.locator(".stage-rejected .reason")
-            expect(reason).to_contain_text("rejected:")
-            expect(reason).to_contain_text("serving v2")
-            expect(rejected.locator(".stage-evaluated .reason")).to_contain_text("held-out reward 0.050")
-            expect(page.locator('#versions tr[data-version="1"] .stage-candidate')).to_contain_text("step 10")
-            # a trajectory's tool call and its result, reward, advantage and shaded tokens
-            page.select_option("#sample-version", "2")
-            sample = page.locator("#samples .trajectory").filter(has_text="Oslo").first
-            expect(sample.locator(".tool-call")).to_have_text('get_weather({"city": "Oslo"})')
-            expect(sample).to_contain_text("Oslo: 18°C, light rain")
-            expect(sample.locator(".head")).to_contain_text("advantage")
-            expect(sample.locator(".tok")).to_have_count(4)
-            # the same held-out prompt answered by two versions, side by side
-            page.select_option("#compare-example", HELDOUT_EXAMPLE)
-            page.select_option("#compare-a", "1")
-            page.select_option("#compare-b", "3")
-            expect(page.locator("#compare > div").nth(0)).to_contain_text("(v1)")
-            expect(page.locator("#compare > div").nth(1)).to_contain_text("(v3)")
-            # feedback and dead letters with the reason
-            expect(page.locator("#feedback")).to_contain_text("3 rewards")
-            expect(page.locator("#feedback")).to_contain_text("1 corrections")
-            expect(page.locator("#dlq-reasons")).to_contain_text("first message must be user or system")
-            expect(page.locator("#chart canvas")).to_have_count(1)
-            shot = tmp_path / "console.png"
-            page.screenshot(path=str(shot), full_page=True)
+            yield page
         finally:
             browser.close()
-    assert shot.stat().st_size > 10_000
+
+
+def keep_screenshot(page: Any, path: Path) -> None:
+    """A full-page screenshot at ``path``, copied to ``$RLSTREAM_ARTIFACTS_DIR`` when set."""
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000
     if os.environ.get("RLSTREAM_ARTIFACTS_DIR"):
         out = Path(os.environ["RLSTREAM_ARTIFACTS_DIR"])
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, out / "console.png")
+        shutil.copy(path, out / path.name)
+
+
+@pytest.fixture
+def console(rl_config: RlstreamConfig, created_topics: TopicNames) -> Iterator[str]:
+    """The console of the seeded stack."""
+    asyncio.run(seed_stack(rl_config))
+    with served_console(rl_config, lambda state: len(state["versions"]) == 4 and state["dlq"]["total"] == 1
+                        and len(state["decisions"]) == 3) as url:
+        yield url
+
+
+def test_console_shows_versions_trajectories_and_decisions(console: str, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    with chromium_page(console) as page:
+        # a version row per promoted version, and the rejected candidate with the gate's reason and figures
+        for version in (1, 2):
+            expect(page.locator(f'#versions tr[data-version="{version}"]')).to_have_attribute(
+                "data-status", "promoted")
+        rejected = page.locator('#versions tr[data-version="3"]')
+        expect(rejected).to_have_attribute("data-status", "rejected")
+        reason = rejected.locator(".stage-rejected .reason")
+        expect(reason).to_contain_text("rejected:")
+        expect(reason).to_contain_text("serving v2")
+        expect(rejected.locator(".stage-evaluated .reason")).to_contain_text("held-out reward 0.050")
+        expect(page.locator('#versions tr[data-version="1"] .stage-candidate')).to_contain_text("step 10")
+        # a trajectory's tool call and its result, reward, advantage and shaded tokens
+        page.select_option("#sample-version", "2")
+        sample = page.locator("#samples .trajectory").filter(has_text="Oslo").first
+        expect(sample.locator(".tool-call")).to_have_text('get_weather({"city": "Oslo"})')
+        expect(sample).to_contain_text("Oslo: 18°C, light rain")
+        expect(sample.locator(".head")).to_contain_text("advantage")
+        expect(sample.locator(".tok")).to_have_count(4)
+        # the same held-out prompt answered by two versions, side by side
+        page.select_option("#compare-example", HELDOUT_EXAMPLE)
+        page.select_option("#compare-a", "1")
+        page.select_option("#compare-b", "3")
+        expect(page.locator("#compare > div").nth(0)).to_contain_text("(v1)")
+        expect(page.locator("#compare > div").nth(1)).to_contain_text("(v3)")
+        # feedback and dead letters with the reason
+        expect(page.locator("#feedback")).to_contain_text("3 rewards")
+        expect(page.locator("#feedback")).to_contain_text("1 corrections")
+        expect(page.locator("#dlq-reasons")).to_contain_text("first message must be user or system")
+        expect(page.locator("#chart canvas")).to_have_count(1)
+        keep_screenshot(page, tmp_path / "console.png")
+
+
+def by_version(body: dict[str, Any]) -> Reply:
+    """Version 2 calls the lookup tool and answers with its result; every other version guesses without it."""
+    return tool_caller(body) if body["model"].endswith("-v2") else guesser(body)
+
+
+async def gate_decides(cfg: RlstreamConfig) -> None:
+    """The promotion gate, in-process on the stack, decides twice through the tool agent's own episode on a replica
+    that has versions 1-3 loaded (a scripted OpenAI-compatible upstream): candidate v2 (calls the tool) against
+    serving v1 (guesses) is promoted; then candidate v3 (guesses) against serving v2 is rejected. Each evaluation
+    publishes the held-out answers of both versions as validation trajectories."""
+    async with scripted_upstream(by_version) as upstream:
+        control = ControlPlane(str(cfg.redis.url))
+        serving = ServingControl(control)
+        await serving.promote(cfg.policy, 1, token=await serving.issue_token(cfg.policy), reason="start",
+                              decided_by="test", expected_version=-1)
+        await serving.record_replica(cfg.policy, ReplicaAck(
+            "w0", 3, f"{cfg.policy}-v3", url=upstream.url.removesuffix("/v1"),
+            loaded={v: f"{cfg.policy}-v{v}" for v in (1, 2, 3)}), 120.0)
+        evaluation = EvaluationSet(examples=HELDOUT[:4], reward_function=tool_reward, samples=2, temperature=0.7,
+                                   max_tokens=48, episode=gate_episode, retries=1, retry_backoff_s=0.01,
+                                   request_timeout_s=5.0)
+        gate = PromotionGate(cfg, control, evaluation, codec=codec_for(cfg))
+        await gate._start()
+        try:
+            for version in (2, 3):
+                gate.known[version] = PolicyVersion(policy=gate.policy, version=version, base_model="m",
+                                                    uri=f"/v{version}", learner_step=version)
+                await gate.step()
+            assert [(d.version, d.decision) for d in gate.decisions[-2:]] == [
+                (2, DecisionKind.promote), (3, DecisionKind.reject)], gate.decisions
+        finally:
+            await gate._stop()
+            await control.close()
+
+
+def test_console_shows_the_gates_own_decisions_and_answers(rl_config: RlstreamConfig, created_topics: TopicNames,
+                                                           tmp_path: Path) -> None:
+    """The console of a stack where the real gate decided (a promotion, a rejection by its paired test) on answers
+    the tool agent's episode produced: the promoted version's row, the rejected candidate's reason, the promoted
+    version's held-out answer with its tool call and result."""
+    from playwright.sync_api import expect
+
+    cfg = rl_config.model_copy(update={"gate": rl_config.gate.model_copy(update={
+        "canary_share": 0.0, "load_timeout_s": 10.0, "examples": 4, "samples": 2, "publish_answers": 2})})
+    asyncio.run(gate_decides(cfg))
+    with served_console(cfg, lambda state: len(state["decisions"]) >= 2) as url, chromium_page(url) as page:
+        expect(page.locator('#versions tr[data-version="2"]')).to_have_attribute("data-status", "promoted")
+        expect(page.locator('#versions tr[data-version="2"] .stage-promoted .reason')).to_contain_text("promoted:")
+        rejected = page.locator('#versions tr[data-version="3"]')
+        expect(rejected).to_have_attribute("data-status", "rejected")
+        expect(rejected.locator(".stage-rejected .reason")).to_contain_text("rejected:")
+        expect(rejected.locator(".stage-rejected .reason")).to_contain_text("serving v2")
+        page.select_option("#sample-version", "2")
+        answer = page.locator("#samples .trajectory").first
+        expect(answer.locator(".tool-call").first).to_contain_text("lookup(")
+        expect(answer).to_contain_text("validation")
+        keep_screenshot(page, tmp_path / "console-gate.png")
