@@ -267,13 +267,16 @@ class FleetRouter:
         self._latest = 0
         self.outstanding = Outstanding()
 
-    async def _state(self) -> tuple[ServingPointer | None, list[ReplicaAck]]:
+    async def _state(self, fresh: bool = False) -> tuple[ServingPointer | None, list[ReplicaAck]]:
         now = time.monotonic()
-        if self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
+        if fresh or self._snapshot is None or now - self._snapshot[0] >= self.ttl_s:
+            # the pointer first: a move is confirmed only once replicas acknowledged it, so acknowledgements read
+            # after the pointer are at least as new as the move it names (read the other way round, a pointer
+            # confirmed in between names a version the older acknowledgements lack)
+            pointer = await self.serving.serving(self.policy)
             replicas = await self.serving.serve_replicas(self.policy)  # never an evaluation server
             if self.admit is not None:
                 replicas = [r for r in replicas if not r.url or self.admit(r.url)]
-            pointer = await self.serving.serving(self.policy)
             if pointer is None and not replicas:  # nothing acknowledged yet: the learner's latest, as VersionRouter
                 self._latest = max(0, await self.serving.control.latest_version(self.policy))
             self._snapshot = (now, pointer, replicas)
@@ -315,7 +318,11 @@ class FleetRouter:
             route = self._on(session_version, replicas, session_id)  # stays on its version while a replica has it
             if route is not None:
                 return route
-        fresh = self._pick(pointer, replicas, session_id, caller)
+        try:
+            fresh = self._pick(pointer, replicas, session_id, caller)
+        except NoServingVersion:  # a move landed between the two reads: once more, both read now
+            pointer, replicas = await self._state(fresh=True)
+            fresh = self._pick(pointer, replicas, session_id, caller)
         if session_id is None:
             return fresh
         held = await self.serving.pin_session(self.policy, session_id, fresh.version, self.session_ttl_s)

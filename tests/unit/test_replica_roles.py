@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -195,3 +196,56 @@ def test_production_falls_back_only_to_a_promoted_version() -> None:
     # control: without the promotion rule (no gate: serve_unpromoted) the newest loaded below serving answers
     assert asyncio.run(_router(acks, pointer, serve_unpromoted=True).route()).version == 2
     assert asyncio.run(_router(without_base, no_anchor, serve_unpromoted=True).route()).version == 2
+
+
+class _MovingServing(_Serving):
+    """A full-weights promotion from v10 to v11 landing right after the router's first read of Redis (whichever it
+    reads first): the one serve replica swaps v10 for v11, and the pointer is confirmed at 11."""
+
+    def __init__(self) -> None:
+        super().__init__([ReplicaAck("serve-0", 10, "policy", url="http://serve:8000", loaded={10: "policy"})],
+                         ServingPointer(version=10, anchor_version=7))
+        self.reads = 0
+
+    def _moved_after_this_read(self) -> None:
+        self.reads += 1
+        if self.reads == 1:
+            self.acks = [ReplicaAck("serve-0", 11, "policy", url="http://serve:8000", loaded={11: "policy"})]
+            self.pointer = ServingPointer(version=11, anchor_version=7)
+
+    async def serve_replicas(self, policy: str) -> list[ReplicaAck]:
+        acks = await super().serve_replicas(policy)
+        self._moved_after_this_read()
+        return acks
+
+    async def serving(self, policy: str) -> ServingPointer | None:
+        pointer = self.pointer
+        self._moved_after_this_read()
+        return pointer
+
+
+def test_a_promotion_landing_between_the_routers_reads_is_served() -> None:
+    # neither the old serving version (swapped out) nor a promoted version below it (v7, v0) is on a replica: a
+    # pointer newer than the acknowledgements read with it would be a 503 for a request the fleet can serve
+    router = _router([], None, serve_unpromoted=False)
+    router.serving = _MovingServing()
+    route = asyncio.run(router.route())
+    assert route.version in (10, 11) and route.worker_id == "serve-0"
+    assert asyncio.run(router.route()).version == 11  # every later read sees the move
+
+
+def test_a_pointer_newer_than_its_acknowledgements_is_read_again_before_a_503() -> None:
+    moving = _MovingServing()
+    router = _router([], None, serve_unpromoted=False)
+    router.serving = moving
+    # the snapshot a racing read could give: the pointer confirmed at 11, the acknowledgement still v10
+    router._snapshot = (time.monotonic() + 3600, ServingPointer(version=11, anchor_version=7), list(moving.acks))
+    moving.reads = 1  # the move has landed in Redis
+    moving.acks = [ReplicaAck("serve-0", 11, "policy", url="http://serve:8000", loaded={11: "policy"})]
+    moving.pointer = ServingPointer(version=11, anchor_version=7)
+    assert asyncio.run(router.route()).version == 11
+    # control: with nothing of v11 or a promoted version below it on any replica, it stays a 503
+    stuck = _router([ReplicaAck("serve-0", 10, "policy", url="http://serve:8000", loaded={10: "policy"})],
+                    ServingPointer(version=11, anchor_version=7), serve_unpromoted=False)
+    with pytest.raises(NoServingVersion):
+        asyncio.run(stuck.route())
