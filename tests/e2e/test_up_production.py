@@ -2,7 +2,8 @@
 and streamed, LangChain's ChatOpenAI, some two-turn sessions), feedback 1-10 s later for 70 % of the
 conversations and never for the others; streams scores each single response against the task's baseline; the
 learner trains on them and vLLM loads the versions; the promotion gate decides which version serves, and the
-summary carries its decisions and the feedback-to-serving latency.
+summary carries its decisions and the feedback-to-serving latency. Afterwards the console, on the run's own topics and
+Redis, shows a promoted row for every version the gate promoted, in Debian's chromium.
 
 The broker and Redis come from the test session, so the topics can be read after the run.
 """
@@ -21,6 +22,7 @@ from rlstream.ops.infra import LocalStack
 from rlstream.schemas.models import TrajectoryGroup
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport.control import ControlPlane
+from tests.support.browser import chromium_page, keep_screenshot, served_console
 
 DURATION_S = 120
 
@@ -44,6 +46,8 @@ async def every_group(cfg: Any, topic: str) -> list[TrajectoryGroup]:
 def test_up_with_production_traffic_trains_on_single_responses(local_stack: LocalStack, own_redis_url: str,
                                                                tmp_path: Path,
                                                                unique: str) -> None:
+    from playwright.sync_api import expect
+
     from rlstream.schemas.config import load_config
 
     prefix = f"prod{unique}."
@@ -113,3 +117,16 @@ def test_up_with_production_traffic_trains_on_single_responses(local_stack: Loca
     assert promotion["last_decision"]["reason"], promotion
     p50, p90 = promotion["feedback_to_serving_s"]["p50"], promotion["feedback_to_serving_s"]["p90"]
     assert p50 is not None and 0 < p50 <= p90 < DURATION_S, promotion
+
+    # the console of the run (its effective config, on the same broker and Redis) shows what the gate decided
+    run_cfg = load_config(Path(summary["config"]), [("kafka.bootstrap_servers", local_stack.bootstrap),
+                                                    ("redis.url", own_redis_url)])
+    promoted = promotion["promoted_versions"]
+    assert promoted and promoted[0] == 0, promotion  # the base weights serve first
+    with served_console(run_cfg, lambda state: len(state["decisions"]) >= len(promoted)) as url, \
+            chromium_page(url) as page:
+        for version in promoted:
+            expect(page.locator(f'#versions tr[data-version="{version}"]')).to_have_attribute("data-status",
+                                                                                          "promoted")
+        expect(page.locator("#chart canvas")).to_have_count(1)
+        keep_screenshot(page, tmp_path / "console-up.png")

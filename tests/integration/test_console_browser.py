@@ -7,23 +7,14 @@ set; docs/console.png is one)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-import httpx
 import pytest
 
 from rlstream.gate.evaluation import EvaluationSet, figures_of
 from rlstream.gate.rules import DecisionRule, SampleResult, judge
 from rlstream.gate.service import PromotionGate
-from rlstream.gateway.auth import KeyStore
-from rlstream.ops.console.app import build_app, console_url
-from rlstream.ops.ports import LOOPBACK, free_port
 from rlstream.ops.tool_task import gate_episode, tool_reward
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.codec import codec_for
@@ -38,13 +29,13 @@ from rlstream.transport.control import ControlPlane
 from rlstream.transport.metrics import MetricsPublisher
 from rlstream.transport.serving import ReplicaAck, ServingControl, publish_decision
 from rlstream.transport.topic_reader import SourceRecord
+from tests.support.browser import chromium_page, keep_screenshot, served_console
 from tests.support.scripted_upstream import Reply, scripted_upstream
 from tests.support.version_helpers import announce_versions
 from tests.unit.test_gate_episodes import HELDOUT, guesser, tool_caller
 
 pytestmark = pytest.mark.integration
 
-CHROMIUM = Path("/usr/bin/chromium")
 HELDOUT_EXAMPLE = "heldout-weather-1"
 
 
@@ -120,61 +111,6 @@ async def seed_stack(cfg: RlstreamConfig) -> None:
                         "first message must be user or system, got assistant")
     finally:
         await producer.stop()
-
-
-@contextlib.contextmanager
-def served_console(cfg: RlstreamConfig, ready: Callable[[dict[str, Any]], bool]) -> Iterator[str]:
-    """The console of ``cfg``'s stack, served by uvicorn on a free loopback port, once its state is ``ready``."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg, KeyStore()), host=LOOPBACK, port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = console_url(LOOPBACK, port)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the feed has read the topics
-            try:
-                if ready(httpx.get(url + "api/state", timeout=2).json()):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError("the console did not read the stack's topics in 60 s")
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
-@contextlib.contextmanager
-def chromium_page(url: str) -> Iterator[Any]:
-    """``url`` open in Debian's chromium (Playwright), once the page has drawn the console's state."""
-    from playwright.sync_api import sync_playwright
-
-    assert CHROMIUM.exists(), "Debian's chromium is installed by scripts/bootstrap.sh"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url)
-            page.wait_for_selector("body[data-loaded=true]", timeout=30_000)
-            yield page
-        finally:
-            browser.close()
-
-
-def keep_screenshot(page: Any, path: Path) -> None:
-    """A full-page screenshot at ``path``, copied to ``$RLSTREAM_ARTIFACTS_DIR`` when set."""
-    page.screenshot(path=str(path), full_page=True)
-    assert path.stat().st_size > 10_000
-    if os.environ.get("RLSTREAM_ARTIFACTS_DIR"):
-        out = Path(os.environ["RLSTREAM_ARTIFACTS_DIR"])
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, out / path.name)
 
 
 @pytest.fixture
