@@ -541,8 +541,9 @@ class Gateway:
 
     def grant(self, token: str, request: Request | None = None) -> FeedbackGrant:
         """What a feedback token allows; :class:`AuthRefusal` (401) for a token that is forged, expired, or whose
-        key (the one that caused it) is no longer configured in the token's tenant with the feedback scope. With ``request``, the request is counted once against
-        ``token_rpm`` of the key that caused the token (429 beyond)."""
+        key (the one that caused it) is no longer configured in the token's tenant with the feedback scope. With
+        ``request``, the request is counted once against ``token_rpm`` of the key that caused the token (429
+        beyond)."""
         try:
             grant = self.signer.verify(token)
         except FeedbackTokenError as exc:
