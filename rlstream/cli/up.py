@@ -67,6 +67,7 @@ def up(
                                     "production: gateway + simulated users with delayed feedback"),
     feedback_min_s: float = typer.Option(5.0, help="production traffic: earliest feedback after an answer"),
     feedback_max_s: float = typer.Option(60.0, help="production traffic: latest feedback after an answer"),
+    users: int = typer.Option(8, min=1, help="production traffic: simultaneous simulated users"),
     no_gate: bool = typer.Option(False, "--no-gate", help="no promotion gate: every version the sync worker loads "
                                  "serves (by default `rlstream gate` decides which version serves)"),
     tool_call_parser: str = typer.Option("auto", help="vLLM's tool-call parser (--enable-auto-tool-choice "
@@ -90,6 +91,6 @@ def up(
                      heldout_examples=heldout, live=not no_live, traffic=traffic.value,
                      model=model or (ToyModel.smollm2 if task is Task.tool_agent else ToyModel.tiny).value,
                      task=task.value,
-                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), gate=not no_gate,
-                     tool_call_parser=tool_call_parser, dry_run=dry_run)
+                     feedback_delay_s=(feedback_min_s, max(feedback_min_s, feedback_max_s)), users=users,
+                     gate=not no_gate, tool_call_parser=tool_call_parser, dry_run=dry_run)
     run_up(opts)  # its errors are answered in one line by the CLI's handler (a config or parser problem: code 2)

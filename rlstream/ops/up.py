@@ -246,6 +246,7 @@ def plan_services(opts: UpOptions, cfg: RlstreamConfig, run_dir: Path, heldout: 
         low, high = opts.feedback_delay_s
         plan.append(planned("users", [], "rollout", "users", "--gateway", f"http://127.0.0.1:{at.gateway_port}",
                             "--task", opts.task, "--feedback-min-s", str(low), "--feedback-max-s", str(high),
+                            "--concurrency", str(opts.users),
                             *task_users_args(opts)))
     else:
         plan.append(planned("rollout", [], "rollout", "run"))

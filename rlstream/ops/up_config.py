@@ -69,6 +69,7 @@ class UpOptions:
     live: bool = True
     traffic: str = "synthetic"  # synthetic: the rollout runner's GRPO groups; production: gateway + simulated users
     feedback_delay_s: tuple[float, float] = (5.0, 60.0)
+    users: int = 8  # production traffic: simultaneous simulated users
     gate: bool = True  # the promotion gate decides which version serves (rlstream gate, docs/gate.md)
     task: str = "toy"  # toy | tool-agent (rlstream/ops/tool_task.py)
     # completions per held-out prompt for the gate: few enough that it decides before the next candidate replaces a

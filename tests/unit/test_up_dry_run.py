@@ -48,7 +48,7 @@ def test_dry_run_writes_one_config_per_process_and_starts_nothing(tmp_path: Path
     model = model_dir(tmp_path / "model", "qwen2", ["<|im_start|>", "a"])
     before, started = _children(), time.monotonic()
     plan = dry_run_up(UpOptions(model=str(model), task="tool-agent", traffic="production",
-                                runs_dir=tmp_path / "runs"))
+                                runs_dir=tmp_path / "runs", users=12))
     assert time.monotonic() - started < 30
     assert _children() - before == set()  # no broker, Redis, vLLM or service
     names = [p.name for p in plan]
@@ -74,6 +74,8 @@ def test_dry_run_writes_one_config_per_process_and_starts_nothing(tmp_path: Path
     console = plan[names.index("console")]  # the read-only web page, on loopback, of this run
     assert console.argv[console.argv.index("console") + 1:-2] == ("--port", console.argv[-3])
     assert load_config(console.config_file).run_id == gate.run_id
+    users = plan[names.index("users")].argv
+    assert users[users.index("--concurrency") + 1] == "12"  # --users reaches the simulated users
     gateway_port = int(plan[names.index("gateway")].argv[plan[names.index("gateway")].argv.index("--port") + 1])
     assert not port_open("127.0.0.1", gateway_port)
     every_file = "".join(p.config_file.read_text() for p in plan)
