@@ -423,19 +423,6 @@ class PromotionGate:
         await self.publish_answers(figures, evaluation, route.model, role)
         return figures
 
-    async def measure_together(self, versions: dict[str, int],
-                               evaluation: EvaluationSet) -> dict[str, EvalFigures | None]:
-        """:meth:`measure` of each role's version, all at once: the replicas batch the versions' requests together,
-        so a decision waits for the slowest version instead of the sum. The first :class:`EvaluationFailed` cancels
-        the others and is raised (no result is no decision)."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = {role: group.create_task(self.measure(version, evaluation, role))
-                         for role, version in versions.items()}
-        except* EvaluationFailed as failed:
-            raise failed.exceptions[0] from None
-        return {role: task.result() for role, task in tasks.items()}
-
     def answer_trajectories(self, figures: EvalFigures, evaluation: EvaluationSet, model: str,
                             role: str) -> list[TrajectoryEvent]:
         """The held-out answers of ``figures``' version that ``gate.publish_answers`` asks for: the first sample of
@@ -532,18 +519,16 @@ class PromotionGate:
             return
         plan = self.plan()
         evaluation = self.sized(plan)
-        versions = {"candidate": candidate, "serving": baseline_version}
-        if anchor_version != baseline_version:
-            versions["anchor"] = anchor_version
         try:
-            figures = await self.measure_together(versions, evaluation)
+            candidate_figures = await self.measure(candidate, evaluation, "candidate")
+            if candidate_figures is None:
+                return  # replaced during the evaluation: the next step takes the newest
+            serving_figures = await self.measure(baseline_version, evaluation, "serving")
+            anchor_figures = (serving_figures if anchor_version == baseline_version
+                              else await self.measure(anchor_version, evaluation, "anchor"))
         except EvaluationFailed:
             await asyncio.sleep(ERROR_BACKOFF_S)
             return  # no result is no decision: the next step measures again
-        candidate_figures, serving_figures = figures["candidate"], figures["serving"]
-        if candidate_figures is None:
-            return  # replaced during the evaluation: the next step takes the newest
-        anchor_figures = figures.get("anchor", serving_figures)
         if serving_figures is None and serving_version is not None:
             log.warning("serving version not measurable now; no decision", candidate=candidate,
                         serving=serving_version)

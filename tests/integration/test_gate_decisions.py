@@ -127,9 +127,8 @@ def test_each_decision_measures_serving_and_the_anchor_again_and_the_anchor_stop
                                samples=2)
     assert judge(scripted_figures(4, evaluation), scripted_figures(3, evaluation), DecisionRule(0.1, 0.025)).promote
     # measured fresh: version 1 as serving (decision 1) and as the anchor (decisions 2, 3); version 2 as candidate
-    # and as serving; nothing kept (a decision's versions are measured together, in any order)
-    calls = scripted.calls
-    assert [sorted(calls[:2]), sorted(calls[2:5]), sorted(calls[5:])] == [[1, 2], [1, 2, 3], [1, 3, 4]], calls
+    # and as serving; nothing kept
+    assert scripted.calls == [2, 1, 3, 2, 1, 4, 3, 1], scripted.calls
     metrics = rejected.candidate_metrics
     for name in ("mean_difference", "std", "n", "statistic", "p_value", "lower_bound", "margin", "alpha"):
         assert f"test.anchor.reward.{name}" in metrics and f"test.serving.reward.{name}" in metrics
@@ -166,8 +165,7 @@ def test_an_evaluation_that_fails_decides_nothing(rl_config: RlstreamConfig, cre
     after_failure, decided = asyncio.run(scenario())
     assert after_failure == []  # no promotion, no rejection
     assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote)], [d.reason for d in decided]
-    # each step measured the candidate and serving together; the failed one cancelled serving's and decided nothing
-    assert sorted(scripted.calls) == [1, 1, 2, 2], scripted.calls
+    assert scripted.calls == [2, 2, 1]
     metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
     failures = [m for m in metrics if m.name == mn.GATE_EVALUATION_FAILURES]
     assert [(m.step, m.tags.get("role")) for m in failures] == [(2, "candidate")]
@@ -265,51 +263,3 @@ def test_a_candidate_trimmed_the_moment_its_hold_ends_keeps_its_figures(
     measured = asyncio.run(scenario(trim_before_release=False))
     assert measured is not None and measured.version == 2
     assert asyncio.run(scenario(trim_before_release=True)) is None
-
-
-class OverlapRecordingEvaluation(ScriptedEvaluation):
-    """The scripted figures after a pause, recording how many versions' evaluations were in flight at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_flight = 0
-        self.most_in_flight = 0
-
-    async def __call__(self, evaluation: EvaluationSet, version: int, base_url: str, model: str,
-                       api_key: str | None = None, on_request_failure: object = None) -> EvalFigures:
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(1.0)
-            return await super().__call__(evaluation, version, base_url, model, api_key, on_request_failure)
-        finally:
-            self.in_flight -= 1
-
-
-def test_a_decision_measures_the_candidate_serving_and_the_anchor_at_the_same_time(
-        rl_config: RlstreamConfig, created_topics: TopicNames, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decision waits for its slowest evaluation, not for their sum (measured one after another, the three
-    versions were never in flight together: most_in_flight 1)."""
-    cfg = gate_config(rl_config)
-    recording = OverlapRecordingEvaluation()
-    monkeypatch.setattr(gate_service, "evaluate_version", recording)
-
-    async def scenario() -> list[PromotionDecision]:
-        control = ControlPlane(str(cfg.redis.url))
-        await setup_fleet(cfg, control)
-        gate = await start_gate(cfg, control)
-        try:
-            announce(gate, 2)
-            await gate.step()  # candidate 2 against serving 1 (the anchor)
-            assert recording.most_in_flight == 2
-            announce(gate, 3)
-            await gate.step()  # candidate 3 against serving 2 and the anchor 1
-        finally:
-            await gate._stop()
-            await control.close()
-        return gate.decisions
-
-    decided = asyncio.run(scenario())
-    assert recording.most_in_flight == 3
-    assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote), (3, DecisionKind.promote)]
-    assert sorted(recording.calls) == [1, 1, 2, 2, 3]

@@ -72,12 +72,10 @@ def test_a_failing_replica_decides_nothing_and_counts_its_failed_requests_then_a
     assert [(d.version, d.decision) for d in decided] == [(2, DecisionKind.promote)], [d.reason for d in decided]
     metrics = asyncio.run(read_whole_topic(cfg, created_topics.metrics, MetricEvent))
     requests = [m for m in metrics if m.name == mn.GATE_EVALUATION_REQUEST_FAILURES]
-    # the candidate and serving are measured together on the failing replica: both count their failed requests
-    failed_roles = {(m.step, m.tags.get("role"), m.tags.get("reason")) for m in requests}
-    assert (2, "candidate", "status_500") in failed_roles
-    assert failed_roles <= {(2, "candidate", "status_500"), (1, "serving", "status_500")}
+    assert requests and {(m.step, m.tags.get("role"), m.tags.get("reason")) for m in requests} == {
+        (2, "candidate", "status_500")}
     # every failed attempt answered is counted: at least one sample's first try and its two retries (requests still
     # in flight when the evaluation gave up are cancelled)
     assert 3 <= len(requests) <= failed_requests
-    failures = [(m.step, m.tags.get("role")) for m in metrics if m.name == mn.GATE_EVALUATION_FAILURES]
-    assert (2, "candidate") in failures and set(failures) <= {(2, "candidate"), (1, "serving")}
+    assert [(m.step, m.tags.get("role")) for m in metrics if m.name == mn.GATE_EVALUATION_FAILURES] == [
+        (2, "candidate")]
