@@ -455,18 +455,20 @@ class StreamsApp:
         """Validate and assemble one input record; its table writes are applied only once all of them fit (see
         streams/staging.py), so a rejected or failing record leaves the state as it was."""
         event = self._decode_valid(msg)
-        stored = self.groups_view.get(event.group_id)
-        if stored is not None:  # this record may finish the group: its members' records must be at hand
-            state = group_state_from_json(stored)
-            if isinstance(state, OpenGroup):
-                await self.read_back([state])
+        # read, not copied: group_state_from_json builds new objects, and the assembler works on those (one decode)
+        stored = self.group_table.get(event.group_id)
+        state = None if stored is None else group_state_from_json(stored)
+        # this record may finish the group: its members' records must be at hand; when some had to be read back
+        # (other tasks ran meanwhile), the assembler reads the state again
+        if isinstance(state, OpenGroup) and await self.read_back([state]):
+            state = None
         groups = StagedWrites(self.groups_view)
         assembler = GroupAssembler(groups, self.payloads, self.codec, self.rules, self.due_index)
         record_ts = float(msg.timestamp or now)
         if isinstance(event, TrajectoryEvent):
-            outcome = assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now)
+            outcome = assembler.on_trajectory(event, bytes(msg.value), msg.key, src, record_ts, now, state)
         else:
-            outcome = assembler.on_reward(event, bytes(msg.value), msg.key, src, record_ts, now)
+            outcome = assembler.on_reward(event, bytes(msg.value), msg.key, src, record_ts, now, state)
         limit = self.cfg.kafka.max_message_bytes
         too_large = oversized_writes(groups, limit)
         if too_large:
@@ -533,16 +535,18 @@ class StreamsApp:
             raise v.Rejected(invalid)
         return event
 
-    async def read_back(self, states: list[OpenGroup]) -> None:
+    async def read_back(self, states: list[OpenGroup]) -> bool:
         """Put the records of these groups' members that are not cached back into the cache, read by their offsets
-        (after a restart, a rebalance or an eviction; see streams/payloads.py)."""
+        (after a restart, a rebalance or an eviction; see streams/payloads.py). False when every record was cached
+        (nothing was awaited), else True."""
         missing = [m.source for state in states for m in state.members.values() if m.source not in self.payloads]
         if not missing:
-            return
+            return False
         found = await self.offset_reader.read(missing)
         for ref, value in found.items():
             self.payloads[ref] = value
         self.telemetry.count(mn.STREAMS_PAYLOADS_READ_BACK, len(found))
+        return True
 
     async def publish(self, outcome: Outcome, partition: int) -> None:
         """Send the outcome's dead letters and the groups that pass the filters; count everything."""

@@ -361,12 +361,14 @@ class GroupAssembler:
 
     # -- records -------------------------------------------------------------------------
     def on_trajectory(self, event: TrajectoryEvent, raw: bytes, key: bytes | None, src: SourceRef,
-                      record_ts: float, now: float) -> Outcome:
+                      record_ts: float, now: float, stored: GroupState | None = None) -> Outcome:
+        """``stored``: the group's state as :func:`group_state_from_json` just read it from ``groups`` (a caller that
+        decoded it already saves a second decode); None: read here."""
         out = Outcome()
         if event.source == TrajectorySource.validation:  # held-out answers: never a group, never trained
             out.counts["validation_skipped"] += 1
             return out
-        state = self._open_state(event, src, now)
+        state = stored if stored is not None else self._open_state(event, src, now)
         if isinstance(state, ClosedGroup):
             self._on_closed(state, event.trajectory_id, "duplicate_trajectory",
                             f"group {event.group_id} was already emitted or expired; "
@@ -406,9 +408,10 @@ class GroupAssembler:
         return out
 
     def on_reward(self, event: RewardEvent, raw: bytes, key: bytes | None, src: SourceRef, record_ts: float,
-                  now: float) -> Outcome:
+                  now: float, stored: GroupState | None = None) -> Outcome:
+        """``stored``: as for :meth:`on_trajectory`."""
         out = Outcome()
-        state = self._open_state(event, src, now)
+        state = stored if stored is not None else self._open_state(event, src, now)
         fid = event.feedback_id
         if isinstance(state, ClosedGroup):
             if state.corrects(event.trajectory_id, fid):

@@ -194,3 +194,35 @@ def test_online_curriculum_keeps_one_window_per_policy() -> None:
     verdict = apply_filters(weak, config, 0, store, 0)
     assert verdict.reason is None and verdict.group.curriculum.rank == 0
     assert set(store) == {"curriculum:0:policy", "curriculum:0:weak-policy"}
+
+
+def test_a_state_decoded_by_the_caller_gives_the_same_outcomes_as_one_read_from_the_store() -> None:
+    """The app decodes a group's stored state once and hands it to the assembler (``stored``): every record then has
+    the outcome, the stored state and the group record it has when the assembler reads the state itself."""
+    ts = gen(4)
+    own, handed = Harness(), Harness()
+    closed_late = make_trajectory(example_id="ex", group_size=4, generation_index=3, reward=None)
+    records: list[tuple[str, TrajectoryEvent, float]] = [("reward", ts[0], 1.0)] + [("traj", t, 0.0) for t in ts] + [
+        ("reward", ts[1], 0.0), ("reward", ts[1], 0.25), ("reward", ts[2], 0.5), ("reward", ts[3], 0.5),
+        ("traj", ts[2], 0.0), ("traj", closed_late, 0.0), ("reward", ts[0], 0.5)]
+    for kind, t, r in records:
+        outcomes = []
+        for h, decoded in ((own, False), (handed, True)):
+            data = h.groups.get(t.group_id)
+            state = group_state_from_json(data) if decoded and data is not None else None
+            h.offset += 1
+            if kind == "traj":
+                outcomes.append(h.asm.on_trajectory(t, CODEC.encode(t), t.example_id.encode(),
+                                                    SourceRef(T, 0, h.offset), 0.0, 0.0, state))
+            else:
+                ev = make_reward(t, r)
+                outcomes.append(h.asm.on_reward(ev, CODEC.encode(ev), t.example_id.encode(),
+                                                SourceRef(R, 0, h.offset), 0.0, 0.0, state))
+        a, b = outcomes
+        assert a.counts == b.counts and a.rejects == b.rejects
+        assert len(a.finished) == len(b.finished)
+        for f, g in zip(a.finished, b.finished):  # (assembled_at is the clock's)
+            assert f.header.model_dump(exclude={"assembled_at"}) == g.header.model_dump(exclude={"assembled_at"})
+            assert [m.body(CODEC) for m in f.members] == [m.body(CODEC) for m in g.members]
+        assert {k: v for k, v in own.groups.items()} == {k: v for k, v in handed.groups.items()}
+    assert len(own.asm.groups) == 1 and own.groups[ts[0].group_id]["closed"]
