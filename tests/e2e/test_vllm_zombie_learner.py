@@ -35,7 +35,7 @@ from tests.e2e.vllm_support import SERVED_MODEL, tiny_model_dir, vllm_fixture, w
 from tests.support.learner_helpers import produce_groups, random_group
 
 vllm = vllm_fixture()
-LEASE_TTL_S = 3.0
+LEASE_TTL_S = 10.0  # a lease a busy machine's learner renews in time (at 3 s a starved successor lost its own)
 PAUSED_VERSION = 2
 
 
