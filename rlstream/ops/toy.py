@@ -289,7 +289,7 @@ def load_smollm2_gguf() -> Any:
 
 def smollm2_model_dir(out_dir: Path | str, loaded: Any | None = None) -> Path:
     """Convert (once) the packaged SmolLM2-135M-Instruct GGUF into a float32 transformers directory with
-    untied embeddings (vLLM's full-weight reload needs them untied). About 40 s on 2 CPU cores.
+    untied embeddings (vLLM's full-weight reload needs them untied). About 20 s on 2 CPU cores.
 
     ``loaded``: the GGUF already loaded with :func:`load_smollm2_gguf` (left unchanged), to skip a second load."""
     out = Path(out_dir)
@@ -309,11 +309,14 @@ def smollm2_model_dir(out_dir: Path | str, loaded: Any | None = None) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.tie_word_embeddings = False
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # on the meta device, then given the loaded tensors: no random initialisation of weights about to be replaced
+    # (multi-threaded, it crawls on a machine whose cores other processes hold)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = loaded.state_dict()
     state.setdefault("lm_head.weight", loaded.get_input_embeddings().weight)
     state["lm_head.weight"] = state["lm_head.weight"].detach().clone()
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     return _save_atomically(out, params, model, tokenizer)
 
 

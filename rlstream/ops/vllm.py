@@ -615,8 +615,8 @@ def start_vllm_server(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_file.read_text(errors="replace")[-3000:]
-            raise VllmError(f"vLLM exited with code {proc.returncode} during start; log {log_file}:\n{tail}")
+            raise VllmError(f"vLLM exited with code {proc.returncode} during start; log {log_file}:\n"
+                            f"{log_file.read_text(errors='replace')[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 log.info("vLLM server ready", url=url, pid=proc.pid, model=served_model_name)
@@ -625,8 +625,9 @@ def start_vllm_server(
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    stop_pid(proc.pid)
-    raise VllmError(f"vLLM did not become healthy within {timeout_s:.0f} s; log {log_file}")
+    stop_pid(proc.pid)  # what it printed tells where its start stalled
+    raise VllmError(f"vLLM did not become healthy within {timeout_s:.0f} s; log {log_file}:\n"
+                    f"{log_file.read_text(errors='replace')[-3000:]}")
 
 
 def main() -> None:

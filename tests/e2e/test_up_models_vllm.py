@@ -65,7 +65,7 @@ def smollm2_vllm(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """SmolLM2 on vLLM as ``up --model smollm2`` starts it: its parser option and the task's vLLM options."""
     opts = UpOptions(model="smollm2")
     run_dir = tmp_path_factory.mktemp("smollm2-run")
-    server = start_vllm_server(smollm2_dir, SERVED_MODEL, workdir=run_dir / "vllm", timeout_s=420,
+    server = start_vllm_server(smollm2_dir, SERVED_MODEL, workdir=run_dir / "vllm", timeout_s=900,
                                extra_args=task_vllm_args(opts, run_dir), tool_call_parser=opts.tool_call_parser)
     try:
         yield server
