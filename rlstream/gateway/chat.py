@@ -19,10 +19,8 @@ from rlstream.gateway.core import (Gateway, capture_refused_event, json_response
 from rlstream.gateway.filtering import ClientAsked, client_asked, filter_response, rejects_extensions, upstream_request
 from rlstream.gateway.limits import RequestShape, checked_body, requested_choices
 from rlstream.gateway.relay import CapturedAtDone, first_data_event, read_head, relayed
-from rlstream.gateway.sessions import Trajectory
 from rlstream.rollout.capture import token_data
 from rlstream.rollout.streaming import StreamAccumulator
-from rlstream.schemas.models import new_id
 from rlstream.transport.log import get_logger
 
 log = get_logger(__name__)
@@ -101,25 +99,11 @@ class ChatCompletions:
             gw.request_token_data = False
         return response
 
-    def _begin_choices(self, n: int, version: int, task: str | None,
-                       tenant: str | None = None) -> tuple[list[Trajectory], dict[str, str]]:
-        """``n > 1``: one trajectory per choice, together one GRPO group (the N generations of one prompt)."""
-        group = new_id()
-        trajs = []
-        for index in range(n):
-            traj = Trajectory(session_id=None, policy_version=version, task=task, choices_group=group,
-                              group_size=n, generation_index=index, tenant=tenant)
-            self.gw.sessions.remember(traj)
-            trajs.append(traj)
-        ids = [t.trajectory_id for t in trajs]
-        return trajs, {"x-rlstream-trajectory-id": ids[0], "x-rlstream-trajectory-ids": ",".join(ids),
-                       "x-rlstream-group-id": group, "x-rlstream-policy-version": str(version)}
-
     def _capture_choices(self, body: dict[str, Any], payload: dict[str, Any], version: int, task: str | None,
                          served: str, tenant: str | None = None) -> dict[str, str]:
         """The choices of a whole (not streamed) ``n > 1`` answer, captured as one group."""
         choices = payload.get("choices") or []
-        trajs, headers = self._begin_choices(len(choices), version, task, tenant)
+        trajs, headers = self.gw.begin_group(len(choices), version, task, tenant)
         for index, (traj, choice) in enumerate(zip(trajs, choices)):
             prompt_ids, completion_ids, logprobs = token_data(payload, choice_index=index)
             self.gw.finish(traj, body, choice.get("message") or {"role": "assistant"}, prompt_ids, completion_ids,
@@ -146,7 +130,7 @@ class ChatCompletions:
         prompt_ids = first.get("prompt_token_ids")
         n = requested_choices(body)
         if n > 1 and session_id is None:  # the headers go out first: the group's trajectories exist up front
-            trajs, headers = self._begin_choices(n, version, task, caller.tenant)
+            trajs, headers = self.gw.begin_group(n, version, task, caller.tenant)
         else:
             if n > 1:
                 log.warning("n > 1 inside a session: the session keeps the first choice", session_id=session_id,

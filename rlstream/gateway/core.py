@@ -34,7 +34,7 @@ from rlstream.rollout.capture import to_message
 from rlstream.rollout.routing import (FleetRouter, NoServingVersion, OutstandingTransport, StaticFleet,
                                       VersionForbidden, VersionNotLoaded, caller_identity)
 from rlstream.schemas.masking import mask_text
-from rlstream.schemas.models import CallEvent
+from rlstream.schemas.models import CallEvent, new_id
 from rlstream.schemas.sampling import NEUTRAL_TEMPERATURE
 from rlstream.schemas.sessions import session_trajectory_id
 from rlstream.transport import metric_names as mn
@@ -449,6 +449,21 @@ class Gateway:
         if session_id:
             headers["x-rlstream-session-id"] = session_id
         return traj, headers
+
+    def begin_group(self, n: int, version: int, task: str | None,
+                    tenant: str | None = None) -> tuple[list[Trajectory], dict[str, str]]:
+        """``n`` choices of one prompt outside a session: one trajectory per choice, together one GRPO group (the N
+        generations of one prompt), and the response headers that name them."""
+        group = new_id()
+        trajs = []
+        for index in range(n):
+            traj = Trajectory(session_id=None, policy_version=version, task=task, choices_group=group,
+                              group_size=n, generation_index=index, tenant=tenant)
+            self.sessions.remember(traj)
+            trajs.append(traj)
+        ids = [t.trajectory_id for t in trajs]
+        return trajs, {"x-rlstream-trajectory-id": ids[0], "x-rlstream-trajectory-ids": ",".join(ids),
+                       "x-rlstream-group-id": group, "x-rlstream-policy-version": str(version)}
 
     def finish(self, traj: Trajectory, body: dict[str, Any], message: dict[str, Any], prompt_ids: list[int] | None,
                completion_ids: list[int] | None, logprobs: list[float] | None, finish_reason: str | None,

@@ -169,3 +169,45 @@ async def test_messages_and_completions_through_the_gateway_are_captured_once_wi
     kept = [by_id[ids[n]].turns[0].completion_logprobs is not None for n in ("responses-plain", "responses-streamed")]
     assert kept[0] and (kept[1] or stats["logprobs_incomplete"] == 1), stats
     assert stats["logprobs_incomplete"] == (0 if kept[1] else 1), stats
+
+
+async def test_every_choice_of_a_completion_with_several_prompts_and_n_is_captured_in_its_prompts_group(
+        vllm: VllmServer, rl_config: Any, created_topics: Any) -> None:
+    """Two prompts asked twice each, plain and streamed: four trajectories per call, each prompt's two choices one
+    group, each with the token ids and logprobs the client itself got from vLLM."""
+    publisher = TrajectoryPublisher.from_config(rl_config.kafka, created_topics.trajectories, created_topics.rewards)
+    await publisher.start()
+    config = GatewaySettings(session_stitching="gateway", port=0, upstream_url=vllm.url, run_id=rl_config.run_id,
+                             policy=rl_config.policy, policy_version=4)
+    ask = {"model": SERVED_MODEL, "prompt": [PROMPT, QUESTION], "n": 2, "max_tokens": 6, "temperature": 1.0,
+           "return_token_ids": True, "logprobs": 0}
+    answers: dict[bool, tuple[list[str], list[str], dict[int, dict[str, Any]]]] = {}
+    async with httpx.AsyncClient(timeout=120) as http, serving(Gateway(config, publisher)) as url:
+        for stream in (False, True):
+            r = await http.post(f"{url}/v1/completions", json={**ask, "stream": stream})
+            assert r.status_code == 200, r.text
+            got: dict[int, dict[str, Any]] = {}
+            for choice in ([c for e in sse_data(r.text) for c in e["choices"]] if stream else r.json()["choices"]):
+                seen = got.setdefault(choice["index"], {"prompt_token_ids": None, "token_ids": [], "logprobs": []})
+                seen["prompt_token_ids"] = seen["prompt_token_ids"] or choice.get("prompt_token_ids")
+                seen["token_ids"] += choice["token_ids"]
+                seen["logprobs"] += choice["logprobs"]["token_logprobs"]
+            answers[stream] = (r.headers["x-rlstream-trajectory-ids"].split(","),
+                               r.headers["x-rlstream-group-ids"].split(","), got)
+    await publisher.close()
+
+    events = await read_topic(rl_config, created_topics.trajectories, TrajectoryEvent, expect=8)
+    by_id = {e.trajectory_id: e for e in events}
+    assert len(by_id) == 8
+    for stream, (ids, groups, got) in answers.items():
+        assert len(ids) == 4 and len(set(groups)) == 2 and sorted(got) == [0, 1, 2, 3], stream
+        for index, trajectory_id in enumerate(ids):
+            traj = by_id[trajectory_id]
+            assert (traj.group_id, traj.group_size, traj.generation_index) == (groups[index // 2], 2, index % 2)
+            assert traj.messages[0].content == [PROMPT, QUESTION][index // 2]
+            (turn,) = traj.turns
+            assert turn.prompt_token_ids == got[index]["prompt_token_ids"], (stream, index)
+            assert turn.completion_token_ids == got[index]["token_ids"], (stream, index)
+            assert turn.completion_logprobs is not None
+            assert max_abs_diff(turn.completion_logprobs, got[index]["logprobs"]) < 1e-6, (stream, index)
+        assert by_id[ids[0]].turns[0].prompt_token_ids != by_id[ids[2]].turns[0].prompt_token_ids  # two prompts

@@ -65,7 +65,8 @@ def test_a_streamed_completion_is_followed_and_filtered() -> None:
     assert first["choices"][0]["token_ids"] is None and first["choices"][0]["prompt_token_ids"] is None
     tokens = follow.tokens()
     assert (tokens.prompt_ids, tokens.completion_ids, tokens.logprobs) == ([1, 2], [9, 2], [-0.5, -0.125])
-    assert follow.response_id == "cmpl-1" and follow.finish_reason == "stop" and "".join(follow.text) == "c"
+    assert follow.response_id == "cmpl-1" and follow.choice(0).finish_reason == "stop"
+    assert "".join(follow.choice(0).text) == "c"
 
 
 def test_a_messages_request_becomes_the_chat_request_vllm_makes_of_it() -> None:

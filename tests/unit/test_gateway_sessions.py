@@ -281,6 +281,100 @@ async def test_streamed_n_choices_become_one_group_of_n_trajectories() -> None:
     assert all(t.turns[0].prompt_token_ids == [1, 2] for t in trajs)
 
 
+def completion_choices_upstream(request: httpx.Request) -> httpx.Response:
+    """A Completions answer as vLLM writes it: choice ``i * n + j`` is sample ``j`` of prompt ``i``, each choice with its
+    prompt's token ids; streamed, the choices' chunks interleaved and out of order, prompt ids in each first chunk;
+    ``extra``: that many choices more than asked (a malformed answer)."""
+    body = json.loads(request.content)
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    n, count = int(body.get("n", 1)), len(prompts) * int(body.get("n", 1)) + int(body.get("extra", 0))
+    prompt_ids = [[1, 2 + (k // n)] for k in range(count)]
+    if not body.get("stream"):
+        return httpx.Response(200, json={"id": "cmpl-1", "model": body["model"], "choices": [
+            {"index": k, "text": f"t{k}", "prompt_token_ids": prompt_ids[k], "token_ids": [10 + k, 20 + k],
+             "logprobs": {"token_logprobs": [-0.1 * (k + 1), -0.2]}, "finish_reason": "stop"}
+            for k in reversed(range(count))]})  # not in index order
+    chunks: list[dict[str, Any]] = []
+    for step in range(2):
+        for k in reversed(range(count)):
+            choice: dict[str, Any] = {"index": k, "text": f"{'ab'[step]}{k}", "token_ids": [10 * (k + 1) + step],
+                                      "logprobs": {"token_logprobs": [-0.1 * (k + 1)]},
+                                      "finish_reason": "length" if step else None}
+            if step == 0:
+                choice["prompt_token_ids"] = prompt_ids[k]
+            chunks.append({"id": "cmpl-2", "model": body["model"], "choices": [choice]})
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+async def completions_captured(request: dict[str, Any],
+                               headers: dict[str, str] | None = None) -> tuple[httpx.Response, list[TrajectoryEvent]]:
+    """The answer to one Completions ``request`` through a gateway, and the trajectories it published."""
+    publisher = FakePublisher()
+    gateway = Gateway(GatewaySettings(session_stitching="gateway", policy="p"), publisher,
+                      client=httpx.AsyncClient(transport=httpx.MockTransport(completion_choices_upstream)))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/completions", json=request, headers=headers or {})
+            assert r.status_code == 200, r.text
+            if headers:
+                await c.post(f"/v1/sessions/{headers['X-Session-Id']}/end")
+            for tid in r.headers["x-rlstream-trajectory-ids"].split(",") if not headers else []:
+                assert (await c.post("/v1/feedback", json={"trajectory_id": tid, "reward": 1.0})).status_code == 202
+    finally:
+        await gateway.stop()
+    return r, [e for _, e in publisher.sent if isinstance(e, TrajectoryEvent)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_choices_of_each_prompt_become_one_group(stream: bool) -> None:
+    r, trajs = await completions_captured({"model": "m", "prompt": ["first", "second"], "n": 2, "stream": stream})
+    ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+    assert len(ids) == 4 and sorted(t.trajectory_id for t in trajs) == sorted(ids)  # every choice, once
+    by_id = {t.trajectory_id: t for t in trajs}
+    groups = r.headers["x-rlstream-group-ids"].split(",")
+    assert len(set(groups)) == 2 and r.headers["x-rlstream-group-id"] == groups[0]
+    for k, tid in enumerate(ids):  # choice k: sample k % 2 of prompt k // 2
+        traj = by_id[tid]
+        assert (traj.group_id, traj.group_size, traj.generation_index) == (groups[k // 2], 2, k % 2)
+        assert traj.messages[0].content == ["first", "second"][k // 2]
+        assert traj.turns[0].prompt_token_ids == [1, 2 + k // 2]
+        if stream:
+            assert traj.messages[-1].content == f"a{k}b{k}"
+            assert traj.turns[0].completion_token_ids == [10 * (k + 1), 10 * (k + 1) + 1]
+            assert traj.turns[0].completion_logprobs == pytest.approx([-0.1 * (k + 1)] * 2)
+        else:
+            assert traj.messages[-1].content == f"t{k}"
+            assert traj.turns[0].completion_token_ids == [10 + k, 20 + k]
+            assert traj.turns[0].completion_logprobs == pytest.approx([-0.1 * (k + 1), -0.2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_prompts_asked_once_are_trajectories_of_their_own(stream: bool) -> None:
+    r, trajs = await completions_captured({"model": "m", "prompt": ["first", "second", "third"], "stream": stream})
+    ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+    assert len(ids) == 3 and "x-rlstream-group-id" not in r.headers
+    by_id = {t.trajectory_id: t for t in trajs}
+    assert [by_id[tid].messages[0].content for tid in ids] == ["first", "second", "third"]
+    assert {t.group_size for t in trajs} == {1}
+
+
+async def test_completion_choices_inside_a_session_keep_the_first() -> None:
+    r, trajs = await completions_captured({"model": "m", "prompt": "first", "n": 3},
+                                          headers={"X-Session-Id": "s1"})
+    (traj,) = trajs
+    assert traj.trajectory_id == r.headers["x-rlstream-trajectory-id"] and traj.messages[-1].content == "t0"
+
+
+async def test_completion_choices_not_n_per_prompt_are_each_captured_alone() -> None:
+    r, trajs = await completions_captured({"model": "m", "prompt": "first", "n": 2, "extra": 1})
+    ids = r.headers["x-rlstream-trajectory-ids"].split(",")
+    assert len(ids) == 3 and sorted(t.trajectory_id for t in trajs) == sorted(ids)
+    assert {t.group_size for t in trajs} == {1}
+    assert [{t.trajectory_id: t for t in trajs}[tid].messages[-1].content for tid in ids] == ["t0", "t1", "t2"]
+
+
 def responses_upstream(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
     if body["model"] == "no-api":
