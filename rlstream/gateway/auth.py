@@ -238,6 +238,8 @@ class KeyStore:
         self._checked = 0.0
         self._lock = threading.Lock()
         self._usage: dict[str, _KeyUsage] = {}
+        #: called after each change of the keys (a reload of the keys file, or its keys refused)
+        self.on_change: list[Callable[[], None]] = []
         self.reloads = 0
         self.reload_errors = 0
         self._rebuild(self._load_file() if keys_file is not None else [])  # at start a bad file stops the start
@@ -249,6 +251,11 @@ class KeyStore:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+    @property
+    def tenants(self) -> int:
+        """How many tenants have keys now."""
+        return len({principal.tenant for principal in self._by_digest.values()})
 
     def _load_file(self) -> list[ApiKeySpec]:
         assert self.keys_file is not None
@@ -283,6 +290,8 @@ class KeyStore:
             table[hashlib.sha256(key.encode()).digest()] = Principal.from_spec(spec)
         self._by_digest = table
         self._by_key_id = {principal.key_id: principal for principal in table.values()}
+        for listener in self.on_change:
+            listener()
 
     def maybe_reload(self, now: float | None = None) -> bool:
         """Re-read the keys file when it changed; True when the keys were replaced."""

@@ -174,6 +174,8 @@ class Gateway:
         self.tenant_share = config.capture_tenant_share if self.keys.enabled else 1.0
         self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s,
                                     tenant_share=self.tenant_share)
+        self.capture.share_among(self.keys.tenants)
+        self.keys.on_change.append(lambda: self.capture.share_among(self.keys.tenants))
         self._client = client
         self._own_client = client is None
         self._urls: dict[str, httpx.URL] = {}
@@ -206,6 +208,7 @@ class Gateway:
             self.capture.use_spool(await asyncio.to_thread(
                 Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes,
                 max(1, int(self.config.spool_max_bytes * self.tenant_share))))
+            self.capture.share_among(self.keys.tenants)
         self.capture.start()
         await self.learn_default_temperature()
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-sessions")

@@ -19,9 +19,10 @@ record is re-sent only if it was acknowledged after the last persisted batch (at
 or if it was in flight directly when the gateway died; the stream app drops such duplicates by trajectory_id
 (``streams.closed_retention_s``).
 
-Tenants: with ``tenant_share`` below 1, each tenant's events may take at most that share of the queue, and of the
-spool (``Spool.tenant_max_bytes``); a tenant past its share of the queue overflows to the spool (or is dropped without
-one) while the other tenants' events still find room: one tenant's flood never evicts or blocks another's captures.
+Tenants: with ``tenant_share`` below 1 and more than one tenant (:meth:`CaptureQueue.share_among`), each tenant's
+events may take at most that share of the queue, and of the spool (``Spool.tenant_max_bytes``); a tenant past its share
+of the queue overflows to the spool (or is dropped without one) while the other tenants' events still find room: one
+tenant's flood never evicts or blocks another's captures. A single tenant has the whole of both.
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ class CaptureQueue:
                  drain_batch: int = 256, tenant_share: float = 1.0) -> None:
         self.publisher = publisher
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue(maxsize)
-        #: the most events one tenant may have in the queue (``tenant_share`` of it)
+        self.tenant_share = tenant_share
+        #: the most events one tenant may have in the queue (``tenant_share`` of it; see :meth:`share_among`)
         self.tenant_slots = max(1, int(maxsize * tenant_share)) if tenant_share < 1 else maxsize
         self._held: dict[str, int] = {}  # per tenant: its events in the queue
         self.stats = CaptureStats()
@@ -139,6 +141,14 @@ class CaptureQueue:
             raise TypeError("a spool needs a publisher with codec and submit_encoded (TrajectoryPublisher)")
         self.spool = spool
         self.spooling = spool.pending > 0
+
+    def share_among(self, tenants: int) -> None:
+        """Each tenant's share of the queue and of the spool now that ``tenants`` tenants may capture: all of them
+        for a single tenant (no other tenant's captures to keep room for), else ``tenant_share``."""
+        share = self.tenant_share if tenants > 1 else 1.0
+        self.tenant_slots = max(1, int(self.queue.maxsize * share))
+        if self.spool is not None:
+            self.spool.tenant_max_bytes = max(1, int(self.spool.max_bytes * share))
 
     # -- the routes' side ---------------------------------------------------------------------
     def put(self, event: WireModel, tenant: str | None = None) -> bool:

@@ -716,7 +716,8 @@ class GatewayConfig(Section):
     capture_tenant_share: float = Field(0.5, gt=0, le=1, description="with API keys: the share of queue_size and of "
                                         "spool_max_bytes one tenant's events may take; past it that tenant's "
                                         "events overflow to its share of the spool, then are dropped (counted), "
-                                        "while other tenants' captures still fit. 1: one shared queue and spool")
+                                        "while other tenants' captures still fit. 1: one shared queue and spool. "
+                                        "While the keys name a single tenant, it has the whole of both")
     drain_timeout_s: float = Field(10.0, ge=0, description="on shutdown, wait this long for queued events")
     remembered_trajectories: int = Field(100_000, ge=1, description="ids feedback may name (trajectory, response, "
                                          "trace and span ids) kept per tenant, for streams.reward_window_s; in "

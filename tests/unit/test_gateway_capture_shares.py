@@ -181,3 +181,43 @@ async def test_a_tenants_flood_of_rewards_leaves_room_for_another_tenants_reward
         assert victim_tid not in rewarded and mine.status_code == 503
     else:
         assert victim_tid in rewarded and mine.status_code == 202 and mine.json()["queued"] is True
+
+
+def write_keys(keys_file: Path, tenants: list[tuple[str, str]]) -> None:
+    keys_file.write_text(json.dumps({"keys": [{"key": key, "tenant": tenant} for key, tenant in tenants]}))
+    keys_file.chmod(0o600)
+
+
+async def test_a_single_tenant_has_the_whole_queue_until_a_second_tenant_has_keys(tmp_path: Path) -> None:
+    """One tenant's share would only keep room for tenants that do not exist: while the keys name one tenant its
+    captures may fill the whole queue; once the keys file names a second, each is held to its share again."""
+    keys_file = tmp_path / "keys.json"
+    write_keys(keys_file, [(FLOODER, "flooder")])
+    kafka = StalledKafka()
+    gateway = Gateway(GatewaySettings(policy="m", served_model="m", queue_size=20, capture_tenant_share=0.5),
+                      kafka, client=httpx.AsyncClient(transport=httpx.MockTransport(upstream())),
+                      access=AccessConfig(api_keys_file=keys_file, feedback_secret=SecretStr("s" * 32)))
+    gateway.keys.reload_check_s = 0.0
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER], "n": 16},
+                             headers={"authorization": f"Bearer {FLOODER}"})
+            assert r.status_code == 200
+            stats = gateway.capture.stats
+            # 16 trajectories while Kafka takes none: all fit (half the queue, the share, would be 10)
+            assert (stats.queued, stats.dropped_full, stats.over_share) == (16, 0, 0)
+            assert gateway.capture.tenant_slots == 20
+
+            write_keys(keys_file, [(FLOODER, "flooder"), (VICTIM, "victim")])
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER], "n": 2},
+                             headers={"authorization": f"Bearer {VICTIM}"})  # the reload happens on this key
+            assert r.status_code == 200 and gateway.capture.tenant_slots == 10
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [USER], "n": 2},
+                             headers={"authorization": f"Bearer {FLOODER}"})
+            assert r.status_code == 200
+            # the flooder is past its share now (16 of 10): its two are refused room; the victim's two fitted
+            assert (stats.queued, stats.over_share, stats.dropped_full) == (18, 2, 2)
+    finally:
+        kafka.gate.set()
+        await gateway.stop()
