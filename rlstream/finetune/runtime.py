@@ -7,6 +7,7 @@ Nothing here trains or generates; the epoch engine (:mod:`rlstream.finetune.engi
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -235,6 +236,20 @@ class GroupCollector:
 
 
 # --- the in-process part --------------------------------------------------------------------------------
+#: the modules the run's learner and sync worker import on its event loop (torch behind them)
+LEARNER_MODULES = ("rlstream.learner.publish", "rlstream.learner.checkpoint", "rlstream.learner.loop",
+                   "rlstream.learner.policy", "rlstream.learner.step", "rlstream.learner.batch",
+                   "rlstream.inference.sync", "rlstream.inference.vllm_backend")
+
+
+async def import_learner_modules() -> None:
+    """Import :data:`LEARNER_MODULES` off the event loop. Done before the learner lease is taken: an import on the
+    event loop holds up the lease's renewal, and on a loaded machine importing torch takes longer
+    than the lease lives."""
+    for name in LEARNER_MODULES:
+        await asyncio.to_thread(importlib.import_module, name)
+
+
 @dataclass
 class FinetuneContext:
     """The run's handles: control plane, producers, metrics, lease, sync worker and groups reader."""
@@ -283,6 +298,7 @@ class FinetuneContext:
                                         run_id=cfg.run_id, prometheus_port=cfg.learner.prometheus_port)
         self.rollout_metrics = MetricsPublisher(self.producer, self.codec, self.topics.metrics, source="rollout",
                                                 run_id=cfg.run_id)
+        await import_learner_modules()
         self.lease = await self.control.acquire_lease(cfg.policy, self.learner_holder, cfg.learner.lease_ttl_s)
         if self.lease is None:
             holder = await self.control.lease_holder(cfg.policy)
