@@ -1,6 +1,7 @@
 """Exactly-once at scale under repeated failure: 20,000 trajectories (late rewards, groups that can only leave on
-their timeout, injected bad records) while the worker is SIGKILLed at 10 random moments, some of them seconds after
-a restart, while it is still starting or recovering its tables. Read with read_committed, every trajectory record
+their timeout, injected bad records) while the worker is SIGKILLed at 10 random moments: some seconds after a restart,
+while it is still starting or recovering its tables; some as it catches up with the records that came while it was
+down; the others after some seconds of processing. Read with read_committed, every trajectory record
 comes out exactly once (a member of one group, or one dead letter), no group comes out twice, every group holds only
 its own members with their rewards, and each injected bad record is dead-lettered once; the last restart starts every
 input partition from its recovered progress marker. The default store (memory): both stores rebuild their tables from
@@ -133,13 +134,16 @@ def test_twenty_thousand_trajectories_through_ten_sigkills(rl_config: RlstreamCo
             workers.append(worker)
             if kill % 3 == 2:  # every third kill: while the restarted worker is starting or restoring its tables
                 delay = rng.uniform(2.0, 8.0)
+            elif kill % 3 == 1:  # another third: as it catches up with what came while it was down, when its
+                wait_for_processing(worker, tmp_path, started)  # transactions hold output (on an idle machine it
+                delay = rng.uniform(0.1, 0.6)                   # keeps up with the feed and is mostly waiting)
             else:  # the others: after some seconds of processing
                 wait_for_processing(worker, tmp_path, started)
                 delay = rng.uniform(1.0, 10.0)
             time.sleep(delay)
             assert worker.alive(), worker.log_tail()
             worker.kill()
-            kill_times.append(f"{'during start' if kill % 3 == 2 else 'processing'} +{delay:.1f}s")
+            kill_times.append(f"{['processing', 'catching up', 'during start'][kill % 3]} +{delay:.1f}s")
         feeder.join()
         last = Worker(rl_config, "w1", tmp_path, **settings).start()
         workers.append(last)
