@@ -171,9 +171,8 @@ class Gateway:
         self.limit_stats = LimitStats()
         self.token_rate = RateLimiter(config.token_rpm)  # per key that caused the tokens
         #: with keys, each tenant's share of the capture queue and spool (one tenant never fills them for all)
-        self.tenant_share = config.capture_tenant_share if self.keys.enabled else 1.0
         self.capture = CaptureQueue(publisher, config.queue_size, spool_after_s=config.spool_after_s,
-                                    tenant_share=self.tenant_share)
+                                    tenant_share=config.capture_tenant_share if self.keys.enabled else 1.0)
         self.capture.share_among(self.keys.tenants)
         self.keys.on_change.append(lambda: self.capture.share_among(self.keys.tenants))
         self._client = client
@@ -206,9 +205,7 @@ class Gateway:
                                              transport=transport)
         if self.config.spool_dir is not None and self.capture.spool is None:
             self.capture.use_spool(await asyncio.to_thread(
-                Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes,
-                max(1, int(self.config.spool_max_bytes * self.tenant_share))))
-            self.capture.share_among(self.keys.tenants)
+                Spool.open, self.config.spool_dir, self.config.spool_max_bytes, self.config.spool_segment_bytes))
         self.capture.start()
         await self.learn_default_temperature()
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-sessions")

@@ -110,8 +110,10 @@ class CaptureQueue:
         self.publisher = publisher
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue(maxsize)
         self.tenant_share = tenant_share
-        #: the most events one tenant may have in the queue (``tenant_share`` of it; see :meth:`share_among`)
-        self.tenant_slots = max(1, int(maxsize * tenant_share)) if tenant_share < 1 else maxsize
+        #: the share of the queue and of the spool each tenant has now (:meth:`share_among`)
+        self.share = tenant_share
+        #: the most events one tenant may have in the queue (``share`` of it)
+        self.tenant_slots = max(1, int(maxsize * tenant_share))
         self._held: dict[str, int] = {}  # per tenant: its events in the queue
         self.stats = CaptureStats()
         self.spool: Spool | None = None
@@ -136,19 +138,21 @@ class CaptureQueue:
             self.use_spool(spool)
 
     def use_spool(self, spool: Spool) -> None:
-        """Spool through ``spool`` (called before :meth:`start`); events it holds from before are sent first."""
+        """Spool through ``spool`` (called before :meth:`start`), each tenant with its share of it; events it holds from
+        before are sent first."""
         if not (hasattr(self.publisher, "submit_encoded") and hasattr(self.publisher, "codec")):
             raise TypeError("a spool needs a publisher with codec and submit_encoded (TrajectoryPublisher)")
         self.spool = spool
+        spool.tenant_max_bytes = max(1, int(spool.max_bytes * self.share))
         self.spooling = spool.pending > 0
 
     def share_among(self, tenants: int) -> None:
         """Each tenant's share of the queue and of the spool now that ``tenants`` tenants may capture: all of them
         for a single tenant (no other tenant's captures to keep room for), else ``tenant_share``."""
-        share = self.tenant_share if tenants > 1 else 1.0
-        self.tenant_slots = max(1, int(self.queue.maxsize * share))
+        self.share = self.tenant_share if tenants > 1 else 1.0
+        self.tenant_slots = max(1, int(self.queue.maxsize * self.share))
         if self.spool is not None:
-            self.spool.tenant_max_bytes = max(1, int(self.spool.max_bytes * share))
+            self.spool.tenant_max_bytes = max(1, int(self.spool.max_bytes * self.share))
 
     # -- the routes' side ---------------------------------------------------------------------
     def put(self, event: WireModel, tenant: str | None = None) -> bool:
