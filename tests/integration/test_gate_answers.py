@@ -22,8 +22,8 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.streams.app import prepare_topics
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.serving import ReplicaAck, ServingControl
 from tests.integration.test_streams_assembly import wait_for_metrics
+from tests.support.gate_helpers import serving_fleet
 from tests.support.scripted_upstream import Reply, scripted_upstream
 from tests.support.streams_helpers import CODEC, Worker, publish, read_all
 from tests.unit.test_gate_episodes import HELDOUT, guesser, tool_caller
@@ -42,12 +42,7 @@ async def evaluate_candidate(cfg: RlstreamConfig) -> None:
     """One gate decision about candidate v2 against serving v1 on a replica that has both loaded."""
     async with scripted_upstream(by_version) as upstream:
         control = ControlPlane(str(cfg.redis.url))
-        serving = ServingControl(control)
-        await serving.promote(cfg.policy, 1, token=await serving.issue_token(cfg.policy), reason="start",
-                              decided_by="test", expected_version=-1)
-        await serving.record_replica(cfg.policy, ReplicaAck(
-            "w0", 2, f"{cfg.policy}-v2", url=upstream.url.removesuffix("/v1"),
-            loaded={1: f"{cfg.policy}-v1", 2: f"{cfg.policy}-v2"}), 120.0)
+        await serving_fleet(cfg, control, url=upstream.url.removesuffix("/v1"))
         evaluation = EvaluationSet(examples=HELDOUT[:EXAMPLES], reward_function=tool_reward, samples=2,
                                    temperature=0.7, max_tokens=48, episode=gate_episode, retries=1,
                                    retry_backoff_s=0.01, request_timeout_s=5.0)

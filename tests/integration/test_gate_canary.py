@@ -28,6 +28,7 @@ from rlstream.transport.kafka import make_producer
 from rlstream.transport.serving import ReplicaAck, ServingControl
 from rlstream.transport.topic_reader import TopicReader, open_reader, read_to_end
 from tests.support.factories import make_reward, make_trajectory
+from tests.support.gate_helpers import serving_fleet
 
 pytestmark = pytest.mark.integration
 CODEC = AvroCodec()
@@ -38,17 +39,6 @@ ROLLBACK_BOUND_S = 30.0
 def figures(version: int) -> EvalFigures:
     return EvalFigures(version=version, reward_mean=0.5, answer_parse_rate=1.0, tool_call_parse_rate=1.0,
                        refusal_rate=0.0, answer_length=4.0, samples=8)
-
-
-async def setup_fleet(cfg: RlstreamConfig, control: ControlPlane, loaded: tuple[int, ...] = (1, 2)) -> ServingControl:
-    """Serving v1 (pointer), one replica acknowledging ``loaded``."""
-    policy = cfg.policy
-    serving = ServingControl(control)
-    token = await serving.issue_token(policy)
-    await serving.promote(policy, 1, token=token, reason="start", decided_by="test", expected_version=-1)
-    await serving.record_replica(policy, ReplicaAck("w0", max(loaded), f"{policy}-v{max(loaded)}",
-                                                    loaded={v: f"{policy}-v{v}" for v in loaded}), 120.0)
-    return serving
 
 
 async def new_gate(cfg: RlstreamConfig, control: ControlPlane) -> PromotionGate:
@@ -100,7 +90,7 @@ async def run_canary(cfg: RlstreamConfig, names: TopicNames, canary_p: float = 0
     (Bernoulli rewards, fixed seed), or ``feedback`` as given, and ``extra`` records ((topic, event) pairs);
     returns the gate once the canary is decided, and the seconds it took."""
     control = ControlPlane(str(cfg.redis.url))
-    serving = await setup_fleet(cfg, control)
+    serving = await serving_fleet(cfg, control)
     producer = make_producer(cfg.kafka)
     await producer.start()
     gate = await new_gate(cfg, control)
@@ -311,7 +301,7 @@ def test_a_restarted_gate_resumes_the_canary_test(rl_config: RlstreamConfig, cre
 
     async def scenario() -> tuple[int, int, PromotionDecision]:
         control = ControlPlane(str(cfg.redis.url))
-        serving = await setup_fleet(cfg, control)
+        serving = await serving_fleet(cfg, control)
         producer = make_producer(cfg.kafka)
         await producer.start()
         try:
@@ -382,7 +372,7 @@ def test_an_operator_rollback_ends_the_running_canary(rl_config: RlstreamConfig,
         await announce_versions(cfg, [PolicyVersion(policy=policy, version=v, base_model="m", uri=f"/v{v}",
                                                     learner_step=v) for v in (1, 2, 3)])
         control = ControlPlane(str(cfg.redis.url))
-        serving = await setup_fleet(cfg, control, loaded=(1, 2, 3))
+        serving = await serving_fleet(cfg, control, loaded=(1, 2, 3))
         await serving.promote(policy, 2, token=await serving.issue_token(policy), reason="up", decided_by="test")
         gate = await new_gate(cfg, control)
         try:
@@ -420,7 +410,7 @@ def test_an_undecided_canary_held_for_an_operator_waits_then_the_operator_ends_i
 
     async def scenario() -> tuple[Any, Any, Any, PromotionGate]:
         control = ControlPlane(str(cfg.redis.url))
-        serving = await setup_fleet(cfg, control)
+        serving = await serving_fleet(cfg, control)
         gate = await new_gate(cfg, control)
         try:
             await gate.start_canary(2, 1, figures(2), figures(1), Verdict(True))

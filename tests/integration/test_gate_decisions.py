@@ -21,6 +21,7 @@ from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
 from rlstream.transport.serving import ReplicaAck, ServingControl
+from tests.support.gate_helpers import serving_fleet
 from tests.support.learner_helpers import read_whole_topic
 
 pytestmark = pytest.mark.integration
@@ -83,12 +84,7 @@ def announce(gate: PromotionGate, version: int) -> None:
 
 async def setup_fleet(cfg: RlstreamConfig, control: ControlPlane) -> ServingControl:
     """Serving v1, one replica acknowledging versions 1-4."""
-    serving = ServingControl(control)
-    await serving.promote(cfg.policy, 1, token=await serving.issue_token(cfg.policy), reason="start",
-                          decided_by="test", expected_version=-1)
-    await serving.record_replica(cfg.policy, ReplicaAck("w0", 4, f"{cfg.policy}-v4", url="http://127.0.0.1:9",
-                                                        loaded={v: f"{cfg.policy}-v{v}" for v in LOSS}), 120.0)
-    return serving
+    return await serving_fleet(cfg, control, LOSS, url="http://127.0.0.1:9")
 
 
 def test_each_decision_measures_serving_and_the_anchor_again_and_the_anchor_stops_a_chain(

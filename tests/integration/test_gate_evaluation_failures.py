@@ -17,7 +17,7 @@ from rlstream.schemas.models import DecisionKind, MetricEvent, PolicyVersion, Pr
 from rlstream.schemas.topics import TopicNames
 from rlstream.transport import metric_names as mn
 from rlstream.transport.control import ControlPlane
-from rlstream.transport.serving import ReplicaAck, ServingControl
+from tests.support.gate_helpers import serving_fleet
 from tests.support.scripted_upstream import Reply, completion, scripted_upstream
 from tests.support.learner_helpers import read_whole_topic
 
@@ -44,12 +44,7 @@ def test_a_failing_replica_decides_nothing_and_counts_its_failed_requests_then_a
     async def scenario() -> tuple[list[PromotionDecision], list[PromotionDecision], int]:
         async with scripted_upstream(server) as upstream:
             control = ControlPlane(str(cfg.redis.url))
-            serving = ServingControl(control)
-            await serving.promote(cfg.policy, 1, token=await serving.issue_token(cfg.policy), reason="start",
-                                  decided_by="test", expected_version=-1)
-            await serving.record_replica(cfg.policy, ReplicaAck(
-                "w0", 2, f"{cfg.policy}-v2", url=upstream.url.removesuffix("/v1"),
-                loaded={1: f"{cfg.policy}-v1", 2: f"{cfg.policy}-v2"}), 120.0)
+            await serving_fleet(cfg, control, url=upstream.url.removesuffix("/v1"))
             evaluation = EvaluationSet(examples=[{"id": str(i), "prompt": f"q{i}"} for i in range(EXAMPLES)],
                                        reward_function=reward, samples=1, retries=2, retry_backoff_s=0.01)
             gate = PromotionGate(cfg, control, evaluation, codec=CODEC)

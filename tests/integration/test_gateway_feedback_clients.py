@@ -26,6 +26,7 @@ from rlstream.gateway.config import GatewaySettings
 from rlstream.rollout.publisher import TrajectoryPublisher
 from rlstream.schemas.models import RewardEvent
 from tests.support.learner_helpers import read_topic
+from tests.support.otel_feedback import otel_evaluation
 
 pytestmark = pytest.mark.integration
 
@@ -157,38 +158,21 @@ async def test_langsmith_client_feedback_with_its_config_and_update(rl_config: A
 
 async def test_otel_log_exporter_over_http_protobuf_and_json_gzip(rl_config: Any, created_topics: Any,
                                                                   tmp_path: Path) -> None:
-    from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    from opentelemetry.sdk._logs import LoggerProvider
-    from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
     from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 
     async with served_gateway(rl_config, created_topics, tmp_path) as (base, _):
         first = await call(base)
         tid, response_id = first.headers["x-rlstream-trajectory-id"], first.json()["id"]
-        results: list[bool] = []
 
-        class Recording(OTLPLogExporter):
-            def export(self, batch: Any) -> Any:
-                result = super().export(batch)
-                results.append(result.name == "SUCCESS")
-                return result
+        async def evaluate(name: str, score: dict[str, Any], compressed: bool = True) -> bool:
+            return await asyncio.to_thread(otel_evaluation, base, KEY, response_id, name, score, compressed)
 
-        def evaluate(compression: Compression, name: str, score: Any) -> None:
-            provider = LoggerProvider()
-            provider.add_log_record_processor(SimpleLogRecordProcessor(Recording(
-                endpoint=f"{base}/v1/logs", headers={"authorization": f"Bearer {KEY}"}, compression=compression)))
-            provider.get_logger("evals").emit(event_name="gen_ai.evaluation.result", attributes={
-                gen_ai.GEN_AI_RESPONSE_ID: response_id, gen_ai.GEN_AI_EVALUATION_NAME: name, **score})
-            provider.shutdown()
-
-        await asyncio.to_thread(evaluate, Compression.NoCompression, "relevance",
-                                {gen_ai.GEN_AI_EVALUATION_SCORE_VALUE: 0.5})
-        await asyncio.to_thread(evaluate, Compression.Gzip, "tone",
-                                {gen_ai.GEN_AI_EVALUATION_SCORE_LABEL: "thumbs_down"})
-        await asyncio.to_thread(evaluate, Compression.Gzip, "style", {gen_ai.GEN_AI_EVALUATION_SCORE_LABEL: "so-so"})
-        # the same evaluator again is a correction: the single left at its reward (no correction window): 409
-        await asyncio.to_thread(evaluate, Compression.Gzip, "relevance", {gen_ai.GEN_AI_EVALUATION_SCORE_VALUE: 0.9})
+        results = [await evaluate("relevance", {gen_ai.GEN_AI_EVALUATION_SCORE_VALUE: 0.5}, compressed=False),
+                   await evaluate("tone", {gen_ai.GEN_AI_EVALUATION_SCORE_LABEL: "thumbs_down"}),
+                   await evaluate("style", {gen_ai.GEN_AI_EVALUATION_SCORE_LABEL: "so-so"}),
+                   # the same evaluator again is a correction: the single left at its reward (no correction
+                   # window): 409
+                   await evaluate("relevance", {gen_ai.GEN_AI_EVALUATION_SCORE_VALUE: 0.9})]
         assert results == [True, True, False, False]  # unknown label, late correction: the exporter reports both
 
         record = {"eventName": "gen_ai.evaluation.result", "attributes": [

@@ -19,6 +19,7 @@ from rlstream.schemas.models import RewardEvent
 from tests.integration.test_gateway_shared_state import ACME, chat, fleet, port_of
 from tests.support.fleet_support import RoundRobinProxy, canned_replica
 from tests.support.learner_helpers import read_topic
+from tests.support.otel_feedback import otel_evaluation
 
 pytestmark = pytest.mark.integration
 
@@ -38,32 +39,6 @@ def langsmith_feedback(base: str, run_id: str, score: float) -> None:
     import langsmith
 
     langsmith.Client(api_url=base, api_key=ACME).create_feedback(run_id=run_id, key="correctness", score=score)
-
-
-def otel_evaluation(base: str, response_id: str, score: float) -> bool:
-    """One gen_ai evaluation event by the OTel exporter (http/protobuf, gzip): whether the export succeeded."""
-    from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    from opentelemetry.sdk._logs import LoggerProvider
-    from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
-    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
-
-    results: list[bool] = []
-
-    class Recording(OTLPLogExporter):
-        def export(self, batch: Any) -> Any:
-            result = super().export(batch)
-            results.append(result.name == "SUCCESS")
-            return result
-
-    provider = LoggerProvider()
-    provider.add_log_record_processor(SimpleLogRecordProcessor(Recording(
-        endpoint=f"{base}/v1/logs", headers={"authorization": f"Bearer {ACME}"}, compression=Compression.Gzip)))
-    provider.get_logger("evals").emit(event_name="gen_ai.evaluation.result", attributes={
-        gen_ai.GEN_AI_RESPONSE_ID: response_id, gen_ai.GEN_AI_EVALUATION_NAME: "relevance",
-        gen_ai.GEN_AI_EVALUATION_SCORE_VALUE: score})
-    provider.shutdown()
-    return results == [True]
 
 
 async def score_with_clients(base: str, calls: list[httpx.Response], values: list[float]) -> tuple[bool, bool, bool]:
@@ -88,7 +63,8 @@ async def score_with_clients(base: str, calls: list[httpx.Response], values: lis
         langsmith_ok = True
     except Exception:  # the client's error for a refused feedback (LangSmithNotFoundError and kin)
         langsmith_ok = False
-    otel_ok = await asyncio.to_thread(otel_evaluation, base, calls[2].json()["id"], values[2])
+    otel_ok = await asyncio.to_thread(otel_evaluation, base, ACME, calls[2].json()["id"], "relevance",
+                                      {"gen_ai.evaluation.score.value": values[2]})
     return not errors, langsmith_ok, otel_ok
 
 
