@@ -10,7 +10,7 @@ worker's process over the backlog): on a shared machine, where the rates move wi
 trajectory of each side and their ratio move much less.
 
     .venv/bin/python bench/streams_throughput.py --groups 400 --group-size 4 [--commit-interval 0.2]
-        [--group-commit-delay 0.05] [--latency-groups 200]
+        [--group-commit-delay 0.05] [--latency-groups 200] [--producer-linger-ms 0] [--producer-batch-bytes 16384]
 """
 from __future__ import annotations
 
@@ -200,6 +200,12 @@ def main() -> None:
     ap.add_argument("--group-commit-delay", type=float,
                     default=StreamsConfig.model_fields["group_commit_delay_s"].default,
                     help="streams.group_commit_delay_s of the worker (default: the config's; 0: periodic commits only)")
+    ap.add_argument("--producer-linger-ms", type=int,
+                    default=StreamsConfig.model_fields["producer_linger_ms"].default,
+                    help="streams.producer_linger_ms of the worker (default: the config's)")
+    ap.add_argument("--producer-batch-bytes", type=int,
+                    default=StreamsConfig.model_fields["producer_batch_bytes"].default,
+                    help="streams.producer_batch_bytes of the worker (default: the config's)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-streams-"))
     stack = LocalStack.start(tmp / "infra")
@@ -222,7 +228,9 @@ def main() -> None:
         asyncio.run(prepare_topics(cfg))
         recs = [(names.trajectories, k, v) for _, k, v in recs]
         worker = StreamsWorker(cfg, "bench", tmp, **{"streams.commit_interval_s": args.commit_interval,
-                                                     "streams.group_commit_delay_s": args.group_commit_delay}).start()
+                                                     "streams.group_commit_delay_s": args.group_commit_delay,
+                                                     "streams.producer_linger_ms": args.producer_linger_ms,
+                                                     "streams.producer_batch_bytes": args.producer_batch_bytes}).start()
         warm = events(cfg, 1, args.group_size, "warm")
         asyncio.run(publish(cfg, warm))
         asyncio.run(wait_groups(cfg, names.groups, 1))  # worker joined, recovered and running

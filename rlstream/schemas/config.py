@@ -264,6 +264,13 @@ class StreamsConfig(Section):
         "the same for a session's stitched trajectory (a session ended or went idle): its commit comes this many "
         "seconds after it is sent, so a session's trajectory is readable (read_committed) within about this plus "
         "the commit; outputs sent in the meantime share that commit. 0 = periodic commits only"))
+    producer_linger_ms: int = Field(0, ge=0, le=1000, description=(
+        "the worker's producers wait this long for more records of the same partition before sending a batch "
+        "(Kafka's linger.ms); more group records per produce request, each up to this much later. A commit "
+        "sends what waits at once"))
+    producer_batch_bytes: int = Field(16384, ge=1024, description=(
+        "the largest batch of records the worker's producers build per partition (Kafka's batch.size); a record "
+        "larger than this (a group record of long trajectories) goes in a batch of its own"))
     closed_retention_s: float = Field(3600.0, gt=0, description="how long an emitted group_id is remembered "
                                       "so that late duplicates are recognised")
     standby_replicas: int = Field(0, ge=0, description="Faust standby replicas of each table partition")

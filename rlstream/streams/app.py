@@ -122,6 +122,8 @@ def faust_settings(cfg: RlstreamConfig, worker_id: str) -> dict[str, Any]:
         broker_client_id=f"{cfg.kafka.client_id}-{SERVICE}-{worker_id}",
         consumer_auto_offset_reset="earliest",
         producer_max_request_size=cfg.kafka.max_message_bytes + 64 * 1024,
+        producer_linger_ms=s.producer_linger_ms,
+        producer_max_batch_size=s.producer_batch_bytes,
         consumer_max_fetch_size=max(1_048_576, cfg.kafka.max_message_bytes * 2),
         key_serializer="raw",
         value_serializer="raw",
