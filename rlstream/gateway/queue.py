@@ -110,13 +110,14 @@ class CaptureQueue:
         self.publisher = publisher
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue(maxsize)
         self.tenant_share = tenant_share
+        self.spool: Spool | None = None
         #: the share of the queue and of the spool each tenant has now (:meth:`share_among`)
         self.share = tenant_share
         #: the most events one tenant may have in the queue (``share`` of it)
-        self.tenant_slots = max(1, int(maxsize * tenant_share))
+        self.tenant_slots = maxsize
+        self._apply_share(tenant_share)
         self._held: dict[str, int] = {}  # per tenant: its events in the queue
         self.stats = CaptureStats()
-        self.spool: Spool | None = None
         self.spool_after_s = spool_after_s
         self.drain_batch = drain_batch
         #: True while events go to the spool (from the start when it holds events of a previous run)
@@ -143,16 +144,20 @@ class CaptureQueue:
         if not (hasattr(self.publisher, "submit_encoded") and hasattr(self.publisher, "codec")):
             raise TypeError("a spool needs a publisher with codec and submit_encoded (TrajectoryPublisher)")
         self.spool = spool
-        spool.tenant_max_bytes = max(1, int(spool.max_bytes * self.share))
+        self._apply_share(self.share)
         self.spooling = spool.pending > 0
 
     def share_among(self, tenants: int) -> None:
         """Each tenant's share of the queue and of the spool now that ``tenants`` tenants may capture: all of them
         for a single tenant (no other tenant's captures to keep room for), else ``tenant_share``."""
-        self.share = self.tenant_share if tenants > 1 else 1.0
-        self.tenant_slots = max(1, int(self.queue.maxsize * self.share))
+        self._apply_share(self.tenant_share if tenants > 1 else 1.0)
+
+    def _apply_share(self, share: float) -> None:
+        """Hold each tenant to ``share`` of the queue and of the spool (if there is one)."""
+        self.share = share
+        self.tenant_slots = max(1, int(self.queue.maxsize * share))
         if self.spool is not None:
-            self.spool.tenant_max_bytes = max(1, int(self.spool.max_bytes * self.share))
+            self.spool.tenant_max_bytes = max(1, int(self.spool.max_bytes * share))
 
     # -- the routes' side ---------------------------------------------------------------------
     def put(self, event: WireModel, tenant: str | None = None) -> bool:
