@@ -4,6 +4,8 @@
   then the whole model with ``fully_shard`` (FSDP2): each rank keeps 1/N of every parameter, of its gradient and of
   the optimizer state; a unit's parameters are gathered for its forward and backward and freed after, so only the
   final norm is left to the root unit (which stays gathered from the first forward to the end of the backward).
+  On CPU the backward gathers each unit when it is reached (no prefetch of the next one: nothing could overlap it,
+  and it would sit beside the current unit's gradient at the backward's peak).
   Gradients are *summed* over the ranks (divide factor 1), as the replicated learner's ``all_reduce`` sums them, so
   the step code (:mod:`rlstream.learner.step`) normalises the loss the same way for both. On a GPU the layers
   compute in bf16 with fp32 master weights and fp32 gradient reduction (``MixedPrecisionPolicy``); on CPU
@@ -144,6 +146,10 @@ def shard_model(model: Any, parallel: DataParallel, device: torch.device) -> Any
             if device.type == "cpu":
                 module.set_custom_all_gather(SummedAllGather())
                 module.set_custom_reduce_scatter(SummedReduceScatter())
+                # no backward prefetch: without a separate stream the next unit's gather cannot overlap this one's
+                # backward, and holding it there, beside this unit's gradient and reduce-scatter buffer, is the
+                # peak (a unit that prefetches only itself, already gathered, prefetches nothing)
+                module.set_modules_to_backward_prefetch([module])
     return model
 
 

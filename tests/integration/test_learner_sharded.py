@@ -7,6 +7,7 @@
 * A resume from a sharded (DCP) checkpoint in new processes continues exactly: the weights after two more steps are
   those of the run that never stopped; the negative control restores the weights but not the optimizer state and
   ends elsewhere.
+* On CPU the backward gathers each layer only when it reaches it (no prefetch); the control is FSDP's default.
 """
 from __future__ import annotations
 
@@ -57,3 +58,26 @@ def test_a_sharded_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     lost = torch.load(tmp_path / "weights_only.pt", weights_only=True)
     gap = max(float((lost[n] - uninterrupted[n]).abs().max()) for n in uninterrupted)
     assert gap > 1e-4, gap
+
+
+
+def _backward_gathers(events: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The events from the first backward on (the forward gathers every layer once, in order)."""
+    first = next(n for n, (kind, _) in enumerate(events) if kind == "backward")
+    return events[first:]
+
+
+def test_on_cpu_no_layer_is_gathered_before_its_backward_is_reached(tmp_path: Path) -> None:
+    """No backward prefetch on CPU (nothing could overlap it; it would add the next unit to the backward's peak):
+    a layer is gathered for its backward only once the previous layer's backward has ended. Control: FSDP's
+    default prefetch gathers it while the previous layer's backward is still running."""
+    model = str(tiny_model(tmp_path))
+    for default_prefetch in (False, True):
+        spawn(sharded_workers.gathered_during_backward, model, default_prefetch, str(tmp_path))
+    ours = _backward_gathers(torch.load(tmp_path / "gathered-False.pt", weights_only=True))
+    control = _backward_gathers(torch.load(tmp_path / "gathered-True.pt", weights_only=True))
+    layers = sorted({index for _, index in ours})
+    assert len(layers) >= 2, ours
+    for index in layers[:-1]:  # the layers reached after another one's backward
+        assert ours.index(("gather", index)) > ours.index(("done", index + 1)), ours
+        assert control.index(("gather", index)) < control.index(("done", index + 1)), control

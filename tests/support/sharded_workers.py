@@ -121,3 +121,42 @@ def resume(rank: int, port: int, model: str, lora: bool, out: str, phase: str) -
                 torch.save(weights, Path(out) / f"{run}.pt")
     finally:
         dist.destroy_process_group()
+
+
+
+def gathered_during_backward(rank: int, port: int, model: str, default_prefetch: bool, out: str) -> None:
+    """Shard a model as the learner does and run one forward and backward, logging in order each decoder layer's
+    all-gathers and the start and end of its backward (``("gather", i)``, ``("backward", i)``, ``("done", i)``).
+    ``default_prefetch`` restores FSDP's implicit backward prefetch (the control)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlstream.learner.sharded import SummedAllGather, decoder_layers, shard_model
+
+    events: list[tuple[str, int]] = []
+
+    class LoggedGather(SummedAllGather):
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            events.append(("gather", self.index))
+            return super().__call__(*args, **kwargs)
+
+    parallel = _init(rank, port)
+    try:
+        policy = load_policy(learner_config(Path(model), lora=False))
+        sharded = shard_model(policy.model, parallel, torch.device("cpu"))
+        if default_prefetch:
+            for module in sharded.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_modules_to_backward_prefetch([])  # empty: FSDP's implicit prefetch of the next unit
+        for index, layer in enumerate(decoder_layers(sharded)):
+            layer.set_custom_all_gather(LoggedGather(index))
+            layer.register_full_backward_pre_hook(lambda *_, i=index: events.append(("backward", i)))
+            layer.register_full_backward_hook(lambda *_, i=index: events.append(("done", i)))
+        ids = torch.randint(0, policy.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(rank))
+        sharded(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+        if rank == 0:
+            torch.save(events, Path(out) / f"gathered-{default_prefetch}.pt")
+    finally:
+        dist.destroy_process_group()
