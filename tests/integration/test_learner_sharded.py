@@ -60,7 +60,6 @@ def test_a_sharded_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     assert gap > 1e-4, gap
 
 
-
 def _backward_gathers(events: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """The events from the first backward on (the forward gathers every layer once, in order)."""
     first = next(n for n, (kind, _) in enumerate(events) if kind == "backward")

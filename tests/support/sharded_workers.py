@@ -123,7 +123,6 @@ def resume(rank: int, port: int, model: str, lora: bool, out: str, phase: str) -
         dist.destroy_process_group()
 
 
-
 def gathered_during_backward(rank: int, port: int, model: str, default_prefetch: bool, out: str) -> None:
     """Shard a model as the learner does and run one forward and backward, logging in order each decoder layer's
     all-gathers and the start and end of its backward (``("gather", i)``, ``("backward", i)``, ``("done", i)``).
