@@ -112,9 +112,9 @@ class CaptureQueue:
         self.tenant_share = tenant_share
         self.spool: Spool | None = None
         #: the share of the queue and of the spool each tenant has now (:meth:`share_among`)
-        self.share = tenant_share
+        self.share: float
         #: the most events one tenant may have in the queue (``share`` of it)
-        self.tenant_slots = maxsize
+        self.tenant_slots: int
         self._apply_share(tenant_share)
         self._held: dict[str, int] = {}  # per tenant: its events in the queue
         self.stats = CaptureStats()
