@@ -6,8 +6,9 @@ Assembly is timed two ways: while the events are being published (publish -> eve
 publisher's CPU competes with the worker and the broker on a small machine), and on a backlog, like the raw rate:
 the worker stopped, the events published, the worker started again, timed from its first group of the backlog to
 its last (the ratio against the raw rate uses this one). CPU time is measured too (the raw consumer's process, the
-worker's process over the backlog): on a shared machine, where the rates move with the other load, the CPU per
-trajectory of each side and their ratio move much less.
+worker's process over the backlog, and the local broker's process in both): on a shared machine, where the rates move
+with the other load, the CPU per trajectory of each side and their ratio move much less, and on a small machine the
+broker's share of the cores bounds both rates.
 
     .venv/bin/python bench/streams_throughput.py --groups 400 --group-size 4 [--commit-interval 0.2]
         [--group-commit-delay 0.05] [--latency-groups 200] [--producer-linger-ms 0] [--producer-batch-bytes 16384]
@@ -63,18 +64,21 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
-async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int) -> tuple[float, float]:
-    """Trajectories per second of a plain consumer reading ``n`` records from the start of ``topic``, and the CPU
-    seconds per trajectory its process used."""
+async def raw_consume_rate(cfg: RlstreamConfig, topic: str, n: int,
+                           broker_pid: int | None = None) -> tuple[float, float, float | None]:
+    """Trajectories per second of a plain consumer reading ``n`` records from the start of ``topic``, the CPU
+    seconds per trajectory its process used, and those the broker (``broker_pid``, when it is a local process) used."""
     consumer = make_consumer(cfg.kafka, group_id=None)
     await consumer.start()
     try:
         await read_from_beginning(consumer, topic)
         seen, start, cpu_start = 0, time.perf_counter(), cpu_seconds(os.getpid())
+        broker_start = cpu_seconds(broker_pid) if broker_pid else 0.0
         while seen < n:
             batch = await consumer.getmany(timeout_ms=500)
             seen += sum(len(r) for r in batch.values())
-        return n / (time.perf_counter() - start), (cpu_seconds(os.getpid()) - cpu_start) / n
+        broker = (cpu_seconds(broker_pid) - broker_start) / n if broker_pid else None
+        return n / (time.perf_counter() - start), (cpu_seconds(os.getpid()) - cpu_start) / n, broker
     finally:
         await consumer.stop()
 
@@ -131,22 +135,25 @@ async def group_latencies(cfg: RlstreamConfig, topic: str, produced_at: dict[str
         await consumer.stop()
 
 
-async def backlog_span(cfg: RlstreamConfig, topic: str, n: int, start_worker: Callable[[], int]) -> tuple[float, float]:
+async def backlog_span(cfg: RlstreamConfig, topic: str, n: int, start_worker: Callable[[], int],
+                       broker_pid: int | None = None) -> tuple[float, float, float | None]:
     """Seconds from the first to the last of the ``n`` groups a worker started by ``start_worker`` (which returns its
-    PID) makes readable (read_committed), and the CPU seconds the worker used in that time; the reader is positioned at
-    the topic's end before the worker starts."""
+    PID) makes readable (read_committed), and the CPU seconds the worker and the broker (``broker_pid``, when it is a
+    local process) used in that time; the reader is positioned at the topic's end before the worker starts."""
     consumer = await from_the_end(cfg, topic)
     try:
         pid = start_worker()
-        seen, first, cpu_first = 0, None, 0.0
+        seen, first, cpu_first, broker_first = 0, None, 0.0, 0.0
         while seen < n:
             batch = await consumer.getmany(timeout_ms=100)
             now = time.perf_counter()
             seen += sum(len(r) for r in batch.values())
             if first is None and seen:
                 first, cpu_first = now, cpu_seconds(pid)
+                broker_first = cpu_seconds(broker_pid) if broker_pid else 0.0
         assert first is not None
-        return time.perf_counter() - first, cpu_seconds(pid) - cpu_first
+        broker = cpu_seconds(broker_pid) - broker_first if broker_pid else None
+        return time.perf_counter() - first, cpu_seconds(pid) - cpu_first, broker
     finally:
         await consumer.stop()
 
@@ -221,7 +228,8 @@ def main() -> None:
         n = len(recs)
         size = sum(len(v) for *_, v in recs) / n
         asyncio.run(publish(cfg, recs))
-        raw, raw_cpu = asyncio.run(raw_consume_rate(cfg, names.trajectories, n))
+        broker_pid = None if stack.kafka.external else stack.kafka.pid
+        raw, raw_cpu, raw_broker_cpu = asyncio.run(raw_consume_rate(cfg, names.trajectories, n, broker_pid))
         # the assembler will read these from a fresh topic prefix: publish them there after the warm-up
         cfg = cfg.model_copy(update={"topics": cfg.topics.model_copy(update={"prefix": "bench2."})})
         names = TopicNames.from_config(cfg.topics)
@@ -274,7 +282,8 @@ def main() -> None:
             assert proc is not None
             return proc.pid
 
-        span, worker_cpu = asyncio.run(backlog_span(cfg, names.groups, args.groups, start_worker))
+        span, worker_cpu, broker_cpu = asyncio.run(backlog_span(cfg, names.groups, args.groups, start_worker,
+                                                                broker_pid))
         assembled = (args.groups - 1) * args.group_size  # the first group's members came before the clock
         backlog_rate = assembled / span
         print(f"faust assembly       : {backlog_rate:10.1f} trajectories/s of a backlog (first -> last group "
@@ -282,6 +291,10 @@ def main() -> None:
         print(f"CPU per trajectory   : raw consumer {raw_cpu * 1000:.2f} ms, worker over the backlog "
               f"{worker_cpu / assembled * 1000:.2f} ms (user + system, all threads; "
               f"raw/worker {raw_cpu * assembled / worker_cpu:.3f})")
+        if raw_broker_cpu is not None and broker_cpu is not None:
+            print(f"broker CPU per traj. : serving the raw consumer {raw_broker_cpu * 1000:.2f} ms, during the assembly "
+                  f"of the backlog {broker_cpu / assembled * 1000:.2f} ms (its fetches, the groups and changelogs "
+                  f"produced, the transactions, this benchmark's reader of the groups)")
         print(f"ratio raw/faust      : {raw / backlog_rate:10.1f}x (assembly/raw {backlog_rate / raw:.3f}; goal >= 0.25)")
     finally:
         if worker:
