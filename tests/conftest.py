@@ -43,6 +43,7 @@ XDIST_GROUP_OF_MODULE = {
     "test_vllm_fleet_switch": "vllm", "test_vllm_temperature": "vllm", "test_vllm_seeded_prefill": "vllm",
     "test_up_models_vllm": "vllm",
     "test_vllm_engine_restart": "vllm",  # a vLLM server of its own (it is killed), never beside the shared one's tests
+    "test_vllm_api_key": "vllm-key",  # its module's keyed server, started once on one worker instead of on each
     "test_wheel_install": "up", "test_up_production": "up",
     "test_streams_recovery": "streams-chaos",
     "test_streams_shutdown": "streams-chaos",
