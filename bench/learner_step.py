@@ -21,7 +21,8 @@ model existed. ``state_mb``: parameters, gradients and optimizer state held by t
 per GPU (sharded: bf16 compute on fp32 master weights; replicated: bf16 weights, as the learner loads them).
 ``--model-config wide-120m --prompt-len 16 --completion-len 16``: the training state is nearly all of a rank's
 memory (full fine-tuning of a large model), where sharding's saving shows undiluted by activations, which it does
-not shard.
+not shard. ``--gradient-checkpointing`` (both modes, as ``learner.gradient_checkpointing``) with sequences of
+hundreds of tokens: compute, not the collectives, is most of a step, and activations stay small.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import argparse
 import copy
 import json
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -207,6 +209,9 @@ def _parallel_rank(rank: int, world: int, port: int, mode: str, args: argparse.N
             torch.manual_seed(0)
             model = get_peft_model(model, PeftLoraConfig(r=8, lora_alpha=16,
                                                          target_modules=list(cfg.lora.target_modules)))
+        if args.gradient_checkpointing:  # as the learner turns it on (learner.gradient_checkpointing), both modes
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
         model.train()
         parallel = DataParallel(rank=rank, world_size=world, device=device if device.type == "cuda" else
                                 torch.device("cpu"), sharded=sharded)
@@ -251,6 +256,7 @@ def fsdp_main(args: argparse.Namespace) -> None:
         mp.spawn(_parallel_rank, args=(args.ranks, free_port(), mode, args, str(workdir), str(workdir)),
                  nprocs=args.ranks, join=True)
         per_mode[mode] = [torch.load(workdir / f"{mode}-{r}.pt", weights_only=True) for r in range(args.ranks)]
+    shutil.rmtree(workdir, ignore_errors=True)  # the model's shards and the ranks' figures, read by now
     rep, fsdp = per_mode["replicate"], per_mode["fsdp"]
     print(f"{args.model_config} ({rep[0]['params']:.0f} params), {args.ranks} ranks, {args.device}, "
           f"{'LoRA' if args.lora else 'full fine-tuning'}, {args.batch} sequences of {args.prompt_len}+"
@@ -270,7 +276,7 @@ def fsdp_main(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {
         "model": args.model_config, "device": args.device, "ranks": args.ranks, "lora": args.lora,
         "params": rep[0]["params"], "batch": args.batch, "prompt_len": args.prompt_len,
-        "completion_len": args.completion_len,
+        "completion_len": args.completion_len, "gradient_checkpointing": args.gradient_checkpointing,
         "replicated_peak_mb": max(f["peak_mb"] for f in rep), "sharded_peak_mb": max(f["peak_mb"] for f in fsdp),
         "replicated_state_mb": max(f["state_mb"] for f in rep), "sharded_state_mb": max(f["state_mb"] for f in fsdp),
         "replicated_step_s": rep_s, "sharded_step_s": fsdp_s}
@@ -303,6 +309,9 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="sharded (FSDP2) against replicated data parallel")
     ap.add_argument("--ranks", type=int, default=2, help="--fsdp: processes (one GPU each on CUDA)")
     ap.add_argument("--micro-batch", type=int, default=2, help="--fsdp: rows per micro-batch (split over ranks)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="--fsdp: recompute activations in the backward pass (learner.gradient_checkpointing), "
+                         "both modes")
     args = ap.parse_args()
     if args.fsdp:
         fsdp_main(args)

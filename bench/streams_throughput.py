@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -292,14 +293,15 @@ def main() -> None:
               f"{worker_cpu / assembled * 1000:.2f} ms (user + system, all threads; "
               f"raw/worker {raw_cpu * assembled / worker_cpu:.3f})")
         if raw_broker_cpu is not None and broker_cpu is not None:
-            print(f"broker CPU per traj. : serving the raw consumer {raw_broker_cpu * 1000:.2f} ms, during the assembly "
-                  f"of the backlog {broker_cpu / assembled * 1000:.2f} ms (its fetches, the groups and changelogs "
-                  f"produced, the transactions, this benchmark's reader of the groups)")
+            print(f"broker CPU per traj. : serving the raw consumer {raw_broker_cpu * 1000:.2f} ms, during the "
+                  f"assembly of the backlog {broker_cpu / assembled * 1000:.2f} ms (its fetches, the groups and "
+                  "changelogs produced, the transactions, this benchmark's reader of the groups)")
         print(f"ratio raw/faust      : {raw / backlog_rate:10.1f}x (assembly/raw {backlog_rate / raw:.3f}; goal >= 0.25)")
     finally:
         if worker:
             worker.stop()
         stack.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the broker's log: gigabytes with --groups in the thousands
 
 
 if __name__ == "__main__":
