@@ -291,7 +291,7 @@ def main() -> None:
               f"readable, {span:.1f}s)")
         print(f"CPU per trajectory   : raw consumer {raw_cpu * 1000:.2f} ms, worker over the backlog "
               f"{worker_cpu / assembled * 1000:.2f} ms (user + system, all threads; "
-              f"raw/worker {raw_cpu * assembled / worker_cpu:.3f})")
+              f"raw/worker {raw_cpu * assembled / worker_cpu if worker_cpu else float('nan'):.3f})")
         if raw_broker_cpu is not None and broker_cpu is not None:
             print(f"broker CPU per traj. : serving the raw consumer {raw_broker_cpu * 1000:.2f} ms, during the "
                   f"assembly of the backlog {broker_cpu / assembled * 1000:.2f} ms (its fetches, the groups and "
