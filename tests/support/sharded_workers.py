@@ -129,11 +129,11 @@ def gathered_during_backward(rank: int, port: int, model: str, default_prefetch:
     ``default_prefetch`` restores FSDP's implicit backward prefetch (the control)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from rlstream.learner.sharded import SummedAllGather, decoder_layers, shard_model
+    from rlstream.learner.sharded import RingAllGather, decoder_layers, shard_model
 
     events: list[tuple[str, int]] = []
 
-    class LoggedGather(SummedAllGather):
+    class LoggedGather(RingAllGather):
         def __init__(self, index: int) -> None:
             self.index = index
 
@@ -157,5 +157,34 @@ def gathered_during_backward(rank: int, port: int, model: str, default_prefetch:
         sharded(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
         if rank == 0:
             torch.save(events, Path(out) / f"gathered-{default_prefetch}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def ring_collectives(rank: int, port: int, world: int, chunk: int, out: str) -> None:
+    """Run the CPU ring all-gather and reduce-scatter of the sharded learner on random per-rank inputs (odd sizes,
+    messages of ``chunk`` elements) beside gloo's own ``all_gather`` and ``all_reduce`` of the same inputs; each rank
+    saves both results."""
+    from rlstream.learner import sharded
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        sharded.RING_CHUNK = chunk
+        group, shard = dist.group.WORLD, 1001
+        mine = torch.randn(shard, generator=torch.Generator().manual_seed(rank))
+        gathered = torch.empty(world * shard)
+        sharded.RingAllGather()(gathered, mine, group)
+        want_gathered = [torch.empty(shard) for _ in range(world)]
+        dist.all_gather(want_gathered, mine)
+
+        gradients = torch.randn(world * shard, generator=torch.Generator().manual_seed(100 + rank))
+        want_summed = gradients.clone()
+        dist.all_reduce(want_summed)
+        reduced = torch.empty(shard)
+        sharded.RingReduceScatter()(reduced, gradients, group, dist.ReduceOp.SUM)
+        torch.save({"gathered": gathered, "want_gathered": torch.cat(want_gathered), "reduced": reduced,
+                    "want_reduced": want_summed.view(world, -1)[rank].clone()}, Path(out) / f"ring-{rank}.pt")
     finally:
         dist.destroy_process_group()
