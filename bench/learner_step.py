@@ -247,10 +247,14 @@ def fsdp_main(args: argparse.Namespace) -> None:
     from rlstream.ops.ports import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="rlstream-bench-"))
-    if args.model_config == "tiny":
+    if args.model_config == "tiny" or args.model_config in MODEL_CONFIGS:  # their tokenizer is the tiny model's
         from rlstream.ops.toy import build_tiny_model
 
-        build_tiny_model(workdir / "tiny")  # once, before the ranks read it
+        build_tiny_model(workdir / "tiny")  # once, before the ranks read it (two ranks writing it race)
+    elif args.model_config == "smollm2":
+        from rlstream.ops.toy import smollm2_model_dir
+
+        smollm2_model_dir(workdir / "smollm2")
     per_mode: dict[str, list[dict[str, float]]] = {}
     for mode in ("replicate", "fsdp"):
         mp.spawn(_parallel_rank, args=(args.ranks, free_port(), mode, args, str(workdir), str(workdir)),

@@ -5,7 +5,9 @@
   the optimizer state; a unit's parameters are gathered for its forward and backward and freed after, so only the
   final norm is left to the root unit (which stays gathered from the first forward to the end of the backward).
   On CPU the backward gathers each unit when it is reached (no prefetch of the next one: nothing could overlap it,
-  and it would sit beside the current unit's gradient at the backward's peak).
+  and it would sit beside the current unit's gradient at the backward's peak), and a decoder layer's attention and
+  MLP are units of their own (the largest unit, gathered with its gradient and reduce-scatter buffer beside it, is
+  the backward's peak above the sharded state; on a GPU the whole layer is one unit, whose gather overlaps compute).
   Gradients are *summed* over the ranks (divide factor 1), as the replicated learner's ``all_reduce`` sums them, so
   the step code (:mod:`rlstream.learner.step`) normalises the loss the same way for both. On a GPU the layers
   compute in bf16 with fp32 master weights and fp32 gradient reduction (``MixedPrecisionPolicy``); on CPU
@@ -157,6 +159,14 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
+def layer_blocks(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's attention and MLP blocks (``self_attn`` and ``mlp``, as transformers' decoder layers name
+    them), each to be its own FSDP unit on CPU; the layer's own unit keeps the rest (its norms). Empty when the layer
+    has neither."""
+    blocks = (getattr(layer, "self_attn", None), getattr(layer, "mlp", None))
+    return [block for block in blocks if isinstance(block, torch.nn.Module)]
+
+
 def embedding_units(model: Any) -> list[torch.nn.Module]:
     """The input embeddings and the LM head of a transformers causal LM, each to be its own FSDP unit; empty when
     they are tied (one weight used at both ends stays with the root unit) or the model lacks either."""
@@ -171,15 +181,18 @@ def embedding_units(model: Any) -> list[torch.nn.Module]:
 
 
 def shard_model(model: Any, parallel: DataParallel, device: torch.device) -> Any:
-    """Shard ``model`` over the ranks of ``parallel`` in place (each decoder layer, the untied embeddings and LM
-    head, then the root), its shards moved to ``device``; gradients are summed over the ranks. Returns the model
-    (now an ``FSDPModule``)."""
+    """Shard ``model`` over the ranks of ``parallel`` in place (each decoder layer, on CPU its attention and MLP
+    blocks first, the untied embeddings and LM head, then the root), its shards moved to ``device``; gradients are
+    summed over the ranks. Returns the model (now an ``FSDPModule``)."""
     mesh = init_device_mesh(device.type, (parallel.world_size,))
     options: dict[str, Any] = {"mesh": mesh}
     policy = mixed_precision(device)
     if policy is not None:
         options["mp_policy"] = policy
     for layer in decoder_layers(model):
+        if device.type == "cpu":  # a smaller unit is a smaller gathered copy, gradient and buffer at the peak
+            for block in layer_blocks(layer):
+                fully_shard(block, **options)
         fully_shard(layer, **options)
     # not left to the root, which would hold them gathered through the whole forward and backward
     for unit in embedding_units(model):

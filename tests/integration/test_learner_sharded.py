@@ -92,3 +92,14 @@ def test_the_cpu_ring_collectives_equal_gloos_all_gather_and_all_reduce(tmp_path
         assert torch.equal(result["gathered"], result["want_gathered"]), rank
         torch.testing.assert_close(result["reduced"], result["want_reduced"], rtol=1e-6, atol=1e-6)
         assert result["reduced"].abs().sum() > 0
+
+
+def test_on_cpu_each_layers_attention_and_mlp_are_units_of_their_own(tmp_path: Path) -> None:
+    """On CPU a decoder layer is three FSDP units (attention, MLP, and the layer with its norms), so a gather brings
+    in at most one block: the backward's peak above the sharded state is one block's copy, gradient and buffer."""
+    spawn(sharded_workers.unit_names, str(tiny_model(tmp_path)), str(tmp_path))
+    units = torch.load(tmp_path / "units.pt", weights_only=True)
+    layers = {name for name in units if name.count(".") == 2 and name.startswith("model.layers.")}
+    assert layers, units
+    for layer in layers:
+        assert {f"{layer}.self_attn", f"{layer}.mlp"} <= set(units), units

@@ -188,3 +188,20 @@ def ring_collectives(rank: int, port: int, world: int, chunk: int, out: str) -> 
                     "want_reduced": want_summed.view(world, -1)[rank].clone()}, Path(out) / f"ring-{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def unit_names(rank: int, port: int, model: str, out: str) -> None:
+    """Shard a model as the learner does on CPU; rank 0 saves the names of the FSDP units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlstream.learner.sharded import shard_model
+
+    parallel = _init(rank, port)
+    try:
+        policy = load_policy(learner_config(Path(model), lora=False))
+        sharded = shard_model(policy.model, parallel, torch.device("cpu"))
+        units = sorted(name for name, module in sharded.named_modules() if isinstance(module, FSDPModule))
+        if rank == 0:
+            torch.save(units, Path(out) / "units.pt")
+    finally:
+        dist.destroy_process_group()
