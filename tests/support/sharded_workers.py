@@ -36,11 +36,11 @@ def samples(step: int) -> list[Any]:
     return random_samples(groups=2, per_group=4, seed=100 + step)
 
 
-def _init(rank: int, port: int) -> DataParallel:
+def _init(rank: int, port: int, world: int = WORLD) -> DataParallel:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    return DataParallel(rank=rank, world_size=WORLD, sharded=True)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return DataParallel(rank=rank, world_size=world, sharded=True)
 
 
 def _trainable_full(model: Any) -> dict[str, torch.Tensor]:
@@ -167,9 +167,7 @@ def ring_collectives(rank: int, port: int, world: int, chunk: int, out: str) -> 
     saves both results."""
     from rlstream.learner import sharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, port, world)
     try:
         sharded.RING_CHUNK = chunk
         group, shard = dist.group.WORLD, 1001
